@@ -1,0 +1,163 @@
+"""Whole networks, built from the blocks in layers.py, and ``build_network``.
+
+Add a network: write an ``nn.Module`` here and register its builder with
+``@register("name")``; ``--network name`` then trains it.
+"""
+
+import torch.nn as nn
+
+from layers import BasicBlock, ConvBlock, checkpoint_forward
+
+NETWORKS = {}
+
+
+def register(name):
+    """Decorator adding a builder ``fn(num_classes, in_channels, image_size)`` to NETWORKS."""
+    def add(fn):
+        NETWORKS[name] = fn
+        return fn
+    return add
+
+
+class SimpleCNN(nn.Module):
+    """The pytorch-styleguide's CIFAR-10 example network: three strided ConvBlocks, a Linear.
+
+    Its ``features`` and ``fc`` submodules carry the example's names, so freeze patterns
+    such as ``features.*`` read the same.
+    """
+
+    def __init__(self, num_classes=10, in_channels=3, image_size=32):
+        super().__init__()
+        self.features = nn.Sequential(
+            ConvBlock(in_channels, 32, 3, stride=2),  # 32 x H/2 x W/2
+            ConvBlock(32, 64, 3, stride=2),           # 64 x H/4 x W/4
+            ConvBlock(64, 128, 3, stride=2),          # 128 x H/8 x W/8
+        )
+        side = image_size
+        for _ in range(3):
+            side = (side + 1) // 2  # a stride-2 3x3 conv with padding 1 gives ceil(side / 2)
+        self.fc = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(128 * side * side, num_classes),
+        )
+        self.grad_checkpointing = False
+
+    def set_grad_checkpointing(self, enable=True):
+        self.grad_checkpointing = enable
+
+    def forward(self, x):
+        for block in self.features:
+            x = checkpoint_forward(block, x) if self._checkpointing() else block(x)
+        return self.fc(x)
+
+    def _checkpointing(self):
+        return self.grad_checkpointing and self.training
+
+
+class ResNet18(nn.Module):
+    """ResNet-18 for 32x32 images (He et al., 2016, CIFAR variant).
+
+    A 3x3 stride-1 stem and no max-pool keep the resolution that small images need; four
+    stages of two BasicBlocks (64, 128, 256, 512 channels), global average pool, Linear.
+    """
+
+    def __init__(self, num_classes=10, in_channels=3, image_size=32):
+        super().__init__()
+        self.stem = ConvBlock(in_channels, 64, 3, stride=1)
+        blocks, channels = [], 64
+        for width, stride in [(64, 1), (128, 2), (256, 2), (512, 2)]:
+            blocks += [BasicBlock(channels, width, stride), BasicBlock(width, width, 1)]
+            channels = width
+        self.blocks = nn.Sequential(*blocks)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(512, num_classes)
+        self.grad_checkpointing = False
+
+    def set_grad_checkpointing(self, enable=True):
+        self.grad_checkpointing = enable
+
+    def forward(self, x):
+        x = self.stem(x)  # (N, 64, H, W)
+        for block in self.blocks:
+            x = checkpoint_forward(block, x) if self._checkpointing() else block(x)
+        x = self.pool(x).flatten(1)  # (N, 512)
+        return self.fc(x)
+
+    def _checkpointing(self):
+        return self.grad_checkpointing and self.training
+
+
+class MLP(nn.Module):
+    """Flatten, Linear, ReLU, Linear: no BatchNorm, no dropout, so every sample is independent."""
+
+    def __init__(self, num_classes=10, in_channels=3, image_size=32, hidden=512):
+        super().__init__()
+        self.flatten = nn.Flatten()
+        self.hidden = nn.Sequential(nn.Linear(in_channels * image_size * image_size, hidden),
+                                    nn.ReLU())
+        self.fc = nn.Linear(hidden, num_classes)
+        self.grad_checkpointing = False
+
+    def set_grad_checkpointing(self, enable=True):
+        self.grad_checkpointing = enable
+
+    def forward(self, x):
+        x = self.flatten(x)  # (N, C*H*W)
+        use_ckpt = self.grad_checkpointing and self.training
+        x = checkpoint_forward(self.hidden, x) if use_ckpt else self.hidden(x)  # (N, hidden)
+        return self.fc(x)
+
+
+@register("simple_cnn")
+def simple_cnn(num_classes, in_channels, image_size):
+    return SimpleCNN(num_classes, in_channels, image_size)
+
+
+@register("resnet18")
+def resnet18(num_classes, in_channels, image_size):
+    return ResNet18(num_classes, in_channels, image_size)
+
+
+@register("mlp")
+def mlp(num_classes, in_channels, image_size):
+    return MLP(num_classes, in_channels, image_size)
+
+
+def _torchvision_network(name, num_classes, in_channels):
+    import torchvision
+
+    available = torchvision.models.list_models(module=torchvision.models)
+    if name not in available:
+        raise ValueError(f"unknown torchvision classifier {name!r}; "
+                         f"choose one of: {', '.join(available)}")
+    if in_channels != 3:
+        raise ValueError(f"torchvision/{name} takes 3-channel images, the dataset has "
+                         f"{in_channels}; use a 3-channel dataset or one of "
+                         f"{', '.join(sorted(NETWORKS))}")
+    # weights=None: never download implicitly; --pretrained loads a local file instead.
+    return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+
+
+def build_network(name, num_classes=10, in_channels=3, image_size=32):
+    """Builds a network by registry name.
+
+    Args:
+        name: a key of NETWORKS (``simple_cnn``, ``resnet18``, ``mlp``, ...) or
+            ``torchvision/<name>`` for any torchvision classifier (random weights).
+        num_classes: outputs of the classifier.
+        in_channels: channels of the input images.
+        image_size: side of the (square) input images; networks with a flattening
+            layer need it.
+
+    Returns:
+        The nn.Module, on the CPU, in training mode.
+
+    Raises:
+        ValueError: the name is unknown (the message lists the known names).
+    """
+    if name.startswith("torchvision/"):
+        return _torchvision_network(name.split("/", 1)[1], num_classes, in_channels)
+    if name not in NETWORKS:
+        raise ValueError(f"unknown network {name!r}; choose one of: "
+                         f"{', '.join(sorted(NETWORKS))}, or torchvision/<name>")
+    return NETWORKS[name](num_classes, in_channels, image_size)

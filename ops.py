@@ -1,0 +1,135 @@
+"""Small functions on tensors and modules: freezing, parameter counts, the LR schedule.
+
+Also ``UserError``, the exception for mistakes a user can fix (a typo, a missing
+directory); train.py and test.py print its message as one line and exit with code 2.
+"""
+
+import fnmatch
+import math
+
+import torch.nn as nn
+
+
+class UserError(Exception):
+    """A mistake in the user's input, reported as one line without a traceback."""
+
+
+def _matching(names, patterns):
+    return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+
+
+def freeze(module, patterns):
+    """Freezes the parameters whose names match any of the fnmatch patterns.
+
+    Frozen parameters get ``requires_grad=False``. Call ``keep_frozen_norms_eval`` after
+    every ``module.train()`` so that fully frozen BatchNorm layers keep their running
+    statistics.
+
+    Args:
+        module: the network.
+        patterns: fnmatch patterns over ``named_parameters()`` names, e.g. ``features.*``.
+
+    Returns:
+        The names of the parameters that were frozen, in order.
+
+    Raises:
+        UserError: a pattern matches no parameter; the message lists the top-level modules.
+    """
+    names = [n for n, _ in module.named_parameters()]
+    for pattern in patterns:
+        if not _matching(names, [pattern]):
+            top = sorted({n.split(".")[0] for n in names})
+            raise UserError(f"freeze pattern {pattern!r} matches no parameter; the network's "
+                            f"top-level modules are: {', '.join(top)} (try e.g. '{top[0]}.*')")
+    frozen = _matching(names, patterns)
+    params = dict(module.named_parameters())
+    for name in frozen:
+        params[name].requires_grad_(False)
+    return frozen
+
+
+def unfreeze(module, patterns=("*",)):
+    """Makes the frozen parameters that match ``patterns`` trainable again.
+
+    Args:
+        module: the network.
+        patterns: fnmatch patterns; the default unfreezes everything.
+
+    Returns:
+        The names of the parameters that were unfrozen (those frozen before the call).
+    """
+    changed = []
+    for name, p in module.named_parameters():
+        if not p.requires_grad and _matching([name], patterns):
+            p.requires_grad_(True)
+            changed.append(name)
+    return changed
+
+
+def keep_frozen_norms_eval(module):
+    """Puts every normalisation layer whose parameters are all frozen into eval mode.
+
+    A frozen BatchNorm must not move its running statistics; ``model.train()`` would
+    switch it back to batch statistics, so call this after every ``train()``.
+
+    Args:
+        module: the network, usually just switched to training mode.
+
+    Returns:
+        The number of layers put into eval mode.
+    """
+    count = 0
+    for m in module.modules():
+        if isinstance(m, nn.modules.batchnorm._NormBase):
+            params = list(m.parameters(recurse=False))
+            if params and not any(p.requires_grad for p in params):
+                m.eval()
+                count += 1
+    return count
+
+
+def count_parameters(module):
+    """Counts trainable and frozen parameters.
+
+    Args:
+        module: any nn.Module.
+
+    Returns:
+        ``(trainable, frozen)`` numbers of scalar parameters.
+    """
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
+    return trainable, frozen
+
+
+def lr_factor(step, total_steps, schedule="cosine", warmup_steps=0):
+    """The learning rate at an optimizer step, as a fraction of the base rate.
+
+    A pure function of the step, so a resumed run continues the same curve exactly.
+
+    Args:
+        step: optimizer steps taken so far (0 before the first).
+        total_steps: optimizer steps of the whole run.
+        schedule: ``none`` (constant), ``step`` (x0.1 at 50% and again at 75% of the
+            run), ``cosine`` (cosine from 1 to 0), ``onecycle`` (linear up over the
+            warmup, 30% of the run if no warmup is given, then linear down to 0).
+        warmup_steps: steps of linear warmup from 0 to 1 (all schedules).
+
+    Returns:
+        A float in [0, 1].
+    """
+    total_steps = max(total_steps, 1)
+    if schedule == "onecycle" and warmup_steps == 0:
+        warmup_steps = int(0.3 * total_steps)
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min((step - warmup_steps) / max(total_steps - warmup_steps, 1), 1.0)
+    if schedule == "none":
+        return 1.0
+    if schedule == "step":
+        return 0.1 ** ((progress >= 0.5) + (progress >= 0.75))
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule == "onecycle":
+        return 1.0 - progress
+    raise ValueError(f"unknown schedule {schedule!r}")
