@@ -1,0 +1,323 @@
+"""Datasets, transforms, the deterministic sampler and the loaders.
+
+Determinism promise (DESIGN.md): the order of samples in an epoch depends only on the
+seed and the epoch, and a sample's random augmentation only on (seed, epoch, index).
+``EpochBatchSampler`` yields keys ``(index, epoch)``; ``SeededDataset`` seeds the
+transform of each sample from its key. So results do not depend on the batch size, the
+number of DataLoader workers, the number of processes, or where a run was resumed.
+"""
+
+import os
+import signal
+import socket
+
+import torch
+import torch.utils.data
+from torchvision import datasets as tv_datasets
+from torchvision.transforms import v2
+
+from ops import UserError
+
+# Per-channel mean and std of the training split, for normalisation.
+STATS = {
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+    "mnist": ((0.1307,), (0.3081,)),
+    "fashion_mnist": ((0.2860,), (0.3530,)),
+    "imagefolder": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),  # ImageNet's
+}
+TORCHVISION_SETS = {"cifar10": tv_datasets.CIFAR10, "cifar100": tv_datasets.CIFAR100,
+                    "mnist": tv_datasets.MNIST, "fashion_mnist": tv_datasets.FashionMNIST}
+DATASETS = sorted(TORCHVISION_SETS) + ["imagefolder", "synthetic"]
+
+
+def sample_seed(seed, epoch, index):
+    """The seed of one sample's augmentation: a function of (seed, epoch, index) only."""
+    return ((seed * 1_000_003 + epoch) * 1_000_000_007 + index) % (2**63 - 1)
+
+
+class SeededDataset(torch.utils.data.Dataset):
+    """A dataset whose random transform is seeded per sample from (seed, epoch, index).
+
+    Indexed by a key ``(index, epoch)`` (or a plain index, meaning epoch 0). The global
+    torch RNG is forked around the transform, so augmentation never disturbs the
+    randomness of the model (dropout) in the main process.
+
+    Args:
+        base: a map-style dataset returning ``(image, label)``.
+        transform: applied to the image.
+        seed: the run's seed.
+        random: whether ``transform`` is random (training augmentation).
+        classes: class names, in label order.
+        in_channels: channels of the transformed images.
+        image_size: side of the transformed (square) images.
+    """
+
+    def __init__(self, base, transform, seed, random, classes, in_channels, image_size):
+        self.base = base
+        self.transform = transform
+        self.seed = seed
+        self.random = random
+        self.classes = list(classes)
+        self.num_classes = len(self.classes)
+        self.in_channels = in_channels
+        self.image_size = image_size
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, key):
+        index, epoch = key if isinstance(key, tuple) else (key, 0)
+        image, label = self.base[index]
+        if not self.random:
+            return self.transform(image), label
+        # Seed torch's CPU generator for this sample and restore it afterwards
+        # (torch.random.fork_rng does the same but costs 50x more per sample).
+        generator = torch.default_generator
+        state = generator.get_state()
+        generator.manual_seed(sample_seed(self.seed, epoch, index))
+        try:
+            return self.transform(image), label
+        finally:
+            generator.set_state(state)
+
+
+class SyntheticImages(torch.utils.data.Dataset):
+    """Learnable images made in memory: a smooth random template per class plus noise.
+
+    Templates are 4x4 random patterns upsampled to the image size, so they survive the
+    default crop-and-flip augmentation and a small CNN learns to tell them apart.
+
+    Args:
+        size: number of samples.
+        num_classes: number of classes (labels are balanced).
+        in_channels: channels of the images.
+        image_size: side of the square images.
+        seed: seeds templates, labels and noise (the same seed gives the same set).
+        split: ``"train"`` or ``"val"``; the two share templates, not samples.
+        noise: standard deviation of the per-pixel noise.
+    """
+
+    def __init__(self, size, num_classes, in_channels, image_size, seed, split, noise=0.6):
+        g = torch.Generator().manual_seed(seed)
+        coarse = torch.randn(num_classes, in_channels, 4, 4, generator=g)
+        templates = torch.nn.functional.interpolate(coarse, size=(image_size, image_size),
+                                                    mode="bilinear", align_corners=False)
+        templates = templates / templates.std(dim=(1, 2, 3), keepdim=True)
+        g.manual_seed(seed * 2 + (split == "val"))  # splits share templates, not samples
+        self.labels = torch.arange(size) % num_classes
+        self.labels = self.labels[torch.randperm(size, generator=g)]
+        noise = noise * torch.randn(size, in_channels, image_size, image_size, generator=g)
+        self.images = templates[self.labels] + noise  # (size, C, H, W), about N(0, 1)
+        self.classes = [f"class{i}" for i in range(num_classes)]
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return self.images[index], int(self.labels[index])
+
+
+def _transforms(name, image_size, augment, from_pil=True):
+    """The train (maybe augmented) and eval transforms of a dataset."""
+    front = [v2.ToImage(), v2.ToDtype(torch.float32, scale=True)] if from_pil else []
+    if name in ("imagefolder",):
+        front = [v2.ToImage(), v2.Resize((image_size, image_size), antialias=True),
+                 v2.ToDtype(torch.float32, scale=True)]
+    back = [v2.Normalize(*STATS[name])] if name in STATS else []
+    aug = []
+    if augment:
+        aug = [v2.RandomCrop(image_size, padding=max(image_size // 8, 1))]
+        if name not in ("mnist", "fashion_mnist"):  # flipped digits are other digits
+            aug.append(v2.RandomHorizontalFlip())
+    train, evaluation = front + aug + back, front + back
+    return (v2.Compose(train) if train else v2.Identity(),
+            v2.Compose(evaluation) if evaluation else v2.Identity())
+
+
+def _torchvision_split(name, data_dir, train):
+    cls = TORCHVISION_SETS[name]
+    try:
+        return cls(data_dir, train=train, download=False)
+    except RuntimeError:
+        pass  # not there yet: download it
+    old_timeout = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(60)
+    try:
+        return cls(data_dir, train=train, download=True)
+    except Exception as e:  # URLError, HTTPError, OSError, checksum errors...
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(
+            f"could not download {name} into {data_dir!r} ({reason}); offline? Put an "
+            f"existing copy there and pass --data-dir, or train on --dataset imagefolder "
+            f"or --dataset synthetic") from None
+    finally:
+        socket.setdefaulttimeout(old_timeout)
+
+
+def _imagefolder_splits(data_dir, image_size, augment, seed):
+    train_dir = os.path.join(data_dir, "train")
+    val_dir = next((os.path.join(data_dir, s) for s in ("val", "test")
+                    if os.path.isdir(os.path.join(data_dir, s))), None)
+    if not os.path.isdir(train_dir) or val_dir is None:
+        raise UserError(f"--dataset imagefolder needs {data_dir!r} to hold train/ and val/ "
+                        f"(or test/) folders with one sub-folder per class")
+    try:
+        train = tv_datasets.ImageFolder(train_dir)
+        val = tv_datasets.ImageFolder(val_dir)
+    except (FileNotFoundError, RuntimeError) as e:
+        raise UserError(f"cannot read image folders in {data_dir!r}: {e}") from None
+    if train.classes != val.classes:
+        only_train = sorted(set(train.classes) - set(val.classes))
+        only_val = sorted(set(val.classes) - set(train.classes))
+        raise UserError(f"the class folders of {train_dir!r} and {val_dir!r} differ: only "
+                        f"in train: {only_train or 'none'}; only in "
+                        f"{os.path.basename(val_dir)}: {only_val or 'none'}")
+    t_train, t_eval = _transforms("imagefolder", image_size, augment)
+    return (SeededDataset(train, t_train, seed, augment, train.classes, 3, image_size),
+            SeededDataset(val, t_eval, seed, False, val.classes, 3, image_size))
+
+
+def build_datasets(config):
+    """Builds the training and validation datasets named by the config.
+
+    Args:
+        config: a mapping with ``dataset``, ``data_dir``, ``seed``, ``augment`` and, for
+            synthetic and imagefolder, ``image_size`` (plus ``synthetic_size`` and
+            ``num_classes`` for synthetic).
+
+    Returns:
+        ``(train, val)``: two SeededDataset with ``classes``, ``num_classes``,
+        ``in_channels`` and ``image_size`` attributes. The training set augments when
+        ``config["augment"]``; the validation set never does.
+
+    Raises:
+        UserError: unknown dataset, missing directory, download impossible.
+    """
+    name, data_dir, seed = config["dataset"], config["data_dir"], config["seed"]
+    augment, image_size = config.get("augment", True), config.get("image_size", 32)
+    if name == "synthetic":
+        size, classes, channels = (config["synthetic_size"], config["num_classes"],
+                                   config.get("in_channels", 3))
+        if size < 1 or classes < 2:
+            raise UserError("--synthetic-size must be at least 1 and --num-classes at least 2")
+        train = SyntheticImages(size, classes, channels, image_size, seed, "train")
+        val = SyntheticImages(max(size // 5, 1), classes, channels, image_size, seed, "val")
+        t_train, t_eval = _transforms(name, image_size, augment, from_pil=False)
+        return (SeededDataset(train, t_train, seed, augment, train.classes, channels, image_size),
+                SeededDataset(val, t_eval, seed, False, val.classes, channels, image_size))
+    if name == "imagefolder":
+        if not os.path.isdir(data_dir):
+            raise UserError(f"--data-dir {data_dir!r} does not exist")
+        return _imagefolder_splits(data_dir, image_size, augment, seed)
+    if name not in TORCHVISION_SETS:
+        raise UserError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
+    train, val = (_torchvision_split(name, data_dir, split) for split in (True, False))
+    side, channels = (28, 1) if "mnist" in name else (32, 3)
+    t_train, t_eval = _transforms(name, side, augment)
+    return (SeededDataset(train, t_train, seed, augment, train.classes, channels, side),
+            SeededDataset(val, t_eval, seed, False, val.classes, channels, side))
+
+
+class EpochBatchSampler:
+    """Batches of keys ``(index, epoch)`` in an order that depends on (seed, epoch) only.
+
+    The epoch's permutation is cut into global batches of ``batch_size * world_size``;
+    process ``rank`` takes its contiguous share of each. So P processes with batch B see
+    together exactly what one process with batch P*B sees. The last global batch keeps
+    every remaining sample (none dropped); where it has fewer samples than processes, a
+    process with no sample gets one stand-in sample with weight 0 (``plan()`` says so).
+
+    Args:
+        size: samples in the dataset.
+        batch_size: samples per batch per process.
+        seed: the run's seed.
+        shuffle: permute each epoch (training) or keep the index order.
+        rank: this process's rank.
+        world_size: number of processes.
+    """
+
+    def __init__(self, size, batch_size, seed, shuffle=True, rank=0, world_size=1):
+        self.size, self.batch_size, self.seed, self.shuffle = size, batch_size, seed, shuffle
+        self.rank, self.world_size = rank, world_size
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch, start=0):
+        """Selects the epoch and the number of its samples already seen (to skip them)."""
+        self.epoch, self.start = epoch, start
+
+    def _order(self):
+        if not self.shuffle:
+            return torch.arange(self.size)
+        g = torch.Generator().manual_seed(self.seed * 10_007 + self.epoch)
+        return torch.randperm(self.size, generator=g)
+
+    def _chunks(self):
+        """Global batches of the rest of the epoch: (global indices, local indices)."""
+        order = self._order()[self.start:]
+        step = self.batch_size * self.world_size
+        for chunk in order.split(step):
+            if len(chunk) == step:
+                local = chunk[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
+            else:
+                local = chunk.tensor_split(self.world_size)[self.rank]
+            yield chunk, local
+
+    def plan(self):
+        """``(global_count, local_count)`` of each remaining batch, in order."""
+        return [(len(chunk), len(local)) for chunk, local in self._chunks()]
+
+    def __len__(self):
+        return -(-(self.size - self.start) // (self.batch_size * self.world_size))
+
+    def __iter__(self):
+        for chunk, local in self._chunks():
+            if len(local) == 0:
+                local = chunk[-1:]  # stand-in: weighted 0, keeps collectives in step
+            yield [(int(i), self.epoch) for i in local]
+
+
+def _ignore_stop_signals(worker_id):
+    # Ctrl-C and schedulers signal the whole process group. Workers ignore it and are shut
+    # down by the main process after it has saved, so the save never sees a dead worker.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def build_loader(dataset, batch_sampler=None, batch_size=None, num_workers=0,
+                 pin_memory=False, sampler=None):
+    """A DataLoader that keeps every sample and never draws from the global RNG.
+
+    Args:
+        dataset: the dataset.
+        batch_sampler: an EpochBatchSampler (training), or None.
+        batch_size: batch size when no batch_sampler is given (evaluation).
+        num_workers: worker processes (persistent; they ignore SIGINT/SIGTERM).
+        pin_memory: page-locked host memory for faster copies to CUDA.
+        sampler: an index sampler for evaluation (e.g. one shard of the set).
+
+    Returns:
+        The torch.utils.data.DataLoader.
+    """
+    kwargs = dict(batch_size=batch_size, shuffle=False, drop_last=False, sampler=sampler)
+    if batch_sampler is not None:
+        kwargs = dict(batch_sampler=batch_sampler)
+    return torch.utils.data.DataLoader(
+        dataset, num_workers=num_workers, pin_memory=pin_memory,
+        persistent_workers=num_workers > 0, worker_init_fn=_ignore_stop_signals,
+        generator=torch.Generator().manual_seed(0),  # iter() must not draw from torch's RNG
+        **kwargs)
+
+
+def shard_indices(size, rank, world_size):
+    """The contiguous share of ``range(size)`` evaluated by ``rank``: no padding, no repeat."""
+    return list(range(rank * size // world_size, (rank + 1) * size // world_size))
+
+
+def shutdown_loader(loader):
+    """Stops a loader's persistent workers now (not at interpreter exit, where workers that
+    ignore SIGTERM would be waited for)."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+    loader._iterator = None
