@@ -43,7 +43,8 @@ class ConvBlock(nn.Module):
             layers.append(pad(padding))
             conv_padding = 0
         else:
-            raise ValueError(f"padding_type must be zero, reflect or replicate, not {padding_type!r}")
+            raise ValueError(f"padding_type must be zero, reflect or replicate, "
+                             f"not {padding_type!r}")
         layers.append(nn.Conv2d(in_channels, out_channels, kernel_size, stride, conv_padding,
                                 bias=use_bias))
         if norm_layer is not None:
@@ -157,3 +158,111 @@ def checkpoint_forward(module, *args):
         return contextlib.nullcontext(), _RecomputeWithoutStats(module)
     return torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=False,
                                              context_fn=contexts)
+
+
+class SelfAttention(nn.Module):
+    """Self-attention over all spatial positions, from SAGAN (Zhang et al., 2019).
+
+    1x1 convolutions make a query and a key of ``max(channels // 8, 1)`` channels and a
+    value of ``channels`` channels; every position attends to every position with a
+    softmax over the query-key products, and the result is added back to the input scaled
+    by a learnable ``gamma``. ``gamma`` starts at 0, so at initialisation the block is the
+    identity and the network first relies on local convolutions, then learns how much
+    non-local evidence to use. Memory grows with ``(H * W) ** 2``: use it on small maps.
+
+    Args:
+        channels: channels of the input and of the output.
+
+    Returns:
+        A module mapping ``x`` of shape ``(N, channels, H, W)`` to
+        ``gamma * attention(x) + x`` of the same shape.
+    """
+
+    def __init__(self, channels):
+        super().__init__()
+        inner = max(channels // 8, 1)  # SAGAN's C/8 keeps the HW x HW product cheap
+        self.query = nn.Conv2d(channels, inner, 1)
+        self.key = nn.Conv2d(channels, inner, 1)
+        self.value = nn.Conv2d(channels, channels, 1)
+        self.gamma = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x):
+        n, c, h, w = x.shape
+        q = self.query(x).flatten(2)  # (N, C', HW)
+        k = self.key(x).flatten(2)  # (N, C', HW)
+        v = self.value(x).flatten(2)  # (N, C, HW)
+        attn = torch.softmax(q.transpose(1, 2) @ k, dim=-1)  # (N, HW query, HW key)
+        out = v @ attn.transpose(1, 2)  # (N, C, HW query)
+        out = out.view(n, c, h, w)
+        return self.gamma * out + x
+
+
+class AdaptiveInstanceNorm(nn.Module):
+    """Adaptive instance normalisation, AdaIN (Huang & Belongie, 2017).
+
+    Each channel of each sample is normalised to zero mean and unit variance over its
+    spatial positions (``InstanceNorm2d`` without affine parameters), then scaled and
+    shifted by values predicted from a style vector by one ``nn.Linear``. The output's
+    per-channel mean is therefore the predicted bias and its standard deviation the
+    absolute predicted scale (up to the norm's eps). The linear layer's bias starts at
+    scale 1, shift 0, so a zero style gives plain instance normalisation.
+
+    Args:
+        in_channels: channels of the feature map.
+        style_dim: length of the style vector.
+
+    Returns:
+        A module whose ``forward(x, style)`` maps ``x`` of shape ``(N, in_channels, H, W)``
+        and ``style`` of shape ``(N, style_dim)`` to a tensor shaped like ``x``.
+    """
+
+    def __init__(self, in_channels, style_dim):
+        super().__init__()
+        self.norm = nn.InstanceNorm2d(in_channels, affine=False)
+        self.style = nn.Linear(style_dim, 2 * in_channels)
+        with torch.no_grad():
+            self.style.bias[:in_channels].fill_(1.0)  # start as the identity scale
+            self.style.bias[in_channels:].zero_()
+
+    def forward(self, x, style):
+        scale, bias = self.style(style).chunk(2, dim=1)  # (N, C) each
+        out = self.norm(x)  # (N, C, H, W), per-channel mean 0, std 1
+        out = scale[:, :, None, None] * out + bias[:, :, None, None]
+        return out
+
+
+def spectral_norm(module, name="weight", n_power_iterations=1):
+    """Spectral normalisation (Miyato et al., 2018) through torch's parametrization.
+
+    The effective weight is the stored weight divided by its largest singular value,
+    estimated by ``n_power_iterations`` steps of power iteration at every forward pass in
+    training mode; this bounds each layer's Lipschitz constant by 1, which stabilises a
+    GAN discriminator. A thin wrapper over
+    ``torch.nn.utils.parametrizations.spectral_norm``; the one addition is that a block
+    without ``name`` (a ``ConvBlock``, an ``nn.Sequential``) gets every convolution and
+    linear layer inside it normalised.
+
+    Args:
+        module: a layer holding the parameter ``name``, or a block containing such layers.
+        name: the parameter to normalise.
+        n_power_iterations: power-iteration steps per training-mode forward pass.
+
+    Returns:
+        ``module`` itself, parametrized in place.
+
+    Raises:
+        ValueError: ``module`` neither has ``name`` nor contains a convolution or linear
+            layer that has it.
+    """
+    parametrize = torch.nn.utils.parametrizations.spectral_norm
+    if isinstance(getattr(module, name, None), torch.Tensor):
+        return parametrize(module, name=name, n_power_iterations=n_power_iterations)
+    layers = [m for m in module.modules()
+              if isinstance(m, (nn.modules.conv._ConvNd, nn.Linear))
+              and isinstance(getattr(m, name, None), torch.Tensor)]
+    if not layers:
+        raise ValueError(f"{type(module).__name__} has no parameter {name!r} and contains "
+                         "no convolution or linear layer with one")
+    for layer in layers:
+        parametrize(layer, name=name, n_power_iterations=n_power_iterations)
+    return module
