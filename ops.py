@@ -1,5 +1,6 @@
-"""Small functions on tensors and modules: freezing, parameter counts, the LR schedule.
+"""Small functions on tensors and modules.
 
+Freezing, parameter counts, the LR schedule, one-hot labels, weight initialisation.
 Also ``UserError``, the exception for mistakes a user can fix (a typo, a missing
 directory); train.py and test.py print its message as one line and exit with code 2.
 """
@@ -7,7 +8,9 @@ directory); train.py and test.py print its message as one line and exit with cod
 import fnmatch
 import math
 
+import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 
 class UserError(Exception):
@@ -133,3 +136,91 @@ def lr_factor(step, total_steps, schedule="cosine", warmup_steps=0):
     if schedule == "onecycle":
         return 1.0 - progress
     raise ValueError(f"unknown schedule {schedule!r}")
+
+
+def one_hot(labels, num_classes):
+    """One-hot encodes integer class labels as a float tensor.
+
+    The conditioning input of a class-conditional GAN (Mirza & Osindero, 2014) and the
+    target of a soft-label loss. Unlike ``F.one_hot`` it returns floats, ready to be
+    concatenated with activations, and it always checks the range, so a bad label fails
+    here with its value rather than later inside a CUDA kernel.
+
+    Args:
+        labels: integer tensor of any shape, values in ``[0, num_classes)``.
+        num_classes: number of classes, the size of the new last dimension.
+
+    Returns:
+        A float32 tensor of shape ``labels.shape + (num_classes,)``, equal to
+        ``F.one_hot(labels, num_classes).float()``.
+
+    Raises:
+        ValueError: ``labels`` is not an integer tensor or holds a value out of range.
+    """
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise ValueError(f"one_hot needs integer labels, got dtype {labels.dtype}")
+    if labels.numel() > 0:
+        low, high = int(labels.min()), int(labels.max())
+        if low < 0 or high >= num_classes:
+            bad = low if low < 0 else high
+            raise ValueError(f"label {bad} is out of range for {num_classes} classes "
+                             f"(labels must be in [0, {num_classes - 1}])")
+    return F.one_hot(labels.long(), num_classes).float()
+
+
+_INIT_TYPES = ("normal", "xavier", "kaiming", "orthogonal")
+
+
+def _weight_for_init(module):
+    # A spectral-normed layer exposes a computed weight; initialise the stored original.
+    if torch.nn.utils.parametrize.is_parametrized(module, "weight"):
+        return module.parametrizations.weight.original
+    return module.weight
+
+
+def init_weights(module, init_type="normal", gain=0.02):
+    """Initialises weights as pix2pix and CycleGAN do (Isola et al. 2017, Zhu et al. 2017).
+
+    Applied through ``module.apply`` to every convolution (any dimension, transposed too)
+    and linear layer: weights by ``init_type``, biases to 0. BatchNorm layers get weights
+    from N(1, gain) and biases 0. Other modules are left as they are. The default N(0, 0.02)
+    is DCGAN's (Radford et al., 2016). A spectral-normed layer has its stored weight
+    initialised; call this before ``layers.spectral_norm`` so that the power iteration
+    starts from the final weights.
+
+    Args:
+        module: the network (or any module) to initialise in place.
+        init_type: ``"normal"`` (N(0, gain)), ``"xavier"`` (Glorot normal with ``gain``),
+            ``"kaiming"`` (He normal, fan-in, for ReLU; ``gain`` is not used) or
+            ``"orthogonal"`` (orthogonal matrix times ``gain``).
+        gain: standard deviation for ``normal``, scale for ``xavier`` and ``orthogonal``.
+
+    Returns:
+        ``module``, so the call can wrap a constructor.
+
+    Raises:
+        ValueError: unknown ``init_type``.
+    """
+    if init_type not in _INIT_TYPES:
+        raise ValueError(f"unknown init_type {init_type!r}; choose one of "
+                         f"{', '.join(_INIT_TYPES)}")
+
+    @torch.no_grad()
+    def init_one(m):
+        if isinstance(m, (nn.modules.conv._ConvNd, nn.Linear)):
+            weight = _weight_for_init(m)
+            if init_type == "normal":
+                nn.init.normal_(weight, 0.0, gain)
+            elif init_type == "xavier":
+                nn.init.xavier_normal_(weight, gain=gain)
+            elif init_type == "kaiming":
+                nn.init.kaiming_normal_(weight, a=0, mode="fan_in")
+            else:
+                nn.init.orthogonal_(weight, gain=gain)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.modules.batchnorm._BatchNorm) and m.affine:
+            nn.init.normal_(m.weight, 1.0, gain)
+            nn.init.zeros_(m.bias)
+
+    return module.apply(init_one)

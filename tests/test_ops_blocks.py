@@ -1,0 +1,84 @@
+"""Tests of ops.one_hot and ops.init_weights against their definitions."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from layers import spectral_norm
+from ops import init_weights, one_hot
+
+
+@pytest.mark.parametrize("shape", [(7,), (2, 3), (0,)])
+def test_one_hot_equals_torch_one_hot_as_float(shape):
+    torch.manual_seed(0)
+    labels = torch.randint(0, 5, shape)
+    out = one_hot(labels, 5)
+    assert out.dtype == torch.float32
+    assert out.shape == (*shape, 5)
+    torch.testing.assert_close(out, F.one_hot(labels, 5).float(), rtol=0, atol=0)
+
+
+def test_one_hot_accepts_int32_labels():
+    labels = torch.tensor([0, 2, 1], dtype=torch.int32)
+    torch.testing.assert_close(one_hot(labels, 3), torch.eye(3)[[0, 2, 1]])
+
+
+@pytest.mark.parametrize("bad", [3, -1])
+def test_one_hot_rejects_out_of_range_labels(bad):
+    with pytest.raises(ValueError, match=f"label {bad} is out of range for 3 classes"):
+        one_hot(torch.tensor([0, bad, 1]), 3)
+
+
+def test_one_hot_rejects_float_labels():
+    with pytest.raises(ValueError, match="integer labels"):
+        one_hot(torch.tensor([0.0, 1.0]), 3)
+
+
+def test_init_weights_normal_std_is_gain_and_biases_are_zero():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(500, 400), nn.Conv2d(16, 32, 3), nn.ReLU())
+    assert init_weights(net, "normal", gain=0.02) is net
+    for layer in (net[0], net[1]):
+        w = layer.weight.detach()
+        torch.testing.assert_close(w.std().item(), 0.02, rtol=0.03, atol=0)
+        assert abs(w.mean().item()) < 1e-3
+        assert torch.count_nonzero(layer.bias) == 0
+
+
+def test_init_weights_xavier_and_kaiming_stds():
+    torch.manual_seed(0)
+    xavier = init_weights(nn.Linear(600, 300), "xavier", gain=0.5)
+    expected = 0.5 * (2.0 / (600 + 300)) ** 0.5  # Glorot & Bengio (2010), normal form
+    torch.testing.assert_close(xavier.weight.std().item(), expected, rtol=0.03, atol=0)
+    kaiming = init_weights(nn.Linear(600, 300), "kaiming", gain=0.5)
+    expected = (2.0 / 600) ** 0.5  # He et al. (2015), fan-in, ReLU; gain is not used
+    torch.testing.assert_close(kaiming.weight.std().item(), expected, rtol=0.03, atol=0)
+
+
+def test_init_weights_orthogonal_rows_are_orthogonal_with_norm_gain():
+    torch.manual_seed(0)
+    layer = init_weights(nn.Linear(128, 64), "orthogonal", gain=0.5)
+    w = layer.weight.detach()  # (64, 128): 64 orthogonal rows
+    torch.testing.assert_close(w @ w.T, 0.25 * torch.eye(64), rtol=0, atol=1e-5)
+
+
+def test_init_weights_batchnorm_is_normal_around_one():
+    torch.manual_seed(0)
+    norm = init_weights(nn.Sequential(nn.BatchNorm2d(20000)), "normal", gain=0.02)[0]
+    torch.testing.assert_close(norm.weight.mean().item(), 1.0, rtol=0, atol=1e-3)
+    torch.testing.assert_close(norm.weight.std().item(), 0.02, rtol=0.03, atol=0)
+    assert torch.count_nonzero(norm.bias) == 0
+
+
+def test_init_weights_reaches_the_stored_weight_of_a_spectral_normed_layer():
+    torch.manual_seed(0)
+    layer = spectral_norm(nn.Linear(64, 32))
+    init_weights(layer, "orthogonal", gain=2.0)
+    w = layer.parametrizations.weight.original.detach()
+    torch.testing.assert_close(w @ w.T, 4.0 * torch.eye(32), rtol=0, atol=1e-4)
+
+
+def test_init_weights_rejects_an_unknown_type():
+    with pytest.raises(ValueError, match="normal, xavier, kaiming, orthogonal"):
+        init_weights(nn.Linear(2, 2), "uniform")
