@@ -134,6 +134,8 @@ class RunSettings:
     lr_factor: object = lambda step: 1.0
     timer: StepTimer = None
     counters: "Counters" = None
+    flops_per_sample: int = 0           # forward + backward, from ops.train_flops_per_sample
+    peak_tflops: float = None           # the GPU's datasheet peak, when known
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=self.amp_dtype,

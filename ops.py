@@ -224,3 +224,46 @@ def init_weights(module, init_type="normal", gain=0.02):
             nn.init.zeros_(m.bias)
 
     return module.apply(init_one)
+
+
+def train_flops_per_sample(module, sample_shape, device):
+    """FLOPs of one training step's forward and backward pass, per sample.
+
+    Counted once with ``torch.utils.flop_counter.FlopCounterMode`` on a copy of the
+    module (a batch of 2), so the network's weights, BatchNorm statistics and the RNG
+    are untouched.
+
+    Args:
+        module: the network.
+        sample_shape: shape of one input sample, e.g. ``(3, 32, 32)``.
+        device: where to run the count.
+
+    Returns:
+        The FLOP count per sample (an int; a multiply-add counts as 2 FLOPs).
+    """
+    import copy
+
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    clone = copy.deepcopy(module).train()
+    x = torch.randn(2, *sample_shape, device=device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        counter = FlopCounterMode(display=False)
+        with counter:
+            clone(x).float().sum().backward()
+    return counter.get_total_flops() // 2
+
+
+# Dense bf16/fp16 tensor-core peaks in TFLOP/s (fp32 in brackets), from NVIDIA's datasheets.
+GPU_PEAK_TFLOPS = {"H200": (989.0, 67.0), "H100": (989.0, 67.0), "A100": (312.0, 19.5),
+                   "L40S": (362.0, 91.6), "A10G": (125.0, 31.2), "V100": (125.0, 15.7),
+                   "RTX 4090": (165.0, 82.6), "RTX 3090": (71.0, 35.6)}
+
+
+def peak_tflops(device_name, low_precision):
+    """The datasheet peak of a known GPU, or None: bf16/fp16 when ``low_precision``."""
+    for key, (half, single) in GPU_PEAK_TFLOPS.items():
+        if key in device_name:
+            return half if low_precision else single
+    return None

@@ -1,0 +1,901 @@
+"""Train an image classifier.
+
+    python train.py                                    # CIFAR-10, the default recipe
+    python train.py --dataset synthetic --epochs 2     # no download, seconds on a CPU
+    python train.py --config configs/cifar10_simple.yaml --amp bf16
+    python train.py --resume auto --run-dir runs/exp1  # continue where it stopped
+    torchrun --nproc_per_node 4 train.py ...           # DistributedDataParallel
+
+Read ``main`` top to bottom: config, processes and device, data, network, loss,
+optimizer, resume, the epoch loop, the final save. Each stage is a short function
+below it. Everything the run makes goes into one run directory (see README).
+"""
+
+import argparse
+import datetime
+import difflib
+import json
+import os
+import platform
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import yaml
+
+import checkpoint
+import data
+import engine
+import ops
+from losses import build_criterion
+from networks import build_network
+from ops import UserError
+
+EXIT_USER_ERROR, EXIT_FAILED, EXIT_SIGINT, EXIT_SIGTERM = 2, 1, 130, 143
+NOT_SAVED_IN_CONFIG = ("config", "resume", "run_dir")  # per invocation, not per recipe
+
+
+# ----------------------------------------------------------------------------- config
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit code 2 (argparse prints usage too)
+        print(f"error: {message} (see python train.py --help)", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+
+
+def build_parser():
+    """The command-line flags; YAML recipes use the same names with underscores."""
+    p = _Parser(description="Train an image classifier.",
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = p.add_argument
+    add("--config", default=None, help="YAML recipe; its keys are these flags' names "
+        "with underscores; flags given here override it")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", default="cifar10", help=f"one of {', '.join(data.DATASETS)}")
+    g.add_argument("--data-dir", default="data", help="where data lives or is downloaded to; "
+                   "for imagefolder it holds train/ and val/ (or test/)")
+    g.add_argument("--synthetic-size", type=int, default=512,
+                   help="training samples of the synthetic set (validation: a fifth)")
+    g.add_argument("--image-size", type=int, default=32,
+                   help="image side for synthetic and imagefolder data")
+    g.add_argument("--num-classes", type=int, default=10, help="classes of the synthetic set")
+    g.add_argument("--augment", action=argparse.BooleanOptionalAction, default=True,
+                   help="random crop with padding and horizontal flip while training")
+    g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes")
+    g.add_argument("--prefetch", type=int, default=0, help="BackgroundGenerator queue depth "
+                   "in front of the loader (0 = off; see README for when it helps)")
+
+    g = p.add_argument_group("network")
+    g.add_argument("--network", default="resnet18", help="simple_cnn, resnet18, mlp, or "
+                   "torchvision/<name>")
+    g.add_argument("--pretrained", default=None, help="start from the weights in this file "
+                   "(a checkpoint of this project or a plain state_dict)")
+    g.add_argument("--freeze", nargs="+", default=[], metavar="PATTERN",
+                   help="freeze parameters whose names match these fnmatch patterns")
+    g.add_argument("--unfreeze-at", type=int, default=0, metavar="EPOCH",
+                   help="unfreeze them when this (1-based) epoch starts; 0 = never")
+    g.add_argument("--unfreeze-lr-scale", type=float, default=0.1,
+                   help="learning rate of unfrozen parameters relative to the others")
+
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--epochs", type=int, default=30, help="epochs to train")
+    g.add_argument("--max-steps", type=int, default=0,
+                   help="stop after this many optimizer steps if sooner (0 = no limit)")
+    g.add_argument("--batch-size", type=int, default=128,
+                   help="samples per forward pass per process")
+    g.add_argument("--virtual-batch-size", type=int, default=0, help="samples per optimizer "
+                   "step per process (gradient accumulation); 0 = --batch-size")
+    g.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw"],
+                   help="optimizer")
+    g.add_argument("--lr", type=float, default=0.1, help="peak learning rate")
+    g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    g.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=True,
+                   help="Nesterov momentum for SGD")
+    g.add_argument("--weight-decay", type=float, default=5e-4, help="weight decay")
+    g.add_argument("--scheduler", default="cosine",
+                   choices=["none", "step", "cosine", "onecycle"],
+                   help="learning-rate schedule over optimizer steps (see ops.lr_factor)")
+    g.add_argument("--warmup-epochs", type=float, default=1.0,
+                   help="linear warmup from 0, in epochs")
+    g.add_argument("--grad-clip", type=float, default=0.0,
+                   help="clip the gradient norm to this (0 = off)")
+    g.add_argument("--label-smoothing", type=float, default=0.1,
+                   help="label smoothing of the cross-entropy")
+    g.add_argument("--max-nonfinite", type=int, default=10, help="stop after this many "
+                   "consecutive non-finite losses")
+
+    g = p.add_argument_group("hardware and speed")
+    g.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, "
+                   "cuda:N")
+    g.add_argument("--gpus", default=None, help="comma-separated GPU ids for "
+                   "nn.DataParallel in one process, e.g. 0,1")
+    g.add_argument("--sync-bn", action="store_true",
+                   help="SyncBatchNorm across processes (torchrun)")
+    g.add_argument("--amp", default="none", choices=["none", "fp16", "bf16"],
+                   help="autocast dtype; fp16 uses a GradScaler")
+    g.add_argument("--channels-last", action="store_true",
+                   help="channels_last memory format for model and inputs")
+    g.add_argument("--grad-checkpointing", action="store_true",
+                   help="recompute block activations in backward to save memory")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument("--seed", type=int, default=0, help="seeds data order, augmentation, "
+                   "initialisation")
+    g.add_argument("--deterministic", action="store_true",
+                   help="deterministic algorithms (slower on CUDA)")
+
+    g = p.add_argument_group("run directory, checkpoints and logging")
+    g.add_argument("--run-dir", default=None,
+                   help="default: runs/<time>-<network>-<dataset>")
+    g.add_argument("--resume", default=None, metavar="PATH|auto", help="continue from a "
+                   "checkpoint; auto = the newest valid one in --run-dir")
+    g.add_argument("--ckpt-every-steps", type=int, default=0, help="also checkpoint every "
+                   "N optimizer steps (0 = at epoch ends only)")
+    g.add_argument("--keep-last", type=int, default=2, help="rotating checkpoints "
+                   "(epoch-NNNN.pt, step-NNNNNNNN.pt) to keep besides last.pt and best.pt")
+    g.add_argument("--eval-every", type=int, default=1, help="validate every N epochs "
+                   "(and after the last)")
+    g.add_argument("--log-every", type=int, default=50,
+                   help="log the training loss every N optimizer steps")
+    return p
+
+
+def _actions(parser):
+    return {a.dest: a for a in parser._actions if a.dest not in ("help",)}
+
+
+def _read_yaml(path, parser):
+    """The YAML recipe as a dict of flag values, each checked like a command-line value."""
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise UserError(f"cannot read config {path!r}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"config {path!r} is not valid YAML: {e}") from None
+    if not isinstance(values, dict):
+        raise UserError(f"config {path!r} must be a mapping of flag names to values")
+    actions = _actions(parser)
+    for key, value in values.items():
+        if key not in actions or key == "config":
+            close = difflib.get_close_matches(str(key), list(actions), n=1)
+            hint = f"; did you mean {close[0]!r} (--{close[0].replace('_', '-')})?" \
+                if close else ""
+            raise UserError(f"unknown key {key!r} in {path}{hint}")
+        action = actions[key]
+        if action.type is not None and value is not None and not isinstance(value, list):
+            try:
+                value = action.type(value)
+            except (TypeError, ValueError):
+                raise UserError(f"{path}: {key} must be {action.type.__name__}, "
+                                f"not {value!r}") from None
+        if action.choices and value not in action.choices:
+            raise UserError(f"{path}: {key} must be one of {list(action.choices)}, "
+                            f"not {value!r}")
+        values[key] = value
+    return values
+
+
+def parse_config(argv):
+    """Resolves the config: built-in defaults < YAML recipe < command-line flags.
+
+    Returns:
+        ``(config, explicit)``: the config dict, and the keys the user set (YAML or
+        command line), which override a resumed checkpoint's config.
+    """
+    parser = build_parser()
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    from_yaml = _read_yaml(known.config, parser) if known.config else {}
+    parser.set_defaults(**from_yaml)
+    config = vars(parser.parse_args(argv))
+    # The same parser with no defaults tells which flags were given on the command line.
+    bare = build_parser()
+    for action in bare._actions:
+        action.default = argparse.SUPPRESS
+    explicit = set(vars(bare.parse_args(argv))) | set(from_yaml)
+    return config, explicit - {"config"}
+
+
+def check_config(c):
+    """Rejects impossible combinations with one clear message."""
+    if c["batch_size"] < 1:
+        raise UserError("--batch-size must be at least 1")
+    if c["virtual_batch_size"] and c["virtual_batch_size"] % c["batch_size"]:
+        raise UserError(f"--virtual-batch-size {c['virtual_batch_size']} must be a multiple "
+                        f"of --batch-size {c['batch_size']}")
+    if c["epochs"] < 1 and not c["max_steps"]:
+        raise UserError("--epochs must be at least 1")
+    for key in ("num_workers", "prefetch", "max_steps", "ckpt_every_steps", "keep_last",
+                "unfreeze_at"):
+        if c[key] < 0:
+            raise UserError(f"--{key.replace('_', '-')} must not be negative")
+    for key in ("eval_every", "log_every", "max_nonfinite"):
+        if c[key] < 1:
+            raise UserError(f"--{key.replace('_', '-')} must be at least 1")
+    if c["unfreeze_at"] and not c["freeze"]:
+        raise UserError("--unfreeze-at needs --freeze")
+    if c["resume"] == "auto" and not c["run_dir"]:
+        raise UserError("--resume auto needs --run-dir (the run to continue)")
+
+
+# ------------------------------------------------------------------ processes, device
+
+def setup_processes(config):
+    """Starts torch.distributed when launched by torchrun.
+
+    Returns:
+        ``(rank, world_size, device)``.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    want_cuda = config["device"] != "cpu" and torch.cuda.is_available()
+    if world_size > 1:
+        if config["gpus"]:
+            raise UserError("--gpus (DataParallel) and torchrun (DDP) do not mix; use one")
+        device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        return rank, world_size, device
+    if config["gpus"]:
+        ids = _gpu_ids(config["gpus"])
+        return 0, 1, torch.device("cuda", ids[0])
+    if config["device"] == "auto":
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(config["device"])
+    except RuntimeError:
+        raise UserError(f"--device {config['device']!r} is not a device; use auto, cpu, "
+                        f"cuda or cuda:N") from None
+    if device.type == "cuda" and (not torch.cuda.is_available() or
+                                  (device.index or 0) >= torch.cuda.device_count()):
+        raise UserError(f"--device {config['device']}: no such CUDA device here "
+                        f"({torch.cuda.device_count()} visible)")
+    return 0, 1, device
+
+
+def _gpu_ids(text):
+    try:
+        ids = [int(i) for i in str(text).split(",") if i.strip() != ""]
+    except ValueError:
+        raise UserError(f"--gpus takes comma-separated GPU ids like 0,1, not {text!r}") \
+            from None
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    bad = [i for i in ids if not 0 <= i < count]
+    if not ids or bad:
+        raise UserError(f"--gpus {text}: no GPU {bad or ids} here ({count} visible)")
+    return ids
+
+
+def seed_everything(seed, rank, deterministic, device):
+    """Seeds python, numpy and torch; sets the cuDNN and determinism switches."""
+    random.seed(seed + rank)
+    np.random.seed(seed + rank)
+    torch.manual_seed(seed + rank)  # DDP broadcasts rank 0's initial weights anyway
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cudnn.benchmark = device.type == "cuda" and not deterministic
+
+
+def amp_dtype(config, device):
+    """The autocast dtype, or None; a dtype the device cannot do is a UserError."""
+    if config["amp"] == "none":
+        return None
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[config["amp"]]
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise UserError(f"--amp bf16: {torch.cuda.get_device_name(device)} has no bfloat16; "
+                        f"use --amp fp16")
+    if not torch.amp.is_autocast_available(device.type):
+        raise UserError(f"--amp {config['amp']}: no autocast on {device.type}")
+    return dtype
+
+
+# ------------------------------------------------------------------------- run dir
+
+def prepare_run_dir(config, resuming, is_main):
+    """Creates the run directory and records how the run was made."""
+    if not config["run_dir"]:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        name = config["network"].replace("/", "-")
+        config["run_dir"] = os.path.join("runs", f"{stamp}-{name}-{config['dataset']}")
+    run_dir = config["run_dir"]
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    if not resuming and config["resume"] != "auto" and os.path.isdir(ckpt_dir) and any(
+            f.endswith(".pt") for f in os.listdir(ckpt_dir)):
+        raise UserError(f"{run_dir!r} already holds checkpoints; continue it with --resume "
+                        f"auto, or choose another --run-dir")
+    if not is_main:
+        return run_dir
+    os.makedirs(ckpt_dir, exist_ok=True)
+    saved = {k: v for k, v in config.items() if k not in NOT_SAVED_IN_CONFIG}
+    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+        yaml.safe_dump(saved, f, sort_keys=False)
+    with open(os.path.join(run_dir, "command.txt"), "a") as f:
+        f.write(f"{datetime.datetime.now().isoformat(timespec='seconds')}  "
+                f"{shlex.join([sys.executable, *sys.argv])}\n"
+                f"  git {_git_commit()}  torch {torch.__version__}  {platform.node()}\n")
+    return run_dir
+
+
+def _git_commit():
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=here, capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git)"
+    return (commit + (" (with uncommitted changes)" if dirty else "")) or "unknown"
+
+
+# -------------------------------------------------------------------------- network
+
+def build_model(config, train_set, device, world_size, log):
+    """The network: built, pretrained weights, frozen parts, moved and wrapped.
+
+    Returns:
+        ``(net, model)``: the plain network (saved in checkpoints) and the module to call
+        (wrapped in DDP / DataParallel / torch.compile as asked).
+    """
+    try:
+        net = build_network(config["network"], train_set.num_classes, train_set.in_channels,
+                            train_set.image_size)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if config["pretrained"]:
+        load_pretrained(net, config["pretrained"], log)
+    if config["freeze"]:
+        frozen = ops.freeze(net, config["freeze"])
+        log(f"frozen: {len(frozen)} parameter tensors matching {' '.join(config['freeze'])}")
+    if config["grad_checkpointing"]:
+        if not hasattr(net, "set_grad_checkpointing"):
+            raise UserError(f"--grad-checkpointing: {config['network']} has no "
+                            f"set_grad_checkpointing; use simple_cnn, resnet18 or mlp")
+        net.set_grad_checkpointing(True)
+    if config["sync_bn"] and world_size > 1:
+        net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(net)
+    memory_format = torch.channels_last if config["channels_last"] else torch.preserve_format
+    net = net.to(device, memory_format=memory_format)
+    model = net
+    if world_size > 1:
+        ids = [device.index] if device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(net, device_ids=ids)
+    elif config["gpus"] and len(_gpu_ids(config["gpus"])) > 1:
+        model = torch.nn.DataParallel(net, device_ids=_gpu_ids(config["gpus"]))
+    if config["compile"]:
+        model = torch.compile(model)
+    return net, model
+
+
+def load_pretrained(net, path, log):
+    """Initialises ``net`` from a checkpoint of this project or a plain state_dict.
+
+    A classifier head of another size (another number of classes) keeps its fresh
+    initialisation and is listed; any other mismatch is a UserError listing the keys.
+    """
+    state = checkpoint.load_checkpoint(path)
+    weights = checkpoint.unwrap_state_dict(state["model"] if "model" in state else state)
+    own = net.state_dict()
+    head = list(dict(net.named_parameters()))[-1].rsplit(".", 1)[0]  # e.g. "fc"
+    resized = [k for k in weights if k in own and own[k].shape != weights[k].shape]
+    skipped = []
+    if resized and all(k.rsplit(".", 1)[0] == head for k in resized):
+        skipped = [k for k in own if k.rsplit(".", 1)[0] == head]
+        weights = {**weights, **{k: own[k] for k in skipped}}
+    checkpoint.check_compatible(net, weights, path)
+    net.load_state_dict(weights)
+    log(f"pretrained: loaded {len(weights) - len(skipped)} tensors from {path}"
+        + (f"; kept the new head ({', '.join(skipped)}): its size differs" if skipped else ""))
+    return skipped
+
+
+def write_summary(net, train_set, run_dir, device, log):
+    """Prints the torchinfo summary and writes it to summary.txt with parameter counts."""
+    import torchinfo
+
+    trainable, frozen = ops.count_parameters(net)
+    shape = (1, train_set.in_channels, train_set.image_size, train_set.image_size)
+    text = str(torchinfo.summary(net, input_size=shape, device=device, mode="eval",
+                                 verbose=0, col_names=("output_size", "num_params",
+                                                       "trainable")))
+    text += f"\nTrainable parameters: {trainable:,}\nFrozen parameters: {frozen:,}\n"
+    with open(os.path.join(run_dir, "summary.txt"), "w") as f:
+        f.write(text)
+    log(text)
+
+
+# ------------------------------------------------------------------------ optimiser
+
+def build_optimizer(net, config):
+    """The optimizer over the trainable parameters; each group keeps its ``base_lr``."""
+    params = [p for p in net.parameters() if p.requires_grad]
+    if not params:
+        raise UserError("every parameter is frozen: nothing to train")
+    group = {"params": params, "base_lr": config["lr"]}
+    wd, lr = config["weight_decay"], config["lr"]
+    if config["optimizer"] == "sgd":
+        nesterov = config["nesterov"] and config["momentum"] > 0
+        return torch.optim.SGD([group], lr=lr, momentum=config["momentum"],
+                               nesterov=nesterov, weight_decay=wd)
+    cls = torch.optim.Adam if config["optimizer"] == "adam" else torch.optim.AdamW
+    return cls([group], lr=lr, weight_decay=wd)
+
+
+def unfreeze_into(net, optimizer, config):
+    """Unfreezes the frozen parameters and adds them to the optimizer as a new group."""
+    names = ops.unfreeze(net, config["freeze"])
+    params = dict(net.named_parameters())
+    base_lr = config["lr"] * config["unfreeze_lr_scale"]
+    optimizer.add_param_group({"params": [params[n] for n in names], "base_lr": base_lr,
+                               "lr": base_lr})
+    return names
+
+
+# ------------------------------------------------------------------------- logging
+
+class RunLog:
+    """TensorBoard and metrics.jsonl, written by the main process only."""
+
+    def __init__(self, run_dir, step, epoch, enabled):
+        self.enabled = enabled
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.writer = None
+        if not enabled:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        # A resumed run drops what the stopped one logged after its checkpoint, so each
+        # tag shows one continuous curve and each epoch appears once.
+        self.writer = SummaryWriter(run_dir, purge_step=step if step > 0 else None)
+        kept = []
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if line.strip()
+                        and json.loads(line).get("epoch", 0) <= epoch]
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, self.path)
+
+    def scalars(self, values, step):
+        if self.enabled:
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, step)
+
+    def epoch(self, record):
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+
+    def close(self, config, final):
+        if not self.enabled:
+            return
+        if final:
+            from torch.utils.tensorboard.summary import hparams
+
+            hp = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
+                  for k, v in config.items() if k not in NOT_SAVED_IN_CONFIG}
+            metrics = {f"hparam/{k}": v for k, v in final.items()}
+            for summary in hparams(hp, metrics):
+                self.writer.file_writer.add_summary(summary)
+            for tag, value in metrics.items():
+                self.writer.add_scalar(tag, value)
+        self.writer.close()
+
+
+# --------------------------------------------------------------------------- signals
+
+class StopRequest:
+    """Remembers SIGINT/SIGTERM; the loop stops at the next optimizer step and saves.
+
+    The handler only records the signal: the save happens in the loop, and a second
+    Ctrl-C during the save changes nothing (the save finishes, then the run exits).
+    """
+
+    def __init__(self):
+        self.signum = None
+        self._old = {}
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._old[signum] = signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.signum is None:
+            self.signum = signum
+            print(f"\n{signal.Signals(signum).name}: stopping after this step and saving "
+                  f"a checkpoint (a second signal is ignored)", file=sys.stderr, flush=True)
+
+    def restore(self):
+        for signum, handler in self._old.items():
+            signal.signal(signum, handler)
+
+
+# ---------------------------------------------------------------------------- main
+
+def main(argv=None):
+    """Trains with the given command-line arguments.
+
+    Returns:
+        The exit code: 0 when done, 2 for a user error (one ``error:`` line), 1 when the
+        loss stayed non-finite, 130/143 when stopped by SIGINT/SIGTERM after saving.
+    """
+    stop = StopRequest()
+    try:
+        return train(sys.argv[1:] if argv is None else argv, stop)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except NonFiniteLoss as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        stop.restore()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class NonFiniteLoss(Exception):
+    pass
+
+
+def train(argv, stop):
+    # 1. Config: defaults < YAML < command line; a resumed run takes its checkpoint's.
+    config, explicit = parse_config(argv)
+    check_config(config)
+    resume_path, state = find_resume(config)
+    if state is not None:
+        state["path"] = resume_path
+        config = merge_resumed_config(state["config"], config, explicit)
+        check_config(config)
+
+    # 2. Processes, device, seeds, run directory.
+    rank, world_size, device = setup_processes(config)
+    is_main = rank == 0
+
+    def log(message):
+        if is_main:
+            print(message, flush=True)
+
+    seed_everything(config["seed"], rank, config["deterministic"], device)
+    run_dir = prepare_run_dir(config, state is not None, is_main)
+    if resume_path:
+        log(f"resuming from {resume_path} (epoch {state['epoch']}, step {state['step']})")
+    elif config["resume"] == "auto":
+        log(f"no valid checkpoint in {run_dir}: starting fresh")
+
+    # 3. Data: the first process downloads, the others wait and read.
+    if is_main:
+        train_set, val_set = data.build_datasets(config)
+    if world_size > 1:
+        dist.barrier()
+    if not is_main:
+        train_set, val_set = data.build_datasets(config)
+    accum = (config["virtual_batch_size"] or config["batch_size"]) // config["batch_size"]
+    sampler = data.EpochBatchSampler(len(train_set), config["batch_size"], config["seed"],
+                                     rank=rank, world_size=world_size)
+    pin = device.type == "cuda"
+    train_loader = data.build_loader(train_set, batch_sampler=sampler,
+                                     num_workers=config["num_workers"], pin_memory=pin)
+    val_loader = data.build_loader(
+        val_set, batch_size=config["batch_size"], num_workers=config["num_workers"],
+        pin_memory=pin, sampler=data.shard_indices(len(val_set), rank, world_size))
+
+    # 4. Network, loss, optimizer.
+    net, model = build_model(config, train_set, device, world_size, log)
+    if is_main:
+        write_summary(net, train_set, run_dir, device, log)
+    criterion = build_criterion(config)
+    optimizer = build_optimizer(net, config)
+    dtype = amp_dtype(config, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+
+    windows_per_epoch = -(-len(sampler) // accum)
+    total_steps = config["max_steps"] or windows_per_epoch * config["epochs"]
+    total_steps = min(total_steps, windows_per_epoch * config["epochs"])
+    warmup = int(config["warmup_epochs"] * windows_per_epoch)
+
+    def lr_factor(step):
+        return ops.lr_factor(step, total_steps, config["scheduler"], warmup)
+
+    # 5. Resume: weights, optimizer, scaler, position and RNG as of the saved step.
+    progress = {"epoch": 0, "step": 0, "epoch_samples": 0, "loss_sum": 0.0,
+                "loss_count": 0, "best_val_acc": -1.0, "scaler_skips": 0}
+    if state is not None:
+        restore(state, net, optimizer, scaler, progress, config, rank, world_size, log)
+    else:
+        engine.set_lr(optimizer, lr_factor(0))
+
+    # 6. The epoch loop.
+    memory_format = torch.channels_last if config["channels_last"] else torch.contiguous_format
+    run = engine.RunSettings(
+        device=device, epochs=config["epochs"], accum=accum, world_size=world_size,
+        amp_dtype=dtype, scaler=scaler, grad_clip=config["grad_clip"],
+        memory_format=memory_format, prefetch=config["prefetch"], show_progress=is_main,
+        lr_factor=lr_factor, timer=engine.StepTimer(device), counters=engine.Counters(device))
+    run.flops_per_sample = ops.train_flops_per_sample(
+        net, (train_set.in_channels, train_set.image_size, train_set.image_size), device)
+    if device.type == "cuda":
+        run.peak_tflops = ops.peak_tflops(torch.cuda.get_device_name(device), dtype is not None)
+    runlog = RunLog(run_dir, progress["step"], progress["epoch"], is_main)
+    saver = Saver(run_dir, config, net, optimizer, scaler, progress, is_main, world_size)
+    if progress["step"] == 0 and is_main:
+        log_first_batch(runlog, train_set, sampler)
+    log(f"training {config['network']} on {config['dataset']} ({len(train_set)} samples, "
+        f"{world_size} process(es), {device}) into {run_dir}")
+
+    window = {"loss_sum": 0.0, "loss_count": 0, "time": time.perf_counter()}
+
+    def read_counters():
+        values = run.counters.read()
+        for key in ("loss_sum", "loss_count"):
+            progress[key] += values[key]
+            window[key] += values[key]
+        progress["scaler_skips"] += values["scaler_skips"]
+        if values["worst_streak"] >= config["max_nonfinite"]:
+            raise NonFiniteLoss(
+                f"the loss was not finite for {values['worst_streak']} steps in a row (at "
+                f"step {progress['step']}); lower --lr, add --grad-clip, or try --amp bf16. "
+                f"The last good checkpoint is {saver.last_saved or 'none'}")
+        return values
+
+    def save(kind, best=False):
+        if read_counters()["streak"]:
+            log(f"not saving at step {progress['step']}: the last loss was not finite")
+            return
+        saver.save(kind, best)
+
+    def log_window(bar, step):
+        read_counters()
+        mean = window["loss_sum"] / max(window["loss_count"], 1)
+        data_t, compute_t, _ = run.timer.totals()
+        elapsed = max(time.perf_counter() - window["time"], 1e-9)
+        rate = window["loss_count"] * world_size / elapsed
+        scalars = {"train/loss": mean, "train/lr": optimizer.param_groups[0]["lr"]}
+        if scaler.is_enabled():
+            scalars["train/scaler_skips"] = progress["scaler_skips"]
+        runlog.scalars(scalars, step)
+        bar.set_postfix(loss=f"{mean:.4f}", samples_s=f"{rate:.0f}",
+                        eff=f"{engine.efficiency(data_t, compute_t):.2f}", refresh=False)
+        window.update(loss_sum=0.0, loss_count=0, time=time.perf_counter())
+
+    def after_step(bar):  # called by the engine after every optimizer step
+        step = progress["step"]
+        stopping = stop_now()
+        at_max = bool(config["max_steps"]) and step >= config["max_steps"]
+        if step % config["log_every"] == 0 or stopping or at_max:
+            log_window(bar, step)
+        if stopping or (config["ckpt_every_steps"] and step % config["ckpt_every_steps"] == 0):
+            save("stop" if stopping else "step")
+        return stopping or at_max
+
+    def stop_now():
+        wanted = stop.signum is not None
+        if world_size > 1:  # every process stops at the same step
+            flag = torch.tensor([int(wanted)], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            wanted = bool(flag.item())
+            if wanted and stop.signum is None:
+                stop.signum = signal.SIGTERM
+        return wanted
+
+    final, status = {}, "done"
+    try:
+        for epoch in range(progress["epoch"], config["epochs"]):
+            if stop_now():  # a signal that came between steps (setup, validation)
+                save("stop")
+                break
+            if config["unfreeze_at"] and epoch + 1 == config["unfreeze_at"] \
+                    and progress["epoch_samples"] == 0:
+                names = unfreeze_into(net, optimizer, config)
+                engine.set_lr(optimizer, lr_factor(progress["step"]))
+                log(f"epoch {epoch + 1}: unfroze {len(names)} parameter tensors")
+            run.epoch = epoch
+            sampler.set_epoch(epoch, progress["epoch_samples"])
+            run.timer.reset()
+            window["time"] = time.perf_counter()
+            status = engine.train_one_epoch(model, train_loader, optimizer, criterion, run,
+                                            progress, after_step)
+            if progress["epoch_samples"] >= len(train_set):  # the epoch is complete
+                read_counters()
+                final = finish_epoch(epoch, model, val_loader, run, config, progress,
+                                     runlog, save, world_size, train_set.num_classes, log,
+                                     optimizer.param_groups[0]["lr"])
+            if status == "stopped":
+                break
+    finally:
+        data.shutdown_loader(train_loader)
+        data.shutdown_loader(val_loader)
+    if stop.signum is not None:
+        runlog.close(config, None)
+        name = signal.Signals(stop.signum).name
+        log(f"{name}: saved {saver.last_saved}. Resume with:\n  python train.py --resume "
+            f"auto --run-dir {shlex.quote(run_dir)}")
+        return EXIT_SIGINT if stop.signum == signal.SIGINT else EXIT_SIGTERM
+    if status == "stopped" and progress["epoch_samples"]:  # --max-steps inside an epoch
+        result = engine.evaluate(model, val_loader, run, train_set.num_classes)
+        final = {"val_loss": result["loss"], "val_acc": result["acc"]}
+        runlog.scalars({"val/loss": result["loss"], "val/acc": result["acc"]},
+                       progress["step"])
+        save("stop")
+        log(f"--max-steps {config['max_steps']} reached at step {progress['step']}: "
+            f"val_acc {result['acc']:.4f}; saved {saver.last_saved}")
+    runlog.close(config, final)
+    log(f"done: {run_dir}")
+    return 0
+
+
+def finish_epoch(epoch, model, val_loader, run, config, progress, runlog, save,
+                 world_size, num_classes, log, lr):
+    """Validates (when due), logs the epoch, saves last.pt (and best.pt)."""
+    data_t, compute_t, wall = run.timer.totals()
+    sums = torch.tensor([progress["loss_sum"], progress["loss_count"]], dtype=torch.float64,
+                        device=run.device)
+    if world_size > 1:
+        dist.all_reduce(sums)
+    progress["epoch"] += 1
+    samples = progress["epoch_samples"]
+    record = {"epoch": progress["epoch"], "step": progress["step"],
+              "train_loss": float(sums[0] / max(sums[1], 1)),
+              "lr": lr, "compute_efficiency": engine.efficiency(data_t, compute_t),
+              "data_time": data_t, "compute_time": compute_t, "epoch_time": wall,
+              "samples_per_sec": samples / max(wall, 1e-9)}
+    record["tflops"] = run.flops_per_sample * record["samples_per_sec"] / 1e12
+    if run.peak_tflops:
+        record["mfu"] = record["tflops"] / run.peak_tflops
+    is_last = progress["epoch"] == config["epochs"]
+    best = False
+    if progress["epoch"] % config["eval_every"] == 0 or is_last:
+        result = engine.evaluate(model, val_loader, run, num_classes)
+        record.update(val_loss=result["loss"], val_acc=result["acc"])
+        best = result["acc"] > progress["best_val_acc"]
+        if best:
+            progress["best_val_acc"] = result["acc"]
+    progress.update(epoch_samples=0, loss_sum=0.0, loss_count=0)
+    step = progress["step"]
+    runlog.scalars({"perf/compute_efficiency": record["compute_efficiency"],
+                    "perf/samples_per_sec": record["samples_per_sec"],
+                    "perf/tflops": record["tflops"]}, step)
+    if "mfu" in record:
+        runlog.scalars({"perf/mfu": record["mfu"]}, step)
+    if "val_acc" in record:
+        runlog.scalars({"val/loss": record["val_loss"], "val/acc": record["val_acc"]}, step)
+    runlog.epoch(record)
+    save("epoch", best)
+    val = f"  val_loss {record['val_loss']:.4f}  val_acc {record['val_acc']:.4f}" \
+        if "val_acc" in record else ""
+    log(f"epoch {progress['epoch']}/{config['epochs']}  step {step}  train_loss "
+        f"{record['train_loss']:.4f}{val}  {record['samples_per_sec']:.0f} samples/s  "
+        f"efficiency {record['compute_efficiency']:.2f} (data {data_t:.1f}s, compute "
+        f"{compute_t:.1f}s)")
+    if "mfu" in record:
+        log(f"  {record['tflops']:.1f} TFLOP/s, model FLOPs utilisation {record['mfu']:.1%}")
+    if record["compute_efficiency"] < 0.7:
+        log(f"  the loop waited for data {1 - record['compute_efficiency']:.0%} of the time: "
+            f"try more --num-workers (now {config['num_workers']}) or --prefetch 2")
+    return {k: record[k] for k in ("train_loss", "val_loss", "val_acc") if k in record}
+
+
+def log_first_batch(runlog, train_set, sampler):
+    """An image grid of the first training batch, to check what the network sees."""
+    import torchvision
+
+    keys = next(iter(sampler))[:64]
+    images = torch.stack([train_set[key][0] for key in keys])
+    grid = torchvision.utils.make_grid(images[:, :3], nrow=8, normalize=True)
+    runlog.writer.add_image("train/first_batch", grid, 0)
+
+
+# ----------------------------------------------------------------------- checkpoints
+
+class Saver:
+    """Writes checkpoints: last.pt, best.pt and rotating epoch-/step- files."""
+
+    def __init__(self, run_dir, config, net, optimizer, scaler, progress, is_main,
+                 world_size):
+        self.dir = os.path.join(run_dir, "checkpoints")
+        self.config, self.net, self.optimizer, self.scaler = config, net, optimizer, scaler
+        self.progress, self.is_main, self.world_size = progress, is_main, world_size
+        self.last_saved = None
+
+    def save(self, kind, best=False):
+        """Saves the state as of the last optimizer step (all processes call this)."""
+        progress = {k: v for k, v in self.progress.items()}
+        rngs = [checkpoint.rng_state()]
+        if self.world_size > 1:
+            sums = torch.tensor([progress["loss_sum"], progress["loss_count"]],
+                                dtype=torch.float64)
+            sums = sums.to(next(self.net.parameters()).device)
+            dist.all_reduce(sums)
+            progress.update(loss_sum=float(sums[0]), loss_count=int(sums[1]))
+            rngs = [None] * self.world_size
+            dist.all_gather_object(rngs, checkpoint.rng_state())
+        if not self.is_main:
+            return
+        state = {
+            "model": checkpoint.unwrap_state_dict(self.net.state_dict()),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "scheduler": {"step": progress["step"]},  # the LR is a function of the step
+            "epoch": progress["epoch"],
+            "step": progress["step"],
+            "progress": progress,
+            "rng": rngs[0],
+            "rng_per_rank": rngs,
+            "config": {k: v for k, v in self.config.items() if k not in ("resume",)},
+        }
+        path = os.path.join(self.dir, "last.pt")
+        also = []
+        if best:
+            also.append(os.path.join(self.dir, "best.pt"))
+        if self.config["keep_last"] > 0 and kind in ("epoch", "step"):
+            name = f"epoch-{progress['epoch']:04d}.pt" if kind == "epoch" \
+                else f"step-{progress['step']:08d}.pt"
+            also.append(os.path.join(self.dir, name))
+        checkpoint.save_checkpoint(state, path, also=also)
+        if self.config["keep_last"] > 0:
+            checkpoint.rotate(self.dir, self.config["keep_last"])
+        self.last_saved = path
+
+
+def find_resume(config):
+    """The checkpoint to resume from: ``(path, state)`` or ``(None, None)``."""
+    if not config["resume"]:
+        return None, None
+    if config["resume"] == "auto":
+        warn = print if int(os.environ.get("RANK", "0")) == 0 else (lambda m: None)
+        return checkpoint.find_latest(config["run_dir"], warn=warn)
+    state = checkpoint.load_checkpoint(config["resume"])
+    if "model" not in state or "config" not in state or "progress" not in state:
+        raise UserError(f"{config['resume']!r} is not a training checkpoint of this project "
+                        f"(use --pretrained for plain weights)")
+    return config["resume"], state
+
+
+def merge_resumed_config(saved, config, explicit):
+    """The checkpoint's config, with the keys the user set explicitly taking precedence."""
+    merged = dict(config)
+    merged.update({k: v for k, v in saved.items() if k in config and k not in explicit})
+    for key in sorted(explicit):
+        if key in saved and saved[key] != config[key] and key not in ("resume", "run_dir"):
+            print(f"override: {key} = {config[key]!r} (checkpoint had {saved[key]!r})")
+    if not config["run_dir"] or "run_dir" not in explicit:
+        merged["run_dir"] = saved.get("run_dir") or config["run_dir"]
+    return merged
+
+
+def restore(state, net, optimizer, scaler, progress, config, rank, world_size, log):
+    """Loads the checkpoint's state into the freshly built objects."""
+    weights = checkpoint.unwrap_state_dict(state["model"])
+    checkpoint.check_compatible(net, weights, state["path"])
+    net.load_state_dict(weights)
+    progress.update(state["progress"])
+    if rank != 0:  # the epoch's partial loss sums are global; count them once
+        progress.update(loss_sum=0.0, loss_count=0)
+    if config["unfreeze_at"] and progress["epoch"] >= config["unfreeze_at"] - 1 and (
+            progress["epoch"] > config["unfreeze_at"] - 1 or progress["epoch_samples"]):
+        unfreeze_into(net, optimizer, config)
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+    except (ValueError, KeyError) as e:
+        raise UserError(f"the optimizer state in {state['path']!r} does not fit "
+                        f"(--optimizer or --freeze changed?): {e}") from None
+    scaler.load_state_dict(state["scaler"]) if state.get("scaler") else None
+    rngs = state.get("rng_per_rank") or [state["rng"]]
+    checkpoint.set_rng_state(rngs[rank] if len(rngs) == world_size else rngs[0])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
