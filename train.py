@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ import data
 import engine
 import ops
 from losses import build_criterion
-from networks import build_network
+from networks import NETWORKS, build_network
 from ops import UserError
 
 EXIT_USER_ERROR, EXIT_FAILED, EXIT_SIGINT, EXIT_SIGTERM = 2, 1, 130, 143
@@ -44,9 +45,8 @@ NOT_SAVED_IN_CONFIG = ("config", "resume", "run_dir")  # per invocation, not per
 # ----------------------------------------------------------------------------- config
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit code 2 (argparse prints usage too)
-        print(f"error: {message} (see python train.py --help)", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
+    def error(self, message):  # one line and exit code 2 (argparse would print usage too)
+        raise UserError(f"{message} (see python train.py --help)")
 
 
 def build_parser():
@@ -206,6 +206,12 @@ def parse_config(argv):
 
 def check_config(c):
     """Rejects impossible combinations with one clear message."""
+    if c["dataset"] not in data.DATASETS:
+        raise UserError(f"unknown dataset {c['dataset']!r}; choose one of: "
+                        f"{', '.join(data.DATASETS)}")
+    if c["network"] not in NETWORKS and not c["network"].startswith("torchvision/"):
+        raise UserError(f"unknown network {c['network']!r}; choose one of: "
+                        f"{', '.join(sorted(NETWORKS))}, or torchvision/<name>")
     if c["batch_size"] < 1:
         raise UserError("--batch-size must be at least 1")
     if c["virtual_batch_size"] and c["virtual_batch_size"] % c["batch_size"]:
@@ -296,7 +302,14 @@ def amp_dtype(config, device):
         raise UserError(f"--amp bf16: {torch.cuda.get_device_name(device)} has no bfloat16; "
                         f"use --amp fp16")
     if not torch.amp.is_autocast_available(device.type):
-        raise UserError(f"--amp {config['amp']}: no autocast on {device.type}")
+        raise UserError(f"--amp {config['amp']}: no autocast on {device.type}; use --amp none")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns, then silently runs at full precision
+        with torch.autocast(device.type, dtype=dtype):
+            works = torch.is_autocast_enabled(device.type)
+    if not works:
+        raise UserError(f"--amp {config['amp']}: autocast on {device.type} cannot do {dtype} "
+                        f"in this torch {torch.__version__}; use --amp none or the other dtype")
     return dtype
 
 

@@ -1,0 +1,382 @@
+"""End-to-end tests of train.py: runs, config, logs, errors (issue 2)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+import yaml
+from conftest import ROOT, final_state, load_test_py, tiny_args
+from PIL import Image
+
+import data
+import engine
+import train
+
+METRIC_KEYS = {"epoch", "step", "train_loss", "lr", "compute_efficiency", "data_time",
+               "compute_time", "epoch_time", "samples_per_sec"}
+
+
+def read_metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def scalars(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+    return acc
+
+
+@pytest.fixture(scope="module")
+def synthetic_run(tmp_path_factory):
+    """simple_cnn on 2000 synthetic samples for 3 epochs: the issue's learnability bar."""
+    run_dir = tmp_path_factory.mktemp("run")
+    code = train.main(["--dataset", "synthetic", "--network", "simple_cnn",
+                       "--synthetic-size", "2000", "--epochs", "3", "--batch-size", "64",
+                       "--optimizer", "adam", "--lr", "1e-3", "--weight-decay", "0",
+                       "--num-workers", "0", "--run-dir", str(run_dir), "--log-every", "5",
+                       "--device", "cpu"])
+    assert code == 0
+    return run_dir
+
+
+def test_synthetic_run_learns(synthetic_run):
+    records = read_metrics(synthetic_run)
+    assert [r["epoch"] for r in records] == [1, 2, 3]
+    assert records[-1]["train_loss"] < records[0]["train_loss"]
+    assert records[-1]["val_acc"] > 0.9  # chance is 0.1
+
+
+def test_metrics_jsonl_has_every_contract_key(synthetic_run):
+    records = read_metrics(synthetic_run)
+    for r in records:
+        assert METRIC_KEYS | {"val_loss", "val_acc", "tflops"} <= set(r)
+        assert 0 <= r["compute_efficiency"] <= 1
+        assert r["data_time"] >= 0 and r["compute_time"] > 0
+        assert r["samples_per_sec"] > 0 and 0 <= r["val_acc"] <= 1
+    steps_per_epoch = -(-2000 // 64)
+    assert [r["step"] for r in records] == [steps_per_epoch * e for e in (1, 2, 3)]
+
+
+def test_tensorboard_scalars_read_back(synthetic_run):
+    acc = scalars(synthetic_run)
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "val/loss", "val/acc", "perf/compute_efficiency",
+            "perf/samples_per_sec", "perf/tflops"} <= tags
+    loss_steps = [e.step for e in acc.Scalars("train/loss")]
+    assert loss_steps == sorted(set(loss_steps)) and loss_steps[0] == 5
+    val = [(e.step, e.value) for e in acc.Scalars("val/acc")]
+    records = read_metrics(synthetic_run)
+    assert [s for s, _ in val] == [r["step"] for r in records]
+    torch.testing.assert_close([v for _, v in val], [r["val_acc"] for r in records])
+    assert "train/first_batch" in acc.Tags()["images"]
+
+
+def test_hparams_written_with_final_metrics(synthetic_run):
+    acc = scalars(synthetic_run)
+    assert "hparam/val_acc" in acc.Tags()["scalars"]
+    assert acc.Scalars("hparam/val_acc")[-1].value == pytest.approx(
+        read_metrics(synthetic_run)[-1]["val_acc"])
+
+
+def test_run_dir_records_config_command_and_summary(synthetic_run):
+    with open(os.path.join(synthetic_run, "config.yaml")) as f:
+        config = yaml.safe_load(f)
+    assert config["network"] == "simple_cnn" and config["epochs"] == 3
+    assert "run_dir" not in config and "resume" not in config
+    with open(os.path.join(synthetic_run, "command.txt")) as f:
+        command = f.read()
+    assert "--synthetic-size" not in command or "train" in command
+    assert "git " in command and "torch" in command
+    with open(os.path.join(synthetic_run, "summary.txt")) as f:
+        summary = f.read()
+    assert "Trainable parameters: 113,962" in summary and "Frozen parameters: 0" in summary
+    assert "ConvBlock" in summary
+
+
+def test_checkpoints_load_weights_only_with_contract_keys(synthetic_run):
+    for name in ("last.pt", "best.pt"):
+        state = torch.load(os.path.join(synthetic_run, "checkpoints", name),
+                           weights_only=True)
+        assert {"model", "optimizer", "epoch", "step", "config"} <= set(state)
+        assert not any(k.startswith("module.") for k in state["model"])
+    last = final_state(synthetic_run)
+    assert last["epoch"] == 3 and last["step"] == read_metrics(synthetic_run)[-1]["step"]
+
+
+def test_test_py_agrees_with_logged_val_acc(synthetic_run, tmp_path):
+    out = tmp_path / "result.json"
+    code = load_test_py().main(["--checkpoint", str(synthetic_run / "checkpoints" / "last.pt"),
+                                "--json", str(out), "--num-workers", "0"])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["accuracy"] == read_metrics(synthetic_run)[-1]["val_acc"]
+
+
+def test_saved_config_reloads_with_config_flag(synthetic_run, tmp_path):
+    config, explicit = train.parse_config(["--config", str(synthetic_run / "config.yaml")])
+    saved = yaml.safe_load((synthetic_run / "config.yaml").read_text())
+    for key, value in saved.items():
+        assert config[key] == value
+    assert set(saved) == explicit
+
+
+def test_config_precedence_defaults_yaml_command_line(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("lr: 0.5\nepochs: 7\nfreeze: ['features.*']\naugment: false\n")
+    config, explicit = train.parse_config(["--config", str(recipe), "--epochs", "9"])
+    assert config["lr"] == 0.5            # YAML over default
+    assert config["epochs"] == 9          # command line over YAML
+    assert config["batch_size"] == 128    # default
+    assert config["freeze"] == ["features.*"] and config["augment"] is False
+    assert explicit == {"lr", "epochs", "freeze", "augment"}
+
+
+def test_yaml_typo_names_the_key_and_the_closest_flag(tmp_path, capsys):
+    recipe = tmp_path / "typo.yaml"
+    recipe.write_text("learning_rate: 0.1\nbatch_sise: 3\n")
+    assert train.main(["--config", str(recipe)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: unknown key 'learning_rate'")
+    recipe.write_text("batch_sise: 3\n")
+    assert train.main(["--config", str(recipe)]) == 2
+    assert "did you mean 'batch_size' (--batch-size)?" in capsys.readouterr().err
+
+
+def test_yaml_value_of_wrong_type_is_an_error(tmp_path, capsys):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("optimizer: lion\n")
+    assert train.main(["--config", str(recipe)]) == 2
+    assert "optimizer must be one of" in capsys.readouterr().err
+    recipe.write_text("epochs: many\n")
+    assert train.main(["--config", str(recipe)]) == 2
+    assert "epochs must be int" in capsys.readouterr().err
+
+
+def test_every_flag_has_help_and_shows_its_default(capsys):
+    parser = train.build_parser()
+    for action in parser._actions:
+        assert action.help, action.dest
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert "(default: 128)" in text and "(default: resnet18)" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--network", "nope"], "unknown network 'nope'"),
+    (["--dataset", "nope"], "unknown dataset 'nope'"),
+    (["--virtual-batch-size", "20"], "must be a multiple of --batch-size"),
+    (["--optimizer", "lion"], "invalid choice"),
+    (["--resume", "missing.pt"], "does not exist"),
+    (["--config", "missing.yaml"], "cannot read config"),
+    (["--freeze", "nothing.*"], "matches no parameter"),
+])
+def test_user_errors_print_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    code = train.main(tiny_args(tmp_path / "run", *argv))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("error:") and message in err[0]
+
+
+def test_resume_auto_needs_a_run_dir(capsys):
+    assert train.main(["--resume", "auto", "--dataset", "synthetic"]) == 2
+    assert "--resume auto needs --run-dir" in capsys.readouterr().err
+
+
+def test_missing_data_dir_for_imagefolder(tmp_path, capsys):
+    code = train.main(tiny_args(tmp_path / "run", "--dataset", "imagefolder",
+                                "--data-dir", str(tmp_path / "nowhere")))
+    assert code == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_offline_download_fails_with_a_clear_message(tmp_path, monkeypatch, capsys):
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    monkeypatch.setattr(urllib.request.OpenerDirector, "open", offline)
+    code = train.main(tiny_args(tmp_path / "run", "--dataset", "cifar10",
+                                "--data-dir", str(tmp_path / "data")))
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.startswith("error: could not download cifar10") and "--data-dir" in err
+    assert "imagefolder" in err and "synthetic" in err
+
+
+def test_error_in_a_subprocess_has_no_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "train.py", "--network", "nope", "--run-dir",
+                           str(tmp_path / "r")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: unknown network")
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_fresh_run_refuses_a_run_dir_with_checkpoints(tmp_path, capsys):
+    assert train.main(tiny_args(tmp_path)) == 0
+    before = (tmp_path / "checkpoints" / "last.pt").read_bytes()
+    assert train.main(tiny_args(tmp_path)) == 2
+    assert "--resume auto" in capsys.readouterr().err
+    assert (tmp_path / "checkpoints" / "last.pt").read_bytes() == before
+
+
+def write_image_folder(root, splits=("train", "val"), classes=("cat", "dog", "emu"),
+                       per_class=6):
+    """A tiny ImageFolder tree of solid-ish colour images, a colour per class."""
+    colours = {"cat": (200, 30, 30), "dog": (30, 200, 30), "emu": (30, 30, 200),
+               "fox": (200, 200, 30)}
+    g = torch.Generator().manual_seed(0)
+    for split in splits:
+        for name in classes:
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(per_class):
+                noise = torch.randint(0, 40, (20, 24, 3), generator=g, dtype=torch.uint8)
+                pixels = torch.tensor(colours[name], dtype=torch.uint8) + noise
+                Image.fromarray(pixels.numpy()).save(folder / f"{i}.png")
+
+
+def test_imagefolder_end_to_end(tmp_path):
+    write_image_folder(tmp_path / "images")
+    run_dir = tmp_path / "run"
+    code = train.main(["--dataset", "imagefolder", "--data-dir", str(tmp_path / "images"),
+                       "--image-size", "16", "--network", "simple_cnn", "--epochs", "3",
+                       "--batch-size", "6", "--optimizer", "adam", "--lr", "1e-2",
+                       "--num-workers", "2", "--run-dir", str(run_dir), "--device", "cpu"])
+    assert code == 0
+    records = read_metrics(run_dir)
+    assert len(records) == 3 and records[-1]["val_acc"] > 0.6  # chance is 1/3
+    state = final_state(run_dir)
+    assert state["model"]["fc.1.weight"].shape == (3, 128 * 2 * 2)
+
+
+def test_imagefolder_with_different_class_lists_is_an_error(tmp_path, capsys):
+    write_image_folder(tmp_path / "images", splits=("train",), per_class=1)
+    write_image_folder(tmp_path / "images", splits=("test",), classes=("cat", "fox"),
+                       per_class=1)
+    code = train.main(tiny_args(tmp_path / "run", "--dataset", "imagefolder",
+                                "--data-dir", str(tmp_path / "images")))
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "differ" in err and "'dog', 'emu'" in err and "'fox'" in err
+
+
+def test_resume_path_continues_at_the_next_epoch_and_step(tmp_path, capsys):
+    first = tmp_path / "first"
+    assert train.main(tiny_args(first, epochs=2)) == 0
+    steps_per_epoch = final_state(first)["step"] // 2
+    epoch_one = first / "checkpoints" / "epoch-0001.pt"
+    second = tmp_path / "second"
+    assert train.main(tiny_args(second, "--resume", str(epoch_one), epochs=3)) == 0
+    out = capsys.readouterr().out
+    assert "resuming from" in out and "(epoch 1, step" in out
+    records = read_metrics(second)
+    assert [r["epoch"] for r in records] == [2, 3]  # epoch 1 is not repeated
+    assert [r["step"] for r in records] == [2 * steps_per_epoch, 3 * steps_per_epoch]
+
+
+def test_max_steps_stops_inside_an_epoch_and_saves(tmp_path):
+    assert train.main(tiny_args(tmp_path, "--max-steps", "3", epochs=5)) == 0
+    state = final_state(tmp_path)
+    assert state["step"] == 3 and state["epoch"] == 0
+    assert state["progress"]["epoch_samples"] == 3 * 16
+
+
+def test_eval_every_validates_every_nth_epoch_and_the_last(tmp_path):
+    assert train.main(tiny_args(tmp_path, "--eval-every", "2", epochs=3)) == 0
+    records = read_metrics(tmp_path)
+    assert ["val_acc" in r for r in records] == [False, True, True]
+
+
+def test_lr_schedule_is_stepped_per_optimizer_step(tmp_path):
+    assert train.main(tiny_args(tmp_path, "--scheduler", "cosine", "--warmup-epochs", "1",
+                                epochs=4)) == 0
+    acc = scalars(tmp_path)
+    lrs = [e.value for e in acc.Scalars("train/lr")]
+    assert lrs[0] == pytest.approx(0.05 * 2 / 4)      # warmup: 4 steps an epoch, after step 1
+    assert max(lrs) == pytest.approx(0.05, rel=1e-6)
+    assert lrs[-1] == pytest.approx(0.0, abs=1e-9)    # cosine ends at 0
+
+
+class SleepyDataset(torch.utils.data.Dataset):
+    """Each sample takes a known time to load."""
+
+    def __init__(self, delay, size=8):
+        self.delay, self.size = delay, size
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, key):
+        time.sleep(self.delay)
+        return torch.zeros(4), 0
+
+
+class SleepyModel(torch.nn.Module):
+    """Each forward takes a known time."""
+
+    def __init__(self, delay):
+        super().__init__()
+        self.delay = delay
+        self.fc = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        time.sleep(self.delay)
+        return self.fc(x)
+
+
+def test_efficiency_measures_data_and_compute_time():
+    data_delay, compute_delay, batch = 0.01, 0.06, 2  # 0.02 s of data per 0.06 s of compute
+    loader = data.build_loader(SleepyDataset(data_delay),
+                               batch_sampler=data.EpochBatchSampler(8, batch, seed=0))
+    model = SleepyModel(compute_delay)
+    optimizer = torch.optim.SGD([{"params": model.parameters(), "base_lr": 0.1}], lr=0.1)
+    device = torch.device("cpu")
+    run = engine.RunSettings(device=device, scaler=torch.amp.GradScaler("cpu", enabled=False),
+                             timer=engine.StepTimer(device), counters=engine.Counters(device),
+                             show_progress=False)
+    progress = {"step": 0, "epoch_samples": 0}
+    engine.train_one_epoch(model, loader, optimizer, torch.nn.CrossEntropyLoss(), run,
+                           progress, lambda bar: False)
+    data_t, compute_t, wall = run.timer.totals()
+    assert progress["step"] == 4
+    assert 4 * batch * data_delay <= data_t < 4 * batch * data_delay + 0.05
+    assert 4 * compute_delay <= compute_t < 4 * compute_delay + 0.1
+    assert engine.efficiency(data_t, compute_t) == pytest.approx(0.75, abs=0.06)
+    assert data_t + compute_t <= wall
+
+
+def test_tensorboard_server_shows_the_run(synthetic_run):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir",
+                             str(synthetic_run), "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline, tags = time.time() + 90, {}
+        while time.time() < deadline:
+            try:
+                url = f"http://127.0.0.1:{port}/data/plugin/scalars/tags"
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    tags = json.load(response)
+                if tags and "val/acc" in next(iter(tags.values()), {}):
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        run_tags = next(iter(tags.values()), {})
+        assert {"train/loss", "val/acc", "perf/compute_efficiency"} <= set(run_tags)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
