@@ -124,7 +124,9 @@ def find_latest(run_dir, map_location="cpu", warn=print):
         ``(path, state)``, or ``(None, None)`` when there is no valid checkpoint.
     """
     paths = glob.glob(os.path.join(run_dir, "checkpoints", "*.pt"))
-    paths.sort(key=os.path.getmtime, reverse=True)
+    # Newest first; hard links share a modification time, and then last.pt comes first.
+    paths.sort(key=lambda p: (os.path.getmtime(p), os.path.basename(p) == "last.pt"),
+               reverse=True)
     best = (None, None)
     for path in paths:
         try:

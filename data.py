@@ -255,6 +255,8 @@ class EpochBatchSampler:
     def _chunks(self):
         """Global batches of the rest of the epoch: (global indices, local indices)."""
         order = self._order()[self.start:]
+        if len(order) == 0:  # resumed after the epoch's last step: nothing left (split of
+            return           # an empty tensor would give one empty batch)
         step = self.batch_size * self.world_size
         for chunk in order.split(step):
             if len(chunk) == step:

@@ -124,19 +124,24 @@ class _RecomputeWithoutStats:
     """Context for activation recomputation: BatchNorm uses batch statistics, updates nothing.
 
     The first forward already updated the running statistics; recomputing in backward
-    would update them a second time.
+    would update them a second time. The recomputation must call the same operations as
+    the first forward (checkpoint compares the tensors each saves), so BatchNorm still
+    gets its running statistics, with momentum 0 (``r = 1 * r + 0 * batch``, exact) and
+    ``num_batches_tracked`` put back afterwards.
     """
 
     def __init__(self, module):
         self.norms = [m for m in module.modules() if _is_batchnorm(m) and m.track_running_stats]
 
     def __enter__(self):
+        self.saved = [(m.momentum, m.num_batches_tracked.clone()) for m in self.norms]
         for m in self.norms:
-            m.track_running_stats = False  # train mode: batch stats, no buffer updates
+            m.momentum = 0.0
 
     def __exit__(self, *exc):
-        for m in self.norms:
-            m.track_running_stats = True
+        for m, (momentum, tracked) in zip(self.norms, self.saved):
+            m.momentum = momentum
+            m.num_batches_tracked.copy_(tracked)
 
 
 def checkpoint_forward(module, *args):

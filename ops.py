@@ -33,7 +33,8 @@ def freeze(module, patterns):
         patterns: fnmatch patterns over ``named_parameters()`` names, e.g. ``features.*``.
 
     Returns:
-        The names of the parameters that were frozen, in order.
+        The names of the parameters that were frozen by this call (those trainable
+        before it), in order.
 
     Raises:
         UserError: a pattern matches no parameter; the message lists the top-level modules.
@@ -44,8 +45,8 @@ def freeze(module, patterns):
             top = sorted({n.split(".")[0] for n in names})
             raise UserError(f"freeze pattern {pattern!r} matches no parameter; the network's "
                             f"top-level modules are: {', '.join(top)} (try e.g. '{top[0]}.*')")
-    frozen = _matching(names, patterns)
     params = dict(module.named_parameters())
+    frozen = [n for n in _matching(names, patterns) if params[n].requires_grad]
     for name in frozen:
         params[name].requires_grad_(False)
     return frozen
@@ -231,7 +232,8 @@ def train_flops_per_sample(module, sample_shape, device):
 
     Counted once with ``torch.utils.flop_counter.FlopCounterMode`` on a copy of the
     module (a batch of 2), so the network's weights, BatchNorm statistics and the RNG
-    are untouched.
+    are untouched. Activation checkpointing is off in the copy: these are model FLOPs
+    (as in MFU), without the recomputation.
 
     Args:
         module: the network.
@@ -247,6 +249,8 @@ def train_flops_per_sample(module, sample_shape, device):
     from torch.utils.flop_counter import FlopCounterMode
 
     clone = copy.deepcopy(module).train()
+    if hasattr(clone, "set_grad_checkpointing"):
+        clone.set_grad_checkpointing(False)  # model FLOPs: recomputation is not counted
     x = torch.randn(2, *sample_shape, device=device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         counter = FlopCounterMode(display=False)

@@ -355,8 +355,11 @@ def _git_commit():
 
 # -------------------------------------------------------------------------- network
 
-def build_model(config, train_set, device, world_size, log):
+def build_model(config, train_set, device, world_size, log, resuming=False):
     """The network: built, pretrained weights, frozen parts, moved and wrapped.
+
+    A resumed run takes its weights from the checkpoint, so it does not read --pretrained
+    (the file may be gone by then).
 
     Returns:
         ``(net, model)``: the plain network (saved in checkpoints) and the module to call
@@ -367,7 +370,7 @@ def build_model(config, train_set, device, world_size, log):
                             train_set.image_size)
     except ValueError as e:
         raise UserError(str(e)) from None
-    if config["pretrained"]:
+    if config["pretrained"] and not resuming:
         load_pretrained(net, config["pretrained"], log)
     if config["freeze"]:
         frozen = ops.freeze(net, config["freeze"])
@@ -378,6 +381,9 @@ def build_model(config, train_set, device, world_size, log):
                             f"set_grad_checkpointing; use simple_cnn, resnet18 or mlp")
         net.set_grad_checkpointing(True)
     if config["sync_bn"] and world_size > 1:
+        if device.type != "cuda":  # DDP and SyncBatchNorm refuse CPU modules
+            raise UserError("--sync-bn needs CUDA devices (one per process); CPU processes "
+                            "keep per-process BatchNorm statistics: drop --sync-bn")
         net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(net)
     memory_format = torch.channels_last if config["channels_last"] else torch.preserve_format
     net = net.to(device, memory_format=memory_format)
@@ -469,9 +475,10 @@ class RunLog:
             return
         from torch.utils.tensorboard import SummaryWriter
 
-        # A resumed run drops what the stopped one logged after its checkpoint, so each
-        # tag shows one continuous curve and each epoch appears once.
-        self.writer = SummaryWriter(run_dir, purge_step=step if step > 0 else None)
+        # A resumed run drops what the stopped one logged after its checkpoint at `step`
+        # (everything at `step` itself was logged before the save), so each tag shows one
+        # continuous curve and each epoch appears once.
+        self.writer = SummaryWriter(run_dir, purge_step=step + 1 if step > 0 else None)
         kept = []
         if os.path.exists(self.path):
             with open(self.path) as f:
@@ -494,7 +501,7 @@ class RunLog:
                 f.flush()
                 os.fsync(f.fileno())
 
-    def close(self, config, final):
+    def close(self, config, final, step=0):
         if not self.enabled:
             return
         if final:
@@ -506,7 +513,7 @@ class RunLog:
             for summary in hparams(hp, metrics):
                 self.writer.file_writer.add_summary(summary)
             for tag, value in metrics.items():
-                self.writer.add_scalar(tag, value)
+                self.writer.add_scalar(tag, value, step)
         self.writer.close()
 
 
@@ -607,7 +614,7 @@ def train(argv, stop):
         pin_memory=pin, sampler=data.shard_indices(len(val_set), rank, world_size))
 
     # 4. Network, loss, optimizer.
-    net, model = build_model(config, train_set, device, world_size, log)
+    net, model = build_model(config, train_set, device, world_size, log, state is not None)
     if is_main:
         write_summary(net, train_set, run_dir, device, log)
     criterion = build_criterion(config)
@@ -628,8 +635,7 @@ def train(argv, stop):
                 "loss_count": 0, "best_val_acc": -1.0, "scaler_skips": 0}
     if state is not None:
         restore(state, net, optimizer, scaler, progress, config, rank, world_size, log)
-    else:
-        engine.set_lr(optimizer, lr_factor(0))
+    engine.set_lr(optimizer, lr_factor(progress["step"]))
 
     # 6. The epoch loop.
     memory_format = torch.channels_last if config["channels_last"] else torch.contiguous_format
@@ -644,6 +650,7 @@ def train(argv, stop):
         run.peak_tflops = ops.peak_tflops(torch.cuda.get_device_name(device), dtype is not None)
     runlog = RunLog(run_dir, progress["step"], progress["epoch"], is_main)
     saver = Saver(run_dir, config, net, optimizer, scaler, progress, is_main, world_size)
+    saver.last_saved = resume_path
     if progress["step"] == 0 and is_main:
         log_first_batch(runlog, train_set, sampler)
     log(f"training {config['network']} on {config['dataset']} ({len(train_set)} samples, "
@@ -690,7 +697,9 @@ def train(argv, stop):
         at_max = bool(config["max_steps"]) and step >= config["max_steps"]
         if step % config["log_every"] == 0 or stopping or at_max:
             log_window(bar, step)
-        if stopping or (config["ckpt_every_steps"] and step % config["ckpt_every_steps"] == 0):
+        epoch_done = progress["epoch_samples"] >= len(train_set)  # finish_epoch saves then
+        if stopping or (config["ckpt_every_steps"] and step % config["ckpt_every_steps"] == 0
+                        and not epoch_done):
             save("stop" if stopping else "step")
         return stopping or at_max
 
@@ -733,6 +742,8 @@ def train(argv, stop):
         data.shutdown_loader(val_loader)
     if stop.signum is not None:
         runlog.close(config, None)
+        if world_size > 1:  # no process exits (and makes torchrun kill the rest) before
+            dist.barrier()  # rank 0 has written the checkpoint
         name = signal.Signals(stop.signum).name
         log(f"{name}: saved {saver.last_saved}. Resume with:\n  python train.py --resume "
             f"auto --run-dir {shlex.quote(run_dir)}")
@@ -745,7 +756,7 @@ def train(argv, stop):
         save("stop")
         log(f"--max-steps {config['max_steps']} reached at step {progress['step']}: "
             f"val_acc {result['acc']:.4f}; saved {saver.last_saved}")
-    runlog.close(config, final)
+    runlog.close(config, final, progress["step"])
     log(f"done: {run_dir}")
     return 0
 
@@ -822,6 +833,10 @@ class Saver:
         self.config, self.net, self.optimizer, self.scaler = config, net, optimizer, scaler
         self.progress, self.is_main, self.world_size = progress, is_main, world_size
         self.last_saved = None
+        if is_main:  # temporary files of a save that was killed half-way
+            for name in os.listdir(self.dir):
+                if name.startswith(".tmp-"):
+                    os.unlink(os.path.join(self.dir, name))
 
     def save(self, kind, best=False):
         """Saves the state as of the last optimizer step (all processes call this)."""
@@ -905,7 +920,15 @@ def restore(state, net, optimizer, scaler, progress, config, rank, world_size, l
     except (ValueError, KeyError) as e:
         raise UserError(f"the optimizer state in {state['path']!r} does not fit "
                         f"(--optimizer or --freeze changed?): {e}") from None
-    scaler.load_state_dict(state["scaler"]) if state.get("scaler") else None
+    # Hyper-parameters come from the (possibly overridden) config, not the saved groups.
+    for i, group in enumerate(optimizer.param_groups):
+        group["base_lr"] = config["lr"] * (config["unfreeze_lr_scale"] if i else 1.0)
+        group["weight_decay"] = config["weight_decay"]
+        if config["optimizer"] == "sgd":
+            group["momentum"] = config["momentum"]
+            group["nesterov"] = config["nesterov"] and config["momentum"] > 0
+    if state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
     rngs = state.get("rng_per_rank") or [state["rng"]]
     checkpoint.set_rng_state(rngs[rank] if len(rngs) == world_size else rngs[0])
 

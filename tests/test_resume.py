@@ -1,0 +1,275 @@
+"""Checkpoints you can trust: exact resume, atomic saves, pre-emption (issue 3)."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import ROOT, assert_states_equal, final_state, tiny_args
+
+import checkpoint
+import engine
+import train
+
+# simple_cnn (BatchNorm) with augmentation: 96 samples, 6 steps an epoch, 2 epochs.
+CNN = dict(network="simple_cnn", size=96, image=16, batch=16, epochs=2)
+
+
+def cnn_args(run_dir, *extra, workers=0, epochs=2):
+    args = tiny_args(run_dir, *extra, **{**CNN, "epochs": epochs})
+    args[args.index("--num-workers") + 1] = str(workers)
+    return args
+
+
+def assert_same_training_state(a, b):
+    assert_states_equal(a["model"], b["model"])
+    assert_states_equal(a["optimizer"], b["optimizer"])
+    assert (a["epoch"], a["step"]) == (b["epoch"], b["step"])
+
+
+def stop_at_step(monkeypatch, step, signum=signal.SIGTERM):
+    """Delivers a real signal to this process right after optimizer step ``step``."""
+    original = engine.train_one_epoch
+
+    def train_one_epoch(model, loader, optimizer, criterion, run, progress, after_step):
+        def after(bar):
+            if progress["step"] == step:
+                os.kill(os.getpid(), signum)
+            return after_step(bar)
+        return original(model, loader, optimizer, criterion, run, progress, after)
+
+    monkeypatch.setattr(engine, "train_one_epoch", train_one_epoch)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("full")
+    assert train.main(cnn_args(run_dir)) == 0
+    return final_state(run_dir)
+
+
+@pytest.mark.parametrize("stop_step, workers", [(3, 0), (6, 0), (8, 2)])
+def test_stopped_and_resumed_equals_uninterrupted(tmp_path, monkeypatch, capsys,
+                                                  uninterrupted, stop_step, workers):
+    # step 3: mid-epoch; 6: the last step of epoch 1; 8: mid-epoch 2 with 2 workers
+    with monkeypatch.context() as m:
+        stop_at_step(m, stop_step)
+        assert train.main(cnn_args(tmp_path, workers=workers)) == 143
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err
+    assert f"python train.py --resume auto --run-dir {tmp_path}" in out.out
+    stopped = final_state(tmp_path)
+    assert stopped["step"] == stop_step
+    assert train.main(cnn_args(tmp_path, "--resume", "auto", workers=workers)) == 0
+    assert_same_training_state(final_state(tmp_path), uninterrupted)
+    with open(tmp_path / "metrics.jsonl") as f:
+        assert [json.loads(line)["epoch"] for line in f] == [1, 2]
+
+
+def test_mid_epoch_resume_loads_only_unseen_samples(tmp_path, monkeypatch):
+    with monkeypatch.context() as m:
+        stop_at_step(m, 4)
+        assert train.main(cnn_args(tmp_path, epochs=1)) == 143
+    seen = []
+    original = train.data.SeededDataset.__getitem__
+
+    def getitem(self, key):
+        if isinstance(key, tuple):
+            seen.append(key)
+        return original(self, key)
+
+    monkeypatch.setattr(train.data.SeededDataset, "__getitem__", getitem)
+    assert train.main(cnn_args(tmp_path, "--resume", "auto", epochs=1)) == 0
+    assert len(seen) == 96 - 4 * 16  # the 64 samples before the stop are never loaded
+
+
+def test_tensorboard_after_resume_has_no_duplicated_steps(tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with monkeypatch.context() as m:
+        stop_at_step(m, 4)
+        assert train.main(cnn_args(tmp_path, "--log-every", "1")) == 143
+    # Event files are read in name order: a name holds the second it was made, then the
+    # pid and a per-process counter. Two runs of one process in one second would sort
+    # by that counter as text ("10" before "9"); real runs are separate processes.
+    time.sleep(1.1)
+    assert train.main(cnn_args(tmp_path, "--resume", "auto")) == 0
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    acc.Reload()
+    for tag in ("train/loss", "val/acc", "perf/samples_per_sec"):
+        steps = [e.step for e in acc.Scalars(tag)]
+        assert steps == sorted(set(steps)), (tag, steps)
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 13))
+
+
+def test_resume_restores_config_and_prints_overrides(tmp_path, capsys):
+    assert train.main(tiny_args(tmp_path, "--lr", "0.02", epochs=1)) == 0
+    assert train.main(["--resume", "auto", "--run-dir", str(tmp_path), "--epochs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "override: epochs = 2 (checkpoint had 1)" in out
+    state = final_state(tmp_path)
+    assert state["config"]["lr"] == 0.02 and state["config"]["network"] == "mlp"
+    assert state["epoch"] == 2
+
+
+def test_resume_auto_without_checkpoint_starts_fresh_and_says_so(tmp_path, capsys):
+    assert train.main(tiny_args(tmp_path, "--resume", "auto")) == 0
+    assert "no valid checkpoint" in capsys.readouterr().out
+    assert final_state(tmp_path)["epoch"] == 1
+
+
+def test_truncated_last_falls_back_to_the_newest_valid(tmp_path, capsys):
+    assert train.main(tiny_args(tmp_path, "--keep-last", "5", epochs=2)) == 0
+    done = final_state(tmp_path)
+    last = tmp_path / "checkpoints" / "last.pt"
+    blob = last.read_bytes()
+    os.unlink(last)  # last.pt is a hard link to epoch-0002.pt: damage only this name
+    last.write_bytes(blob[: len(blob) // 2])
+    for name in ("epoch-0002.pt", "best.pt"):  # the other names of epoch 2's state
+        if (tmp_path / "checkpoints" / name).exists():
+            os.unlink(tmp_path / "checkpoints" / name)
+    assert train.main(tiny_args(tmp_path, "--resume", "auto", epochs=2)) == 0
+    out = capsys.readouterr().out
+    assert "warning: skipping" in out and "last.pt" in out
+    assert "resuming from" in out and "epoch-0001.pt" in out
+    assert_same_training_state(final_state(tmp_path), done)
+
+
+def test_resume_path_on_a_truncated_file_is_a_clear_error(tmp_path, capsys):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"PK\x03\x04 not really a checkpoint")
+    assert train.main(tiny_args(tmp_path / "run", "--resume", str(bad))) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: checkpoint") and "bad.pt" in err
+
+
+def test_checkpoint_of_another_network_lists_the_keys(tmp_path, capsys):
+    assert train.main(tiny_args(tmp_path / "mlp")) == 0
+    other = tmp_path / "mlp" / "checkpoints" / "last.pt"
+    code = train.main(tiny_args(tmp_path / "cnn", "--resume", str(other),
+                                "--network", "simple_cnn"))
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "does not fit this network" in err and "missing: fc.1.bias" in err
+    assert "features.0.block.0.weight" in err and "unexpected: fc.bias" in err
+
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_a_pickled_object_is_refused_and_never_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    torch.save({"model": {}, "step": 0, "evil": Payload()}, tmp_path / "evil.pt")
+    with pytest.raises(checkpoint.CheckpointError, match="cannot be loaded safely"):
+        checkpoint.load_checkpoint(tmp_path / "evil.pt")
+    assert train.main(tiny_args(tmp_path / "run", "--resume", str(tmp_path / "evil.pt"))) == 2
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_interrupted_save_leaves_the_old_file_intact(tmp_path, monkeypatch):
+    path = tmp_path / "last.pt"
+    checkpoint.save_checkpoint({"step": 1, "w": torch.ones(3)}, path)
+    before = path.read_bytes()
+
+    def crash(src, dst):
+        raise OSError("disk yanked")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="disk yanked"):
+        checkpoint.save_checkpoint({"step": 2, "w": torch.zeros(3)}, path,
+                                   also=[tmp_path / "best.pt"])
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]  # no temp file left
+
+
+def test_keep_last_rotates_step_and_epoch_files(tmp_path):
+    assert train.main(tiny_args(tmp_path, "--ckpt-every-steps", "1", "--keep-last", "3",
+                                epochs=2)) == 0
+    names = sorted(os.listdir(tmp_path / "checkpoints"))
+    # steps 1-3, epoch-0001 (step 4: an epoch's last step saves as epoch-NNNN), steps 5-7,
+    # epoch-0002: the newest three of them stay
+    assert names == ["best.pt", "epoch-0002.pt", "last.pt", "step-00000006.pt",
+                     "step-00000007.pt"]
+
+
+def test_nonfinite_loss_stops_with_an_error_and_keeps_the_last_good(tmp_path, capsys):
+    assert train.main(tiny_args(tmp_path, epochs=1)) == 0
+    good = (tmp_path / "checkpoints" / "last.pt").read_bytes()
+    code = train.main(tiny_args(tmp_path, "--resume", "auto", "--lr", "1e30",
+                                "--max-nonfinite", "2", epochs=5))
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "not finite for" in err and "last.pt" in err
+    assert (tmp_path / "checkpoints" / "last.pt").read_bytes() == good
+    assert torch.isfinite(final_state(tmp_path)["model"]["fc.weight"]).all()
+
+
+# ------------------------------------------------------------- real processes, signals
+
+def launch(run_dir, *extra, workers=0):
+    """train.py in its own process group (as a shell or a scheduler would start it)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "train.py", *cnn_args(run_dir, *extra,
+                                                                   workers=workers)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env=env)
+
+
+def wait_for(path, proc, timeout=120):
+    deadline = time.time() + timeout
+    while not os.path.exists(path):
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+SLOW = ("--synthetic-size", "960", "--ckpt-every-steps", "1")  # 60 steps an epoch
+
+
+@pytest.fixture(scope="module")
+def slow_uninterrupted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("slow")
+    assert train.main(cnn_args(run_dir, *SLOW)) == 0
+    return final_state(run_dir)
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_to_the_process_group_saves_and_resumes_exactly(tmp_path, signum, code,
+                                                               slow_uninterrupted):
+    proc = launch(tmp_path, *SLOW, workers=2)
+    wait_for(tmp_path / "checkpoints" / "step-00000003.pt", proc)
+    os.killpg(proc.pid, signum)  # the workers get it too, as with Ctrl-C
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err
+    assert "Traceback" not in err and "Error" not in err
+    assert "Resume with:" in out and "--resume auto" in out
+    stopped = final_state(tmp_path)
+    assert 3 <= stopped["step"] < 60
+    assert train.main(cnn_args(tmp_path, *SLOW, "--resume", "auto", workers=2)) == 0
+    assert_same_training_state(final_state(tmp_path), slow_uninterrupted)
+
+
+def test_sigkill_at_random_moments_then_resume_auto(tmp_path, slow_uninterrupted):
+    rng = random.Random(0)
+    last = tmp_path / "checkpoints" / "last.pt"
+    for _ in range(3):
+        before = os.stat(last).st_mtime_ns if last.exists() else None
+        proc = launch(tmp_path, *SLOW, "--resume", "auto")
+        wait_for(last, proc)
+        while os.stat(last).st_mtime_ns == before:  # this process is training now
+            assert proc.poll() is None
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.3))
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGKILL
+    assert train.main(cnn_args(tmp_path, *SLOW, "--resume", "auto")) == 0
+    assert_same_training_state(final_state(tmp_path), slow_uninterrupted)
+    assert not [n for n in os.listdir(tmp_path / "checkpoints") if n.startswith(".tmp")]
