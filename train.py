@@ -73,8 +73,9 @@ def build_parser():
                    "in front of the loader (0 = off; see README for when it helps)")
 
     g = p.add_argument_group("network")
-    g.add_argument("--network", default="resnet18", help="simple_cnn, resnet18, mlp, or "
-                   "torchvision/<name>")
+    g.add_argument("--network", default=None, help="simple_cnn, resnet18, mlp, or "
+                   "torchvision/<name>; default: resnet18, or simple_cnn for --dataset "
+                   "synthetic (a smoke test that finishes in seconds on a CPU)")
     g.add_argument("--pretrained", default=None, help="start from the weights in this file "
                    "(a checkpoint of this project or a plain state_dict)")
     g.add_argument("--freeze", nargs="+", default=[], metavar="PATTERN",
@@ -196,6 +197,8 @@ def parse_config(argv):
     from_yaml = _read_yaml(known.config, parser) if known.config else {}
     parser.set_defaults(**from_yaml)
     config = vars(parser.parse_args(argv))
+    if config["network"] is None:
+        config["network"] = "simple_cnn" if config["dataset"] == "synthetic" else "resnet18"
     # The same parser with no defaults tells which flags were given on the command line.
     bare = build_parser()
     for action in bare._actions:

@@ -168,7 +168,29 @@ def test_every_flag_has_help_and_shows_its_default(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--help"])
     text = capsys.readouterr().out
-    assert "(default: 128)" in text and "(default: resnet18)" in text
+    assert "(default: 128)" in text and "default: resnet18, or simple_cnn" in text
+
+
+def test_default_network_is_resnet18_and_simple_cnn_for_synthetic():
+    assert train.parse_config([])[0]["network"] == "resnet18"
+    assert train.parse_config(["--dataset", "synthetic"])[0]["network"] == "simple_cnn"
+    assert train.parse_config(["--dataset", "synthetic", "--network", "mlp"])[0][
+        "network"] == "mlp"
+
+
+@pytest.mark.parametrize("recipe", sorted(os.listdir(os.path.join(ROOT, "configs"))))
+def test_every_recipe_parses(recipe):
+    config, explicit = train.parse_config(["--config", os.path.join(ROOT, "configs", recipe)])
+    train.check_config(config)
+    assert explicit
+
+
+def test_the_readme_smoke_run_learns(tmp_path):
+    # README: python train.py --dataset synthetic --epochs 2 (here without workers)
+    assert train.main(["--dataset", "synthetic", "--epochs", "2", "--run-dir", str(tmp_path),
+                       "--num-workers", "0", "--device", "cpu"]) == 0
+    records = read_metrics(tmp_path)
+    assert records[-1]["val_acc"] > 0.5  # chance is 0.1
 
 
 @pytest.mark.parametrize("argv, message", [
