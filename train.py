@@ -587,6 +587,14 @@ def train(argv, stop):
     # 2. Processes, device, seeds, run directory.
     rank, world_size, device = setup_processes(config)
     is_main = rank == 0
+    if world_size > 1:  # each process read the checkpoint from its own disk: they must agree
+        step = torch.tensor([-1 if state is None else state["step"]], device=device)
+        steps = [torch.zeros_like(step) for _ in range(world_size)]
+        dist.all_gather(steps, step)
+        if len({int(s) for s in steps}) > 1:
+            raise UserError(f"the processes found different checkpoints to resume from (step "
+                            f"by rank, -1 = none: {[int(s) for s in steps]}); on several "
+                            f"machines --run-dir must be on a file system they share")
 
     def log(message):
         if is_main:
@@ -663,6 +671,11 @@ def train(argv, stop):
 
     def read_counters():
         values = run.counters.read()
+        if world_size > 1:  # the loss may be non-finite on some processes only: every
+            # process must take the same decision (skip a save, stop), or they fall out of step
+            streaks = torch.tensor([values["worst_streak"], values["streak"]], device=device)
+            dist.all_reduce(streaks, op=dist.ReduceOp.MAX)
+            values["worst_streak"], values["streak"] = (int(s) for s in streaks)
         for key in ("loss_sum", "loss_count"):
             progress[key] += values[key]
             window[key] += values[key]
@@ -900,7 +913,8 @@ def merge_resumed_config(saved, config, explicit):
     merged = dict(config)
     merged.update({k: v for k, v in saved.items() if k in config and k not in explicit})
     for key in sorted(explicit):
-        if key in saved and saved[key] != config[key] and key not in ("resume", "run_dir"):
+        if key in saved and saved[key] != config[key] and key not in ("resume", "run_dir") \
+                and int(os.environ.get("RANK", "0")) == 0:  # once, not once per process
             print(f"override: {key} = {config[key]!r} (checkpoint had {saved[key]!r})")
     if not config["run_dir"] or "run_dir" not in explicit:
         merged["run_dir"] = saved.get("run_dir") or config["run_dir"]
@@ -934,6 +948,13 @@ def restore(state, net, optimizer, scaler, progress, config, rank, world_size, l
         scaler.load_state_dict(state["scaler"])
     rngs = state.get("rng_per_rank") or [state["rng"]]
     checkpoint.set_rng_state(rngs[rank] if len(rngs) == world_size else rngs[0])
+    saved = state["config"]  # --batch-size is per process: say so when the count changed
+    before = (saved.get("virtual_batch_size") or saved.get("batch_size", 0)) * len(rngs)
+    now = (config["virtual_batch_size"] or config["batch_size"]) * world_size
+    if before and before != now:
+        log(f"note: the checkpoint took {before} samples per optimizer step ({len(rngs)} "
+            f"process(es)), this run takes {now} ({world_size}); to continue the same "
+            f"training, set --batch-size (per process) so that they match")
 
 
 if __name__ == "__main__":
