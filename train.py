@@ -761,8 +761,9 @@ def train(argv, stop):
         if world_size > 1:  # no process exits (and makes torchrun kill the rest) before
             dist.barrier()  # rank 0 has written the checkpoint
         name = signal.Signals(stop.signum).name
-        log(f"{name}: saved {saver.last_saved}. Resume with:\n  python train.py --resume "
-            f"auto --run-dir {shlex.quote(run_dir)}")
+        launcher = "python train.py" if world_size == 1 else "torchrun <same options> train.py"
+        log(f"{name}: saved {saver.last_saved}. Resume with:\n  {launcher} --resume auto "
+            f"--run-dir {shlex.quote(run_dir)}")
         return EXIT_SIGINT if stop.signum == signal.SIGINT else EXIT_SIGTERM
     if status == "stopped" and progress["epoch_samples"]:  # --max-steps inside an epoch
         result = engine.evaluate(model, val_loader, run, train_set.num_classes)
