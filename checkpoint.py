@@ -12,6 +12,7 @@ import os
 import random
 import re
 import tempfile
+import threading
 
 import numpy as np
 import torch
@@ -80,6 +81,64 @@ def save_checkpoint(state, path, also=()):
         raise
     _fsync_dir(directory)
     return path
+
+
+def to_cpu(obj):
+    """A copy of a nested state whose tensors are detached CPU copies.
+
+    Args:
+        obj: dicts, lists and tuples of tensors and plain values.
+
+    Returns:
+        The same structure; training may change the originals while the copy is written.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
+class BackgroundWriter:
+    """Writes checkpoints in a thread, one at a time, so that training goes on meanwhile.
+
+    Serialising and fsyncing a ResNet-18 checkpoint takes about 0.1 s; on a fast GPU
+    that is several percent of a CIFAR-10 epoch, while the copy to host memory that the
+    training thread still makes takes milliseconds. The thread is not a daemon: the
+    interpreter waits for a write in progress before it exits.
+    """
+
+    def __init__(self):
+        self._thread = None
+        self._error = None
+
+    def submit(self, state, path, also=(), keep_last=0):
+        """Writes ``state`` (tensors the caller no longer changes) as ``save_checkpoint``
+        does, then keeps the newest ``keep_last`` rotating files; waits for the previous
+        write first."""
+        self.wait()
+
+        def write():
+            try:
+                save_checkpoint(state, path, also)
+                if keep_last > 0:
+                    rotate(os.path.dirname(os.path.abspath(path)), keep_last)
+            except BaseException as e:  # re-raised by wait() in the training thread
+                self._error = e
+
+        self._thread = threading.Thread(target=write, name="checkpoint-writer")
+        self._thread.start()
+
+    def wait(self):
+        """Blocks until the write in progress is done; raises its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
 
 def load_checkpoint(path, map_location="cpu"):

@@ -753,7 +753,16 @@ def train(argv, stop):
                                      optimizer.param_groups[0]["lr"])
             if status == "stopped":
                 break
+        if status == "stopped" and stop.signum is None and progress["epoch_samples"]:
+            result = engine.evaluate(model, val_loader, run, train_set.num_classes)
+            final = {"val_loss": result["loss"], "val_acc": result["acc"]}
+            runlog.scalars({"val/loss": result["loss"], "val/acc": result["acc"]},
+                           progress["step"])
+            save("stop")  # --max-steps reached inside an epoch
+            log(f"--max-steps {config['max_steps']} reached at step {progress['step']}: "
+                f"val_acc {result['acc']:.4f}")
     finally:
+        saver.wait()  # the checkpoint being written in the background
         data.shutdown_loader(train_loader)
         data.shutdown_loader(val_loader)
     if stop.signum is not None:
@@ -765,14 +774,6 @@ def train(argv, stop):
         log(f"{name}: saved {saver.last_saved}. Resume with:\n  {launcher} --resume auto "
             f"--run-dir {shlex.quote(run_dir)}")
         return EXIT_SIGINT if stop.signum == signal.SIGINT else EXIT_SIGTERM
-    if status == "stopped" and progress["epoch_samples"]:  # --max-steps inside an epoch
-        result = engine.evaluate(model, val_loader, run, train_set.num_classes)
-        final = {"val_loss": result["loss"], "val_acc": result["acc"]}
-        runlog.scalars({"val/loss": result["loss"], "val/acc": result["acc"]},
-                       progress["step"])
-        save("stop")
-        log(f"--max-steps {config['max_steps']} reached at step {progress['step']}: "
-            f"val_acc {result['acc']:.4f}; saved {saver.last_saved}")
     runlog.close(config, final, progress["step"])
     log(f"done: {run_dir}")
     return 0
@@ -850,6 +851,7 @@ class Saver:
         self.config, self.net, self.optimizer, self.scaler = config, net, optimizer, scaler
         self.progress, self.is_main, self.world_size = progress, is_main, world_size
         self.last_saved = None
+        self.writer = checkpoint.BackgroundWriter()
         if is_main:  # temporary files of a save that was killed half-way
             for name in os.listdir(self.dir):
                 if name.startswith(".tmp-"):
@@ -889,10 +891,20 @@ class Saver:
             name = f"epoch-{progress['epoch']:04d}.pt" if kind == "epoch" \
                 else f"step-{progress['step']:08d}.pt"
             also.append(os.path.join(self.dir, name))
-        checkpoint.save_checkpoint(state, path, also=also)
-        if self.config["keep_last"] > 0:
-            checkpoint.rotate(self.dir, self.config["keep_last"])
+        # Training goes on while a thread writes a private CPU copy of the state.
+        self.writer.submit(checkpoint.to_cpu(state), path, also,
+                           keep_last=self.config["keep_last"])
         self.last_saved = path
+
+    def wait(self):
+        """Waits for the checkpoint being written (re-raising a failed write's error)."""
+        if self.is_main:
+            try:
+                self.writer.wait()
+            except OSError as e:
+                raise checkpoint.CheckpointError(
+                    f"writing a checkpoint into {self.dir!r} failed ({e}); the files "
+                    f"there are the last complete ones") from None
 
 
 def find_resume(config):

@@ -273,3 +273,35 @@ def test_sigkill_at_random_moments_then_resume_auto(tmp_path, slow_uninterrupted
     assert train.main(cnn_args(tmp_path, *SLOW, "--resume", "auto")) == 0
     assert_same_training_state(final_state(tmp_path), slow_uninterrupted)
     assert not [n for n in os.listdir(tmp_path / "checkpoints") if n.startswith(".tmp")]
+
+
+def test_background_writer_saves_a_snapshot_and_reports_failures(tmp_path, monkeypatch):
+    weights = torch.zeros(1000)
+    writer = checkpoint.BackgroundWriter()
+    writer.submit(checkpoint.to_cpu({"w": weights}), tmp_path / "last.pt")
+    weights += 1  # training goes on while the thread writes
+    writer.wait()
+    assert torch.equal(checkpoint.load_checkpoint(tmp_path / "last.pt")["w"], torch.zeros(1000))
+
+    def full(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    writer.submit({"w": weights}, tmp_path / "last.pt")
+    with pytest.raises(OSError, match="No space left"):
+        writer.wait()
+    assert torch.equal(checkpoint.load_checkpoint(tmp_path / "last.pt")["w"], torch.zeros(1000))
+
+
+def test_a_failed_checkpoint_write_is_one_error_line(tmp_path, monkeypatch, capsys):
+    assert train.main(tiny_args(tmp_path, epochs=1)) == 0
+    before = (tmp_path / "checkpoints" / "last.pt").read_bytes()
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    assert train.main(tiny_args(tmp_path, "--resume", "auto", epochs=2)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: writing a checkpoint") and "No space left" in err[-1]
+    assert (tmp_path / "checkpoints" / "last.pt").read_bytes() == before
