@@ -276,7 +276,7 @@ class EpochBatchSampler:
         for chunk, local in self._chunks():
             if len(local) == 0:
                 local = chunk[-1:]  # stand-in: weighted 0, keeps collectives in step
-            yield [(int(i), self.epoch) for i in local]
+            yield [(i, self.epoch) for i in local.tolist()]
 
 
 def _ignore_stop_signals(worker_id):
