@@ -42,6 +42,235 @@ EXIT_USER_ERROR, EXIT_FAILED, EXIT_SIGINT, EXIT_SIGTERM = 2, 1, 130, 143
 NOT_SAVED_IN_CONFIG = ("config", "resume", "run_dir")  # per invocation, not per recipe
 
 
+# ---------------------------------------------------------------------------- main
+
+def main(argv=None):
+    """Trains with the given command-line arguments.
+
+    Returns:
+        The exit code: 0 when done, 2 for a user error (one ``error:`` line), 1 when the
+        loss stayed non-finite, 130/143 when stopped by SIGINT/SIGTERM after saving.
+    """
+    stop = StopRequest()
+    try:
+        return train(sys.argv[1:] if argv is None else argv, stop)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except NonFiniteLoss as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        stop.restore()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class NonFiniteLoss(Exception):
+    """The loss stayed NaN or infinite for --max-nonfinite optimizer steps in a row."""
+
+
+def train(argv, stop):
+    """The whole run, stage by stage; returns the exit code (see ``main``)."""
+    # 1. Config: defaults < YAML < command line; a resumed run takes its checkpoint's.
+    config, explicit = parse_config(argv)
+    check_config(config)
+    resume_path, state = find_resume(config)
+    if state is not None:
+        state["path"] = resume_path
+        config = merge_resumed_config(state["config"], config, explicit)
+        check_config(config)
+
+    # 2. Processes, device, seeds, run directory.
+    rank, world_size, device = setup_processes(config)
+    is_main = rank == 0
+    if world_size > 1:
+        check_same_resume_point(state, world_size, device)
+
+    def log(message):
+        if is_main:
+            print(message, flush=True)
+
+    seed_everything(config["seed"], rank, config["deterministic"], device)
+    run_dir = prepare_run_dir(config, state is not None, is_main)
+    if resume_path:
+        log(f"resuming from {resume_path} (epoch {state['epoch']}, step {state['step']})")
+    elif config["resume"] == "auto":
+        log(f"no valid checkpoint in {run_dir}: starting fresh")
+
+    # 3. Data: the first process downloads, the others wait and read.
+    if is_main:
+        train_set, val_set = data.build_datasets(config)
+    if world_size > 1:
+        dist.barrier()
+    if not is_main:
+        train_set, val_set = data.build_datasets(config)
+    accum = (config["virtual_batch_size"] or config["batch_size"]) // config["batch_size"]
+    sampler = data.EpochBatchSampler(len(train_set), config["batch_size"], config["seed"],
+                                     rank=rank, world_size=world_size)
+    pin = device.type == "cuda"
+    train_loader = data.build_loader(train_set, batch_sampler=sampler,
+                                     num_workers=config["num_workers"], pin_memory=pin)
+    val_loader = data.build_loader(
+        val_set, batch_size=config["batch_size"], num_workers=config["num_workers"],
+        pin_memory=pin, sampler=data.shard_indices(len(val_set), rank, world_size))
+
+    # 4. Network, loss, optimizer.
+    net, model = build_model(config, train_set, device, world_size, log, state is not None)
+    if is_main:
+        write_summary(net, train_set, run_dir, device, log)
+    criterion = build_criterion(config)
+    optimizer = build_optimizer(net, config)
+    dtype = amp_dtype(config, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+
+    windows_per_epoch = -(-len(sampler) // accum)
+    total_steps = config["max_steps"] or windows_per_epoch * config["epochs"]
+    total_steps = min(total_steps, windows_per_epoch * config["epochs"])
+    warmup = int(config["warmup_epochs"] * windows_per_epoch)
+
+    def lr_factor(step):
+        return ops.lr_factor(step, total_steps, config["scheduler"], warmup)
+
+    # 5. Resume: weights, optimizer, scaler, position and RNG as of the saved step.
+    progress = {"epoch": 0, "step": 0, "epoch_samples": 0, "loss_sum": 0.0,
+                "loss_count": 0, "best_val_acc": -1.0, "scaler_skips": 0}
+    if state is not None:
+        restore(state, net, optimizer, scaler, progress, config, rank, world_size, log)
+    engine.set_lr(optimizer, lr_factor(progress["step"]))
+
+    # 6. The epoch loop.
+    memory_format = torch.channels_last if config["channels_last"] else torch.contiguous_format
+    run = engine.RunSettings(
+        device=device, epochs=config["epochs"], accum=accum, world_size=world_size,
+        amp_dtype=dtype, scaler=scaler, grad_clip=config["grad_clip"],
+        memory_format=memory_format, prefetch=config["prefetch"], show_progress=is_main,
+        lr_factor=lr_factor, timer=engine.StepTimer(device), counters=engine.Counters(device))
+    run.flops_per_sample = ops.train_flops_per_sample(
+        net, (train_set.in_channels, train_set.image_size, train_set.image_size), device)
+    if device.type == "cuda":
+        run.peak_tflops = ops.peak_tflops(torch.cuda.get_device_name(device), dtype is not None)
+    runlog = RunLog(run_dir, progress["step"], progress["epoch"], is_main)
+    saver = Saver(run_dir, config, net, optimizer, scaler, progress, is_main, world_size)
+    saver.last_saved = resume_path
+    if progress["step"] == 0 and is_main:
+        log_first_batch(runlog, train_set, sampler)
+    log(f"training {config['network']} on {config['dataset']} ({len(train_set)} samples, "
+        f"{world_size} process(es), {device}) into {run_dir}")
+
+    window = {"loss_sum": 0.0, "loss_count": 0, "time": time.perf_counter()}
+
+    def read_counters():
+        values = run.counters.read()
+        if world_size > 1:  # the loss may be non-finite on some processes only: every
+            # process must take the same decision (skip a save, stop), or they fall out of step
+            streaks = torch.tensor([values["worst_streak"], values["streak"]], device=device)
+            dist.all_reduce(streaks, op=dist.ReduceOp.MAX)
+            values["worst_streak"], values["streak"] = (int(s) for s in streaks)
+        for key in ("loss_sum", "loss_count"):
+            progress[key] += values[key]
+            window[key] += values[key]
+        progress["scaler_skips"] += values["scaler_skips"]
+        if values["worst_streak"] >= config["max_nonfinite"]:
+            raise NonFiniteLoss(
+                f"the loss was not finite for {values['worst_streak']} steps in a row (at "
+                f"step {progress['step']}); lower --lr, add --grad-clip, or try --amp bf16. "
+                f"The last good checkpoint is {saver.last_saved or 'none'}")
+        return values
+
+    def save(kind, best=False):
+        if read_counters()["streak"]:
+            log(f"not saving at step {progress['step']}: the last loss was not finite")
+            return
+        saver.save(kind, best)
+
+    def log_window(bar, step):
+        read_counters()
+        mean = window["loss_sum"] / max(window["loss_count"], 1)
+        data_t, compute_t, _ = run.timer.totals()
+        elapsed = max(time.perf_counter() - window["time"], 1e-9)
+        rate = window["loss_count"] * world_size / elapsed
+        scalars = {"train/loss": mean, "train/lr": optimizer.param_groups[0]["lr"]}
+        if scaler.is_enabled():
+            scalars["train/scaler_skips"] = progress["scaler_skips"]
+        runlog.scalars(scalars, step)
+        bar.set_postfix(loss=f"{mean:.4f}", samples_s=f"{rate:.0f}",
+                        eff=f"{engine.efficiency(data_t, compute_t):.2f}", refresh=False)
+        window.update(loss_sum=0.0, loss_count=0, time=time.perf_counter())
+
+    def after_step(bar):  # called by the engine after every optimizer step
+        step = progress["step"]
+        stopping = stop_now()
+        at_max = bool(config["max_steps"]) and step >= config["max_steps"]
+        if step % config["log_every"] == 0 or stopping or at_max:
+            log_window(bar, step)
+        epoch_done = progress["epoch_samples"] >= len(train_set)  # finish_epoch saves then
+        if stopping or (config["ckpt_every_steps"] and step % config["ckpt_every_steps"] == 0
+                        and not epoch_done):
+            save("stop" if stopping else "step")
+        return stopping or at_max
+
+    def stop_now():
+        wanted = stop.signum is not None
+        if world_size > 1:  # every process stops at the same step
+            flag = torch.tensor([int(wanted)], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            wanted = bool(flag.item())
+            if wanted and stop.signum is None:
+                stop.signum = signal.SIGTERM
+        return wanted
+
+    final, status = {}, "done"
+    try:
+        for epoch in range(progress["epoch"], config["epochs"]):
+            if stop_now():  # a signal that came between steps (setup, validation)
+                save("stop")
+                break
+            if config["unfreeze_at"] and epoch + 1 == config["unfreeze_at"] \
+                    and progress["epoch_samples"] == 0:
+                names = unfreeze_into(net, optimizer, config)
+                engine.set_lr(optimizer, lr_factor(progress["step"]))
+                log(f"epoch {epoch + 1}: unfroze {len(names)} parameter tensors")
+            run.epoch = epoch
+            sampler.set_epoch(epoch, progress["epoch_samples"])
+            run.timer.reset()
+            window["time"] = time.perf_counter()
+            status = engine.train_one_epoch(model, train_loader, optimizer, criterion, run,
+                                            progress, after_step)
+            if progress["epoch_samples"] >= len(train_set):  # the epoch is complete
+                read_counters()
+                final = finish_epoch(epoch, model, val_loader, run, config, progress,
+                                     runlog, save, world_size, train_set.num_classes, log,
+                                     optimizer.param_groups[0]["lr"])
+            if status == "stopped":
+                break
+        if status == "stopped" and stop.signum is None and progress["epoch_samples"]:
+            result = engine.evaluate(model, val_loader, run, train_set.num_classes)
+            final = {"val_loss": result["loss"], "val_acc": result["acc"]}
+            runlog.scalars({"val/loss": result["loss"], "val/acc": result["acc"]},
+                           progress["step"])
+            save("stop")  # --max-steps reached inside an epoch
+            log(f"--max-steps {config['max_steps']} reached at step {progress['step']}: "
+                f"val_acc {result['acc']:.4f}")
+    finally:
+        runlog.flush()  # keep what was logged, also when the run fails
+        saver.wait()  # the checkpoint being written in the background
+        data.shutdown_loader(train_loader)
+        data.shutdown_loader(val_loader)
+    if stop.signum is not None:
+        runlog.close(config, None)
+        if world_size > 1:  # no process exits (and makes torchrun kill the rest) before
+            dist.barrier()  # rank 0 has written the checkpoint
+        name = signal.Signals(stop.signum).name
+        launcher = "python train.py" if world_size == 1 else "torchrun <same options> train.py"
+        log(f"{name}: saved {saver.last_saved}. Resume with:\n  {launcher} --resume auto "
+            f"--run-dir {shlex.quote(run_dir)}")
+        return EXIT_SIGINT if stop.signum == signal.SIGINT else EXIT_SIGTERM
+    runlog.close(config, final, progress["step"])
+    log(f"done: {run_dir}")
+    return 0
+
+
 # ----------------------------------------------------------------------------- config
 
 class _Parser(argparse.ArgumentParser):
@@ -269,6 +498,17 @@ def setup_processes(config):
         raise UserError(f"--device {config['device']}: no such CUDA device here "
                         f"({torch.cuda.device_count()} visible)")
     return 0, 1, device
+
+
+def check_same_resume_point(state, world_size, device):
+    """Each process read the checkpoint from its own disk: they must have found the same."""
+    step = torch.tensor([-1 if state is None else state["step"]], device=device)
+    steps = [torch.zeros_like(step) for _ in range(world_size)]
+    dist.all_gather(steps, step)
+    if len({int(s) for s in steps}) > 1:
+        raise UserError(f"the processes found different checkpoints to resume from (step "
+                        f"by rank, -1 = none: {[int(s) for s in steps]}); on several "
+                        f"machines --run-dir must be on a file system they share")
 
 
 def _gpu_ids(text):
@@ -504,6 +744,10 @@ class RunLog:
                 f.flush()
                 os.fsync(f.fileno())
 
+    def flush(self):
+        if self.enabled:
+            self.writer.flush()
+
     def close(self, config, final, step=0):
         if not self.enabled:
             return
@@ -544,239 +788,6 @@ class StopRequest:
     def restore(self):
         for signum, handler in self._old.items():
             signal.signal(signum, handler)
-
-
-# ---------------------------------------------------------------------------- main
-
-def main(argv=None):
-    """Trains with the given command-line arguments.
-
-    Returns:
-        The exit code: 0 when done, 2 for a user error (one ``error:`` line), 1 when the
-        loss stayed non-finite, 130/143 when stopped by SIGINT/SIGTERM after saving.
-    """
-    stop = StopRequest()
-    try:
-        return train(sys.argv[1:] if argv is None else argv, stop)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    except NonFiniteLoss as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_FAILED
-    finally:
-        stop.restore()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-class NonFiniteLoss(Exception):
-    pass
-
-
-def train(argv, stop):
-    # 1. Config: defaults < YAML < command line; a resumed run takes its checkpoint's.
-    config, explicit = parse_config(argv)
-    check_config(config)
-    resume_path, state = find_resume(config)
-    if state is not None:
-        state["path"] = resume_path
-        config = merge_resumed_config(state["config"], config, explicit)
-        check_config(config)
-
-    # 2. Processes, device, seeds, run directory.
-    rank, world_size, device = setup_processes(config)
-    is_main = rank == 0
-    if world_size > 1:  # each process read the checkpoint from its own disk: they must agree
-        step = torch.tensor([-1 if state is None else state["step"]], device=device)
-        steps = [torch.zeros_like(step) for _ in range(world_size)]
-        dist.all_gather(steps, step)
-        if len({int(s) for s in steps}) > 1:
-            raise UserError(f"the processes found different checkpoints to resume from (step "
-                            f"by rank, -1 = none: {[int(s) for s in steps]}); on several "
-                            f"machines --run-dir must be on a file system they share")
-
-    def log(message):
-        if is_main:
-            print(message, flush=True)
-
-    seed_everything(config["seed"], rank, config["deterministic"], device)
-    run_dir = prepare_run_dir(config, state is not None, is_main)
-    if resume_path:
-        log(f"resuming from {resume_path} (epoch {state['epoch']}, step {state['step']})")
-    elif config["resume"] == "auto":
-        log(f"no valid checkpoint in {run_dir}: starting fresh")
-
-    # 3. Data: the first process downloads, the others wait and read.
-    if is_main:
-        train_set, val_set = data.build_datasets(config)
-    if world_size > 1:
-        dist.barrier()
-    if not is_main:
-        train_set, val_set = data.build_datasets(config)
-    accum = (config["virtual_batch_size"] or config["batch_size"]) // config["batch_size"]
-    sampler = data.EpochBatchSampler(len(train_set), config["batch_size"], config["seed"],
-                                     rank=rank, world_size=world_size)
-    pin = device.type == "cuda"
-    train_loader = data.build_loader(train_set, batch_sampler=sampler,
-                                     num_workers=config["num_workers"], pin_memory=pin)
-    val_loader = data.build_loader(
-        val_set, batch_size=config["batch_size"], num_workers=config["num_workers"],
-        pin_memory=pin, sampler=data.shard_indices(len(val_set), rank, world_size))
-
-    # 4. Network, loss, optimizer.
-    net, model = build_model(config, train_set, device, world_size, log, state is not None)
-    if is_main:
-        write_summary(net, train_set, run_dir, device, log)
-    criterion = build_criterion(config)
-    optimizer = build_optimizer(net, config)
-    dtype = amp_dtype(config, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-
-    windows_per_epoch = -(-len(sampler) // accum)
-    total_steps = config["max_steps"] or windows_per_epoch * config["epochs"]
-    total_steps = min(total_steps, windows_per_epoch * config["epochs"])
-    warmup = int(config["warmup_epochs"] * windows_per_epoch)
-
-    def lr_factor(step):
-        return ops.lr_factor(step, total_steps, config["scheduler"], warmup)
-
-    # 5. Resume: weights, optimizer, scaler, position and RNG as of the saved step.
-    progress = {"epoch": 0, "step": 0, "epoch_samples": 0, "loss_sum": 0.0,
-                "loss_count": 0, "best_val_acc": -1.0, "scaler_skips": 0}
-    if state is not None:
-        restore(state, net, optimizer, scaler, progress, config, rank, world_size, log)
-    engine.set_lr(optimizer, lr_factor(progress["step"]))
-
-    # 6. The epoch loop.
-    memory_format = torch.channels_last if config["channels_last"] else torch.contiguous_format
-    run = engine.RunSettings(
-        device=device, epochs=config["epochs"], accum=accum, world_size=world_size,
-        amp_dtype=dtype, scaler=scaler, grad_clip=config["grad_clip"],
-        memory_format=memory_format, prefetch=config["prefetch"], show_progress=is_main,
-        lr_factor=lr_factor, timer=engine.StepTimer(device), counters=engine.Counters(device))
-    run.flops_per_sample = ops.train_flops_per_sample(
-        net, (train_set.in_channels, train_set.image_size, train_set.image_size), device)
-    if device.type == "cuda":
-        run.peak_tflops = ops.peak_tflops(torch.cuda.get_device_name(device), dtype is not None)
-    runlog = RunLog(run_dir, progress["step"], progress["epoch"], is_main)
-    saver = Saver(run_dir, config, net, optimizer, scaler, progress, is_main, world_size)
-    saver.last_saved = resume_path
-    if progress["step"] == 0 and is_main:
-        log_first_batch(runlog, train_set, sampler)
-    log(f"training {config['network']} on {config['dataset']} ({len(train_set)} samples, "
-        f"{world_size} process(es), {device}) into {run_dir}")
-
-    window = {"loss_sum": 0.0, "loss_count": 0, "time": time.perf_counter()}
-
-    def read_counters():
-        values = run.counters.read()
-        if world_size > 1:  # the loss may be non-finite on some processes only: every
-            # process must take the same decision (skip a save, stop), or they fall out of step
-            streaks = torch.tensor([values["worst_streak"], values["streak"]], device=device)
-            dist.all_reduce(streaks, op=dist.ReduceOp.MAX)
-            values["worst_streak"], values["streak"] = (int(s) for s in streaks)
-        for key in ("loss_sum", "loss_count"):
-            progress[key] += values[key]
-            window[key] += values[key]
-        progress["scaler_skips"] += values["scaler_skips"]
-        if values["worst_streak"] >= config["max_nonfinite"]:
-            raise NonFiniteLoss(
-                f"the loss was not finite for {values['worst_streak']} steps in a row (at "
-                f"step {progress['step']}); lower --lr, add --grad-clip, or try --amp bf16. "
-                f"The last good checkpoint is {saver.last_saved or 'none'}")
-        return values
-
-    def save(kind, best=False):
-        if read_counters()["streak"]:
-            log(f"not saving at step {progress['step']}: the last loss was not finite")
-            return
-        saver.save(kind, best)
-
-    def log_window(bar, step):
-        read_counters()
-        mean = window["loss_sum"] / max(window["loss_count"], 1)
-        data_t, compute_t, _ = run.timer.totals()
-        elapsed = max(time.perf_counter() - window["time"], 1e-9)
-        rate = window["loss_count"] * world_size / elapsed
-        scalars = {"train/loss": mean, "train/lr": optimizer.param_groups[0]["lr"]}
-        if scaler.is_enabled():
-            scalars["train/scaler_skips"] = progress["scaler_skips"]
-        runlog.scalars(scalars, step)
-        bar.set_postfix(loss=f"{mean:.4f}", samples_s=f"{rate:.0f}",
-                        eff=f"{engine.efficiency(data_t, compute_t):.2f}", refresh=False)
-        window.update(loss_sum=0.0, loss_count=0, time=time.perf_counter())
-
-    def after_step(bar):  # called by the engine after every optimizer step
-        step = progress["step"]
-        stopping = stop_now()
-        at_max = bool(config["max_steps"]) and step >= config["max_steps"]
-        if step % config["log_every"] == 0 or stopping or at_max:
-            log_window(bar, step)
-        epoch_done = progress["epoch_samples"] >= len(train_set)  # finish_epoch saves then
-        if stopping or (config["ckpt_every_steps"] and step % config["ckpt_every_steps"] == 0
-                        and not epoch_done):
-            save("stop" if stopping else "step")
-        return stopping or at_max
-
-    def stop_now():
-        wanted = stop.signum is not None
-        if world_size > 1:  # every process stops at the same step
-            flag = torch.tensor([int(wanted)], device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            wanted = bool(flag.item())
-            if wanted and stop.signum is None:
-                stop.signum = signal.SIGTERM
-        return wanted
-
-    final, status = {}, "done"
-    try:
-        for epoch in range(progress["epoch"], config["epochs"]):
-            if stop_now():  # a signal that came between steps (setup, validation)
-                save("stop")
-                break
-            if config["unfreeze_at"] and epoch + 1 == config["unfreeze_at"] \
-                    and progress["epoch_samples"] == 0:
-                names = unfreeze_into(net, optimizer, config)
-                engine.set_lr(optimizer, lr_factor(progress["step"]))
-                log(f"epoch {epoch + 1}: unfroze {len(names)} parameter tensors")
-            run.epoch = epoch
-            sampler.set_epoch(epoch, progress["epoch_samples"])
-            run.timer.reset()
-            window["time"] = time.perf_counter()
-            status = engine.train_one_epoch(model, train_loader, optimizer, criterion, run,
-                                            progress, after_step)
-            if progress["epoch_samples"] >= len(train_set):  # the epoch is complete
-                read_counters()
-                final = finish_epoch(epoch, model, val_loader, run, config, progress,
-                                     runlog, save, world_size, train_set.num_classes, log,
-                                     optimizer.param_groups[0]["lr"])
-            if status == "stopped":
-                break
-        if status == "stopped" and stop.signum is None and progress["epoch_samples"]:
-            result = engine.evaluate(model, val_loader, run, train_set.num_classes)
-            final = {"val_loss": result["loss"], "val_acc": result["acc"]}
-            runlog.scalars({"val/loss": result["loss"], "val/acc": result["acc"]},
-                           progress["step"])
-            save("stop")  # --max-steps reached inside an epoch
-            log(f"--max-steps {config['max_steps']} reached at step {progress['step']}: "
-                f"val_acc {result['acc']:.4f}")
-    finally:
-        saver.wait()  # the checkpoint being written in the background
-        data.shutdown_loader(train_loader)
-        data.shutdown_loader(val_loader)
-    if stop.signum is not None:
-        runlog.close(config, None)
-        if world_size > 1:  # no process exits (and makes torchrun kill the rest) before
-            dist.barrier()  # rank 0 has written the checkpoint
-        name = signal.Signals(stop.signum).name
-        launcher = "python train.py" if world_size == 1 else "torchrun <same options> train.py"
-        log(f"{name}: saved {saver.last_saved}. Resume with:\n  {launcher} --resume auto "
-            f"--run-dir {shlex.quote(run_dir)}")
-        return EXIT_SIGINT if stop.signum == signal.SIGINT else EXIT_SIGTERM
-    runlog.close(config, final, progress["step"])
-    log(f"done: {run_dir}")
-    return 0
 
 
 def finish_epoch(epoch, model, val_loader, run, config, progress, runlog, save,
