@@ -37,8 +37,9 @@ import sys
 import tempfile
 import time
 
+from common import ROOT, setup_device, train_defaults  # noqa: I001
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 # This file is named like the project's checkpoint module: import that one, not this.
 sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
@@ -49,19 +50,7 @@ from losses import build_criterion  # noqa: E402
 from networks import build_network  # noqa: E402
 
 # train.py's defaults (the resolved config is saved in every checkpoint).
-CONFIG = {
-    "dataset": "cifar10", "data_dir": "data", "synthetic_size": 512, "image_size": 32,
-    "num_classes": 10, "augment": True, "num_workers": 2, "prefetch": 0,
-    "network": "resnet18", "pretrained": None, "freeze": [], "unfreeze_at": 0,
-    "unfreeze_lr_scale": 0.1, "epochs": 30, "max_steps": 0, "batch_size": 128,
-    "virtual_batch_size": 0, "optimizer": "sgd", "lr": 0.1, "momentum": 0.9,
-    "nesterov": True, "weight_decay": 5e-4, "scheduler": "cosine", "warmup_epochs": 1.0,
-    "grad_clip": 0.0, "label_smoothing": 0.1, "max_nonfinite": 10, "device": "auto",
-    "gpus": None, "sync_bn": False, "amp": "none", "channels_last": False,
-    "grad_checkpointing": False, "compile": False, "seed": 0, "deterministic": False,
-    "run_dir": "runs/20250101-000000-resnet18-cifar10", "ckpt_every_steps": 0,
-    "keep_last": 2, "eval_every": 1, "log_every": 50,
-}
+CONFIG = train_defaults()
 
 
 def parse_args(argv=None):
@@ -148,15 +137,7 @@ def time_steps(net, optimizer, criterion, args, device):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = f"{platform.machine()}, {torch.get_num_threads()} threads, " \
-               f"{os.cpu_count()} cores"
+    device, name = setup_device(args)
     print(f"# checkpoint: {args.network}, SGD momentum, state shaped like train.Saver's, "
           f"{args.repeats} saves and loads; training step at batch {args.batch_size}, "
           f"median of {args.steps}")

@@ -46,10 +46,8 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
 import torch  # noqa: E402
+from common import setup_device  # noqa: E402  (puts the repository on the path)
 
 import data  # noqa: E402
 import engine  # noqa: E402
@@ -176,15 +174,7 @@ class EngineLoop:
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = f"{platform.machine()}, {torch.get_num_threads()} threads, " \
-               f"{os.cpu_count()} cores"
+    device, name = setup_device(args)
     size = args.chunk * args.batch_size
     config = {"dataset": "synthetic", "data_dir": "data", "seed": args.seed,
               "augment": args.augment, "image_size": args.image_size,

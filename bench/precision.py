@@ -30,11 +30,9 @@ import sys
 import time
 import warnings
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from common import setup_device  # noqa: E402  (puts the repository on the path)
 
 import engine  # noqa: E402
 from networks import build_network  # noqa: E402
@@ -210,14 +208,7 @@ def checkpointing_memory(args, device, checkpointing):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    device, name = setup_device(args)
     print(f"# {args.network}, batch {args.batch_size}, {args.image_size}x{args.image_size}, "
           f"{args.warmup} warmup + {args.repeats} x {args.steps} timed steps")
     print(f"# {device} ({name}), torch {torch.__version__}, python {platform.python_version()}")
