@@ -119,12 +119,16 @@ class SyntheticImages(torch.utils.data.Dataset):
 
 
 def _transforms(name, image_size, augment, from_pil=True):
-    """The train (maybe augmented) and eval transforms of a dataset."""
-    front = [v2.ToImage(), v2.ToDtype(torch.float32, scale=True)] if from_pil else []
-    if name in ("imagefolder",):
-        front = [v2.ToImage(), v2.Resize((image_size, image_size), antialias=True),
-                 v2.ToDtype(torch.float32, scale=True)]
-    back = [v2.Normalize(*STATS[name])] if name in STATS else []
+    """The train (maybe augmented) and eval transforms of a dataset.
+
+    Images are cropped and flipped as uint8 (cheaper), then scaled to [0, 1] floats and
+    normalised with the dataset's statistics.
+    """
+    front = [v2.ToImage()] if from_pil else []
+    if name == "imagefolder":
+        front.append(v2.Resize((image_size, image_size), antialias=True))
+    back = [v2.ToDtype(torch.float32, scale=True)] if from_pil else []
+    back += [v2.Normalize(*STATS[name])] if name in STATS else []
     aug = []
     if augment:
         aug = [v2.RandomCrop(image_size, padding=max(image_size // 8, 1))]

@@ -138,8 +138,9 @@ class RunSettings:
     peak_tflops: float = None           # the GPU's datasheet peak, when known
 
     def autocast(self):
-        return torch.autocast(self.device.type, dtype=self.amp_dtype,
-                              enabled=self.amp_dtype is not None)
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()  # cheaper than a disabled autocast, every step
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
 
 class Counters:
@@ -231,7 +232,8 @@ def train_one_epoch(model, loader, optimizer, criterion, run, progress, after_st
                     loss = criterion(model(x), y)
                 # DDP averages gradients over processes: scale so that the window's sum is
                 # the mean over all of its samples, however they were split.
-                run.scaler.scale(loss * (local_n * world / window_n)).backward()
+                weight = local_n * world / window_n
+                run.scaler.scale(loss * weight if weight != 1.0 else loss).backward()
             run.counters.add_loss(loss, local_n)
             if last_in_window:
                 _optimizer_step(model, optimizer, run)
