@@ -402,3 +402,35 @@ def test_tensorboard_server_shows_the_run(synthetic_run):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def write_idx(path, array):
+    """An MNIST idx file (big-endian header, uint8 data), as torchvision reads it."""
+    import struct
+
+    header = struct.pack(">BBBB", 0, 0, 0x08, array.dim())
+    header += b"".join(struct.pack(">I", d) for d in array.shape)
+    path.write_bytes(header + array.numpy().tobytes())
+
+
+def test_torchvision_dataset_from_an_existing_copy(tmp_path):
+    # MNIST files already in --data-dir: torchvision's real loader, no download.
+    raw = tmp_path / "data" / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    for prefix, n in (("train", 40), ("t10k", 10)):
+        labels = torch.arange(n, dtype=torch.uint8) % 10
+        images = (labels.view(-1, 1, 1) * 25).expand(n, 28, 28).clone()
+        images += torch.randint(0, 5, (n, 28, 28), generator=g, dtype=torch.uint8)
+        write_idx(raw / f"{prefix}-images-idx3-ubyte", images)
+        write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels)
+    run_dir = tmp_path / "run"
+    assert train.main(["--dataset", "mnist", "--data-dir", str(tmp_path / "data"),
+                       "--network", "simple_cnn", "--epochs", "1", "--batch-size", "8",
+                       "--num-workers", "0", "--run-dir", str(run_dir), "--device", "cpu"]) == 0
+    train_set, val_set = data.build_datasets(train.parse_config(
+        ["--dataset", "mnist", "--data-dir", str(tmp_path / "data")])[0])
+    assert (len(train_set), len(val_set), train_set.in_channels) == (40, 10, 1)
+    image, label = train_set[(3, 0)]
+    assert image.shape == (1, 28, 28) and label == 3
+    assert final_state(run_dir)["model"]["features.0.block.0.weight"].shape[1] == 1
