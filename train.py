@@ -273,6 +273,11 @@ def train(argv, stop):
 
 # ----------------------------------------------------------------------------- config
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):  # "(default: None)" says nothing: leave it out
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line and exit code 2 (argparse would print usage too)
         raise UserError(f"{message} (see python train.py --help)")
@@ -281,10 +286,10 @@ class _Parser(argparse.ArgumentParser):
 def build_parser():
     """The command-line flags; YAML recipes use the same names with underscores."""
     p = _Parser(description="Train an image classifier.",
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                formatter_class=_HelpFormatter)
     add = p.add_argument
     add("--config", default=None, help="YAML recipe; its keys are these flags' names "
-        "with underscores; flags given here override it")
+        "with underscores; flags given here override it (default: none)")
 
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default="cifar10", help=f"one of {', '.join(data.DATASETS)}")
@@ -306,7 +311,8 @@ def build_parser():
                    "torchvision/<name>; default: resnet18, or simple_cnn for --dataset "
                    "synthetic (a smoke test that finishes in seconds on a CPU)")
     g.add_argument("--pretrained", default=None, help="start from the weights in this file "
-                   "(a checkpoint of this project or a plain state_dict)")
+                   "(a checkpoint of this project or a plain state_dict; default: the "
+                   "network's own initialisation)")
     g.add_argument("--freeze", nargs="+", default=[], metavar="PATTERN",
                    help="freeze parameters whose names match these fnmatch patterns")
     g.add_argument("--unfreeze-at", type=int, default=0, metavar="EPOCH",
@@ -345,7 +351,7 @@ def build_parser():
     g.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, "
                    "cuda:N")
     g.add_argument("--gpus", default=None, help="comma-separated GPU ids for "
-                   "nn.DataParallel in one process, e.g. 0,1")
+                   "nn.DataParallel in one process, e.g. 0,1 (default: no DataParallel)")
     g.add_argument("--sync-bn", action="store_true",
                    help="SyncBatchNorm across processes (torchrun)")
     g.add_argument("--amp", default="none", choices=["none", "fp16", "bf16"],
@@ -364,7 +370,8 @@ def build_parser():
     g.add_argument("--run-dir", default=None,
                    help="default: runs/<time>-<network>-<dataset>")
     g.add_argument("--resume", default=None, metavar="PATH|auto", help="continue from a "
-                   "checkpoint; auto = the newest valid one in --run-dir")
+                   "checkpoint; auto = the newest valid one in --run-dir, or a fresh start "
+                   "if there is none (default: a fresh run)")
     g.add_argument("--ckpt-every-steps", type=int, default=0, help="also checkpoint every "
                    "N optimizer steps (0 = at epoch ends only)")
     g.add_argument("--keep-last", type=int, default=2, help="rotating checkpoints "
