@@ -92,7 +92,7 @@ def train(argv, stop):
             print(message, flush=True)
 
     seed_everything(config["seed"], rank, config["deterministic"], device)
-    run_dir = prepare_run_dir(config, state is not None, is_main)
+    run_dir = prepare_run_dir(config, state is not None, is_main, argv)
     if resume_path:
         log(f"resuming from {resume_path} (epoch {state['epoch']}, step {state['step']})")
     elif config["resume"] == "auto":
@@ -565,7 +565,7 @@ def amp_dtype(config, device):
 
 # ------------------------------------------------------------------------- run dir
 
-def prepare_run_dir(config, resuming, is_main):
+def prepare_run_dir(config, resuming, is_main, argv):
     """Creates the run directory and records how the run was made."""
     if not config["run_dir"]:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -585,7 +585,7 @@ def prepare_run_dir(config, resuming, is_main):
         yaml.safe_dump(saved, f, sort_keys=False)
     with open(os.path.join(run_dir, "command.txt"), "a") as f:
         f.write(f"{datetime.datetime.now().isoformat(timespec='seconds')}  "
-                f"{shlex.join([sys.executable, *sys.argv])}\n"
+                f"{shlex.join(['python', 'train.py', *argv])}\n"
                 f"  git {_git_commit()}  torch {torch.__version__}  {platform.node()}\n")
     return run_dir
 

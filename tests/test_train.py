@@ -94,8 +94,11 @@ def test_run_dir_records_config_command_and_summary(synthetic_run):
     assert "run_dir" not in config and "resume" not in config
     with open(os.path.join(synthetic_run, "command.txt")) as f:
         command = f.read()
-    assert "--synthetic-size" not in command or "train" in command
-    assert "git " in command and "torch" in command
+    assert "python train.py --dataset synthetic --network simple_cnn --synthetic-size 2000" \
+        in command
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+    assert f"git {head or 'unknown'}" in command and f"torch {torch.__version__}" in command
     with open(os.path.join(synthetic_run, "summary.txt")) as f:
         summary = f.read()
     assert "Trainable parameters: 113,962" in summary and "Frozen parameters: 0" in summary
