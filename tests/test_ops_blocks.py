@@ -1,10 +1,11 @@
-"""Tests of ops.one_hot and ops.init_weights against their definitions."""
+"""Tests of ops: one_hot, init_weights, the LR schedule and GPU peaks, against definitions."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import ops
 from layers import spectral_norm
 from ops import init_weights, one_hot
 
@@ -82,3 +83,29 @@ def test_init_weights_reaches_the_stored_weight_of_a_spectral_normed_layer():
 def test_init_weights_rejects_an_unknown_type():
     with pytest.raises(ValueError, match="normal, xavier, kaiming, orthogonal"):
         init_weights(nn.Linear(2, 2), "uniform")
+
+
+@pytest.mark.parametrize("schedule, expected", [
+    ("none", [0.25, 0.5, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]),
+    ("step", [0.25, 0.5, 0.75, 1.0, 1.0, 1.0, 1.0, 0.1, 0.1, 0.01]),
+    ("onecycle", [0.25, 0.5, 0.75, 1.0, 1.0, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6]),
+])
+def test_lr_factor_is_a_pure_function_of_the_step(schedule, expected):
+    # 10 steps, 4 of them warmup: linear up to 1, then the schedule over the other 6
+    got = [ops.lr_factor(step, 10, schedule, warmup_steps=4) for step in range(10)]
+    assert got == pytest.approx(expected)
+
+
+def test_lr_factor_cosine_and_onecycle_default_warmup():
+    assert ops.lr_factor(0, 100, "cosine") == 1.0
+    assert ops.lr_factor(50, 100, "cosine") == pytest.approx(0.5)
+    assert ops.lr_factor(100, 100, "cosine") == pytest.approx(0.0)
+    assert ops.lr_factor(29, 100, "onecycle") == pytest.approx(1.0)  # 30% warmup by default
+    with pytest.raises(ValueError, match="unknown schedule"):
+        ops.lr_factor(0, 10, "exponential")
+
+
+def test_peak_tflops_of_known_gpus():
+    assert ops.peak_tflops("NVIDIA H100 80GB HBM3", low_precision=True) == 989.0
+    assert ops.peak_tflops("NVIDIA A100-SXM4-40GB", low_precision=False) == 19.5
+    assert ops.peak_tflops("Some Future GPU", low_precision=True) is None
