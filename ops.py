@@ -259,6 +259,55 @@ def train_flops_per_sample(module, sample_shape, device):
     return counter.get_total_flops() // 2
 
 
+def saved_tensor_bytes(module, x):
+    """Bytes one forward of ``module`` keeps for backward (activation memory).
+
+    Counts the tensors autograd packs (``torch.autograd.graph.saved_tensors_hooks``) and
+    the inputs that activation-checkpointed blocks keep to recompute from; parameters are
+    left out and a storage shared by several tensors counts once. Runs one backward so
+    nothing is left over, then clears the gradients.
+
+    Args:
+        module: the network, in the mode to measure (train mode for training memory).
+        x: an input batch.
+
+    Returns:
+        The number of bytes.
+    """
+    import torch
+    import torch.utils.checkpoint
+
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen = {}
+
+    def keep(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+
+    def pack(t):
+        keep(t)
+        return t
+
+    real_checkpoint = torch.utils.checkpoint.checkpoint
+
+    def checkpoint(fn, *args, **kwargs):  # a checkpointed block keeps its inputs
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                keep(a)
+        return real_checkpoint(fn, *args, **kwargs)
+
+    torch.utils.checkpoint.checkpoint = checkpoint
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = module(x)
+    finally:
+        torch.utils.checkpoint.checkpoint = real_checkpoint
+    out.float().sum().backward()
+    module.zero_grad(set_to_none=True)
+    return sum(seen.values())
+
+
 # Dense bf16/fp16 tensor-core peaks in TFLOP/s (fp32 in brackets), from NVIDIA's datasheets.
 GPU_PEAK_TFLOPS = {"H200": (989.0, 67.0), "H100": (989.0, 67.0), "A100": (312.0, 19.5),
                    "L40S": (362.0, 91.6), "A10G": (125.0, 31.2), "V100": (125.0, 15.7),

@@ -35,6 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 from common import setup_device  # noqa: E402  (puts the repository on the path)
 
 import engine  # noqa: E402
+import ops  # noqa: E402
 from networks import build_network  # noqa: E402
 
 AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -144,39 +145,6 @@ def throughput(args, device, amp, channels_last, compiled):
     return statistics.mean(rates), (statistics.stdev(rates) if len(rates) > 1 else 0.0)
 
 
-def saved_tensor_bytes(net, x):
-    """Bytes kept for backward by one forward (see the module docstring)."""
-    params = {p.untyped_storage().data_ptr() for p in net.parameters()}
-    seen = {}
-
-    def keep(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-
-    real_checkpoint = torch.utils.checkpoint.checkpoint
-
-    def checkpoint(fn, *args, **kwargs):
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                keep(a)
-        return real_checkpoint(fn, *args, **kwargs)
-
-    def pack(t):
-        keep(t)
-        return t
-
-    torch.utils.checkpoint.checkpoint = checkpoint
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = net(x)
-    finally:
-        torch.utils.checkpoint.checkpoint = real_checkpoint
-    out.float().sum().backward()
-    net.zero_grad(set_to_none=True)
-    return sum(seen.values())
-
-
 def checkpointing_memory(args, device, checkpointing):
     """``(saved MiB, CUDA peak MiB or None, samples/s)`` for fp32, eager, contiguous."""
     net, _ = build(args, device, channels_last=False)
@@ -188,7 +156,7 @@ def checkpointing_memory(args, device, checkpointing):
     x = torch.randn(args.batch_size, 3, side, side, generator=g).to(device)
     y = torch.randint(0, 10, (args.batch_size,), generator=g).to(device)
     train_steps(net, run, optimizer, x, y, max(args.warmup, 1))  # optimizer state exists
-    saved = saved_tensor_bytes(net, x) / 2**20
+    saved = ops.saved_tensor_bytes(net, x) / 2**20
     peak = None
     if device.type == "cuda":
         sync(device)

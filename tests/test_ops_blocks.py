@@ -109,3 +109,11 @@ def test_peak_tflops_of_known_gpus():
     assert ops.peak_tflops("NVIDIA H100 80GB HBM3", low_precision=True) == 989.0
     assert ops.peak_tflops("NVIDIA A100-SXM4-40GB", low_precision=False) == 19.5
     assert ops.peak_tflops("Some Future GPU", low_precision=True) is None
+
+
+def test_saved_tensor_bytes_counts_what_autograd_keeps():
+    x = torch.randn(2, 4)
+    # a Linear keeps its input for the weight gradient: 2 x 4 float32
+    assert ops.saved_tensor_bytes(nn.Linear(4, 3, bias=False), x) == 2 * 4 * 4
+    # and a ReLU after it keeps its 2 x 3 output
+    assert ops.saved_tensor_bytes(nn.Sequential(nn.Linear(4, 3), nn.ReLU()), x) == 32 + 24

@@ -86,37 +86,6 @@ def _resume_from(run_dir, name, new_dir, args):
     return train.main(args(new_dir) + ["--resume", path])
 
 
-def _saved_bytes(net, x, monkeypatch):
-    """Bytes kept for backward by one forward: tensors packed by autograd (parameters
-    excluded, shared storage counted once) plus the inputs a checkpointed block keeps
-    to recompute from."""
-    params = {p.untyped_storage().data_ptr() for p in net.parameters()}
-    seen = {}
-
-    def keep(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-
-    real_checkpoint = torch.utils.checkpoint.checkpoint
-
-    def checkpoint(fn, *args, **kwargs):
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                keep(a)
-        return real_checkpoint(fn, *args, **kwargs)
-
-    def pack(t):
-        keep(t)
-        return t
-
-    with monkeypatch.context() as m, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        m.setattr(torch.utils.checkpoint, "checkpoint", checkpoint)
-        out = net(x)
-    out.sum().backward()
-    return sum(seen.values())
-
-
 # ------------------------------------------------------------------ virtual batch size
 
 def test_accumulated_gradient_equals_whole_batch_gradient(monkeypatch):
@@ -301,9 +270,9 @@ def test_grad_checkpointing_keeps_far_fewer_activations(name, at_most, monkeypat
     torch.manual_seed(0)
     net = build_network(name, 10, 3, 16)
     x = torch.randn(2, 3, 16, 16)
-    plain = _saved_bytes(net, x, monkeypatch)
+    plain = ops.saved_tensor_bytes(net, x)
     net.set_grad_checkpointing(True)
-    ckpt = _saved_bytes(net, x, monkeypatch)
+    ckpt = ops.saved_tensor_bytes(net, x)
     assert 0 < ckpt < at_most * plain, (ckpt, plain)
 
 
