@@ -538,7 +538,7 @@ def seed_everything(seed, rank, deterministic, device):
     torch.manual_seed(seed + rank)  # DDP broadcasts rank 0's initial weights anyway
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(deterministic)  # both ways: main() may run again
     torch.backends.cudnn.deterministic = deterministic
     torch.backends.cudnn.benchmark = device.type == "cuda" and not deterministic
 

@@ -437,3 +437,12 @@ def test_torchvision_dataset_from_an_existing_copy(tmp_path):
     image, label = train_set[(3, 0)]
     assert image.shape == (1, 28, 28) and label == 3
     assert final_state(run_dir)["model"]["features.0.block.0.weight"].shape[1] == 1
+
+
+def test_deterministic_flag_is_set_for_its_run_only(tmp_path):
+    assert train.main(tiny_args(tmp_path / "a", "--deterministic")) == 0
+    assert torch.are_deterministic_algorithms_enabled()
+    assert train.main(tiny_args(tmp_path / "b")) == 0
+    assert not torch.are_deterministic_algorithms_enabled()
+    torch.testing.assert_close(final_state(tmp_path / "a")["model"],
+                               final_state(tmp_path / "b")["model"], rtol=0, atol=0)
