@@ -158,7 +158,7 @@ def train(argv, stop):
     log(f"training {config['network']} on {config['dataset']} ({len(train_set)} samples, "
         f"{world_size} process(es), {device}) into {run_dir}")
 
-    window = {"loss_sum": 0.0, "loss_count": 0, "time": time.perf_counter()}
+    window = {"loss_sum": 0.0, "loss_count": 0, "time": time.perf_counter(), "shown": 0.0}
 
     def read_counters():
         values = run.counters.read()
@@ -184,18 +184,23 @@ def train(argv, stop):
             return
         saver.save(kind, best)
 
-    def log_window(bar, step):
+    def show(bar):  # loss, samples/s and efficiency since the last log, on the bar
         read_counters()
         mean = window["loss_sum"] / max(window["loss_count"], 1)
         data_t, compute_t, _ = run.timer.totals()
-        elapsed = max(time.perf_counter() - window["time"], 1e-9)
-        rate = window["loss_count"] * world_size / elapsed
+        now = time.perf_counter()
+        rate = window["loss_count"] * world_size / max(now - window["time"], 1e-9)
+        bar.set_postfix(loss=f"{mean:.4f}", samples_s=f"{rate:.0f}",
+                        eff=f"{engine.efficiency(data_t, compute_t):.2f}", refresh=False)
+        window["shown"] = now
+        return mean
+
+    def log_window(bar, step):
+        mean = show(bar)
         scalars = {"train/loss": mean, "train/lr": optimizer.param_groups[0]["lr"]}
         if scaler.is_enabled():
             scalars["train/scaler_skips"] = progress["scaler_skips"]
         runlog.scalars(scalars, step)
-        bar.set_postfix(loss=f"{mean:.4f}", samples_s=f"{rate:.0f}",
-                        eff=f"{engine.efficiency(data_t, compute_t):.2f}", refresh=False)
         window.update(loss_sum=0.0, loss_count=0, time=time.perf_counter())
 
     def after_step(bar):  # called by the engine after every optimizer step
@@ -204,6 +209,8 @@ def train(argv, stop):
         at_max = bool(config["max_steps"]) and step >= config["max_steps"]
         if step % config["log_every"] == 0 or stopping or at_max:
             log_window(bar, step)
+        elif world_size == 1 and time.perf_counter() - window["shown"] > 0.5:
+            show(bar)  # at most two syncs a second (no collectives: one process only)
         epoch_done = progress["epoch_samples"] >= len(train_set)  # finish_epoch saves then
         if stopping or (config["ckpt_every_steps"] and step % config["ckpt_every_steps"] == 0
                         and not epoch_done):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -446,3 +447,10 @@ def test_deterministic_flag_is_set_for_its_run_only(tmp_path):
     assert not torch.are_deterministic_algorithms_enabled()
     torch.testing.assert_close(final_state(tmp_path / "a")["model"],
                                final_state(tmp_path / "b")["model"], rtol=0, atol=0)
+
+
+def test_progress_bar_shows_loss_throughput_and_efficiency(tmp_path, capsys):
+    assert train.main(tiny_args(tmp_path, epochs=1)) == 0
+    bar = capsys.readouterr().err
+    assert "epoch 1/1" in bar
+    assert re.search(r"eff=\d\.\d\d, loss=\d+\.\d{4}, samples_s=\d+", bar)
