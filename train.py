@@ -191,7 +191,7 @@ def train(argv, stop):
         now = time.perf_counter()
         rate = window["loss_count"] * world_size / max(now - window["time"], 1e-9)
         bar.set_postfix(loss=f"{mean:.4f}", samples_s=f"{rate:.0f}",
-                        eff=f"{engine.efficiency(data_t, compute_t):.2f}", refresh=False)
+                        eff=f"{engine.efficiency(data_t, compute_t):.2f}")
         window["shown"] = now
         return mean
 
