@@ -251,8 +251,10 @@ def train_flops_per_sample(module, sample_shape, device):
     clone = copy.deepcopy(module).train()
     if hasattr(clone, "set_grad_checkpointing"):
         clone.set_grad_checkpointing(False)  # model FLOPs: recomputation is not counted
-    x = torch.randn(2, *sample_shape, device=device)
+    # The input is drawn inside the fork too: after a resume the global RNG already holds
+    # the checkpoint's state, and dropout in the first step must see exactly that state.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        x = torch.randn(2, *sample_shape, device=device)
         counter = FlopCounterMode(display=False)
         with counter:
             clone(x).float().sum().backward()

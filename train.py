@@ -11,35 +11,27 @@ optimizer, resume, the epoch loop, the final save. Each stage is a short functio
 below it. Everything the run makes goes into one run directory (see README).
 """
 
-import argparse
-import datetime
-import difflib
-import json
 import os
-import platform
-import random
 import shlex
 import signal
-import subprocess
 import sys
 import time
-import warnings
 
-import numpy as np
 import torch
 import torch.distributed as dist
-import yaml
 
 import checkpoint
 import data
 import engine
 import ops
+import runlog
+import runtime
+from config import check_config, merge_resumed_config, parse_config
 from losses import build_criterion
-from networks import NETWORKS, build_network
+from networks import build_network
 from ops import UserError
 
 EXIT_USER_ERROR, EXIT_FAILED, EXIT_SIGINT, EXIT_SIGTERM = 2, 1, 130, 143
-NOT_SAVED_IN_CONFIG = ("config", "resume", "run_dir")  # per invocation, not per recipe
 
 
 # ---------------------------------------------------------------------------- main
@@ -51,7 +43,7 @@ def main(argv=None):
         The exit code: 0 when done, 2 for a user error (one ``error:`` line), 1 when the
         loss stayed non-finite, 130/143 when stopped by SIGINT/SIGTERM after saving.
     """
-    stop = StopRequest()
+    stop = runtime.StopRequest()
     try:
         return train(sys.argv[1:] if argv is None else argv, stop)
     except UserError as e:
@@ -82,17 +74,17 @@ def train(argv, stop):
         check_config(config)
 
     # 2. Processes, device, seeds, run directory.
-    rank, world_size, device = setup_processes(config)
+    rank, world_size, device = runtime.setup_processes(config)
     is_main = rank == 0
     if world_size > 1:
-        check_same_resume_point(state, world_size, device)
+        runtime.check_same_resume_point(state, world_size, device)
 
     def log(message):
         if is_main:
             print(message, flush=True)
 
-    seed_everything(config["seed"], rank, config["deterministic"], device)
-    run_dir = prepare_run_dir(config, state is not None, is_main, argv)
+    runtime.seed_everything(config["seed"], rank, config["deterministic"], device)
+    run_dir = runlog.prepare_run_dir(config, state is not None, is_main, argv)
     if resume_path:
         log(f"resuming from {resume_path} (epoch {state['epoch']}, step {state['step']})")
     elif config["resume"] == "auto":
@@ -118,10 +110,10 @@ def train(argv, stop):
     # 4. Network, loss, optimizer.
     net, model = build_model(config, train_set, device, world_size, log, state is not None)
     if is_main:
-        write_summary(net, train_set, run_dir, device, log)
+        runlog.write_summary(net, train_set, run_dir, device, log)
     criterion = build_criterion(config)
     optimizer = build_optimizer(net, config)
-    dtype = amp_dtype(config, device)
+    dtype = runtime.amp_dtype(config, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 
     windows_per_epoch = -(-len(sampler) // accum)
@@ -150,11 +142,11 @@ def train(argv, stop):
         net, (train_set.in_channels, train_set.image_size, train_set.image_size), device)
     if device.type == "cuda":
         run.peak_tflops = ops.peak_tflops(torch.cuda.get_device_name(device), dtype is not None)
-    runlog = RunLog(run_dir, progress["step"], progress["epoch"], is_main)
+    run_log = runlog.RunLog(run_dir, progress["step"], progress["epoch"], is_main)
     saver = Saver(run_dir, config, net, optimizer, scaler, progress, is_main, world_size)
     saver.last_saved = resume_path
     if progress["step"] == 0 and is_main:
-        log_first_batch(runlog, train_set, sampler)
+        runlog.log_first_batch(run_log, train_set, sampler)
     log(f"training {config['network']} on {config['dataset']} ({len(train_set)} samples, "
         f"{world_size} process(es), {device}) into {run_dir}")
 
@@ -200,7 +192,7 @@ def train(argv, stop):
         scalars = {"train/loss": mean, "train/lr": optimizer.param_groups[0]["lr"]}
         if scaler.is_enabled():
             scalars["train/scaler_skips"] = progress["scaler_skips"]
-        runlog.scalars(scalars, step)
+        run_log.scalars(scalars, step)
         window.update(loss_sum=0.0, loss_count=0, time=time.perf_counter())
 
     def after_step(bar):  # called by the engine after every optimizer step
@@ -247,25 +239,25 @@ def train(argv, stop):
             if progress["epoch_samples"] >= len(train_set):  # the epoch is complete
                 read_counters()
                 final = finish_epoch(epoch, model, val_loader, run, config, progress,
-                                     runlog, save, world_size, train_set.num_classes, log,
+                                     run_log, save, world_size, train_set.num_classes, log,
                                      optimizer.param_groups[0]["lr"])
             if status == "stopped":
                 break
         if status == "stopped" and stop.signum is None and progress["epoch_samples"]:
             result = engine.evaluate(model, val_loader, run, train_set.num_classes)
             final = {"val_loss": result["loss"], "val_acc": result["acc"]}
-            runlog.scalars({"val/loss": result["loss"], "val/acc": result["acc"]},
+            run_log.scalars({"val/loss": result["loss"], "val/acc": result["acc"]},
                            progress["step"])
             save("stop")  # --max-steps reached inside an epoch
             log(f"--max-steps {config['max_steps']} reached at step {progress['step']}: "
                 f"val_acc {result['acc']:.4f}")
     finally:
-        runlog.flush()  # keep what was logged, also when the run fails
+        run_log.flush()  # keep what was logged, also when the run fails
         saver.wait()  # the checkpoint being written in the background
         data.shutdown_loader(train_loader)
         data.shutdown_loader(val_loader)
     if stop.signum is not None:
-        runlog.close(config, None)
+        run_log.close(config, None)
         if world_size > 1:  # no process exits (and makes torchrun kill the rest) before
             dist.barrier()  # rank 0 has written the checkpoint
         name = signal.Signals(stop.signum).name
@@ -273,341 +265,9 @@ def train(argv, stop):
         log(f"{name}: saved {saver.last_saved}. Resume with:\n  {launcher} --resume auto "
             f"--run-dir {shlex.quote(run_dir)}")
         return EXIT_SIGINT if stop.signum == signal.SIGINT else EXIT_SIGTERM
-    runlog.close(config, final, progress["step"])
+    run_log.close(config, final, progress["step"])
     log(f"done: {run_dir}")
     return 0
-
-
-# ----------------------------------------------------------------------------- config
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    def _get_help_string(self, action):  # "(default: None)" says nothing: leave it out
-        return action.help if action.default is None else super()._get_help_string(action)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit code 2 (argparse would print usage too)
-        raise UserError(f"{message} (see python train.py --help)")
-
-
-def build_parser():
-    """The command-line flags; YAML recipes use the same names with underscores."""
-    p = _Parser(description="Train an image classifier.",
-                formatter_class=_HelpFormatter)
-    add = p.add_argument
-    add("--config", default=None, help="YAML recipe; its keys are these flags' names "
-        "with underscores; flags given here override it (default: none)")
-
-    g = p.add_argument_group("data")
-    g.add_argument("--dataset", default="cifar10", help=f"one of {', '.join(data.DATASETS)}")
-    g.add_argument("--data-dir", default="data", help="where data lives or is downloaded to; "
-                   "for imagefolder it holds train/ and val/ (or test/)")
-    g.add_argument("--synthetic-size", type=int, default=512,
-                   help="training samples of the synthetic set (validation: a fifth)")
-    g.add_argument("--image-size", type=int, default=32,
-                   help="image side for synthetic and imagefolder data")
-    g.add_argument("--num-classes", type=int, default=10, help="classes of the synthetic set")
-    g.add_argument("--augment", action=argparse.BooleanOptionalAction, default=True,
-                   help="random crop with padding and horizontal flip while training")
-    g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes")
-    g.add_argument("--prefetch", type=int, default=0, help="BackgroundGenerator queue depth "
-                   "in front of the loader (0 = off; see README for when it helps)")
-
-    g = p.add_argument_group("network")
-    g.add_argument("--network", default=None, help="simple_cnn, resnet18, mlp, or "
-                   "torchvision/<name>; default: resnet18, or simple_cnn for --dataset "
-                   "synthetic (a smoke test that finishes in seconds on a CPU)")
-    g.add_argument("--pretrained", default=None, help="start from the weights in this file "
-                   "(a checkpoint of this project or a plain state_dict; default: the "
-                   "network's own initialisation)")
-    g.add_argument("--freeze", nargs="+", default=[], metavar="PATTERN",
-                   help="freeze parameters whose names match these fnmatch patterns")
-    g.add_argument("--unfreeze-at", type=int, default=0, metavar="EPOCH",
-                   help="unfreeze them when this (1-based) epoch starts; 0 = never")
-    g.add_argument("--unfreeze-lr-scale", type=float, default=0.1,
-                   help="learning rate of unfrozen parameters relative to the others")
-
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=int, default=30, help="epochs to train")
-    g.add_argument("--max-steps", type=int, default=0,
-                   help="stop after this many optimizer steps if sooner (0 = no limit)")
-    g.add_argument("--batch-size", type=int, default=128,
-                   help="samples per forward pass per process")
-    g.add_argument("--virtual-batch-size", type=int, default=0, help="samples per optimizer "
-                   "step per process (gradient accumulation); 0 = --batch-size")
-    g.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw"],
-                   help="optimizer")
-    g.add_argument("--lr", type=float, default=0.1, help="peak learning rate")
-    g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
-    g.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=True,
-                   help="Nesterov momentum for SGD")
-    g.add_argument("--weight-decay", type=float, default=5e-4, help="weight decay")
-    g.add_argument("--scheduler", default="cosine",
-                   choices=["none", "step", "cosine", "onecycle"],
-                   help="learning-rate schedule over optimizer steps (see ops.lr_factor)")
-    g.add_argument("--warmup-epochs", type=float, default=1.0,
-                   help="linear warmup from 0, in epochs")
-    g.add_argument("--grad-clip", type=float, default=0.0,
-                   help="clip the gradient norm to this (0 = off)")
-    g.add_argument("--label-smoothing", type=float, default=0.1,
-                   help="label smoothing of the cross-entropy")
-    g.add_argument("--max-nonfinite", type=int, default=10, help="stop after this many "
-                   "consecutive non-finite losses")
-
-    g = p.add_argument_group("hardware and speed")
-    g.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, "
-                   "cuda:N")
-    g.add_argument("--gpus", default=None, help="comma-separated GPU ids for "
-                   "nn.DataParallel in one process, e.g. 0,1 (default: no DataParallel)")
-    g.add_argument("--sync-bn", action="store_true",
-                   help="SyncBatchNorm across processes (torchrun)")
-    g.add_argument("--amp", default="none", choices=["none", "fp16", "bf16"],
-                   help="autocast dtype; fp16 uses a GradScaler")
-    g.add_argument("--channels-last", action="store_true",
-                   help="channels_last memory format for model and inputs")
-    g.add_argument("--grad-checkpointing", action="store_true",
-                   help="recompute block activations in backward to save memory")
-    g.add_argument("--compile", action="store_true", help="torch.compile the model")
-    g.add_argument("--seed", type=int, default=0, help="seeds data order, augmentation, "
-                   "initialisation")
-    g.add_argument("--deterministic", action="store_true",
-                   help="deterministic algorithms (slower on CUDA)")
-
-    g = p.add_argument_group("run directory, checkpoints and logging")
-    g.add_argument("--run-dir", default=None,
-                   help="default: runs/<time>-<network>-<dataset>")
-    g.add_argument("--resume", default=None, metavar="PATH|auto", help="continue from a "
-                   "checkpoint; auto = the newest valid one in --run-dir, or a fresh start "
-                   "if there is none (default: a fresh run)")
-    g.add_argument("--ckpt-every-steps", type=int, default=0, help="also checkpoint every "
-                   "N optimizer steps (0 = at epoch ends only)")
-    g.add_argument("--keep-last", type=int, default=2, help="rotating checkpoints "
-                   "(epoch-NNNN.pt, step-NNNNNNNN.pt) to keep besides last.pt and best.pt")
-    g.add_argument("--eval-every", type=int, default=1, help="validate every N epochs "
-                   "(and after the last)")
-    g.add_argument("--log-every", type=int, default=50,
-                   help="log the training loss every N optimizer steps")
-    return p
-
-
-def _actions(parser):
-    return {a.dest: a for a in parser._actions if a.dest not in ("help",)}
-
-
-def _read_yaml(path, parser):
-    """The YAML recipe as a dict of flag values, each checked like a command-line value."""
-    try:
-        with open(path) as f:
-            values = yaml.safe_load(f) or {}
-    except OSError as e:
-        raise UserError(f"cannot read config {path!r}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise UserError(f"config {path!r} is not valid YAML: {e}") from None
-    if not isinstance(values, dict):
-        raise UserError(f"config {path!r} must be a mapping of flag names to values")
-    actions = _actions(parser)
-    for key, value in values.items():
-        if key not in actions or key == "config":
-            close = difflib.get_close_matches(str(key), list(actions), n=1)
-            hint = f"; did you mean {close[0]!r} (--{close[0].replace('_', '-')})?" \
-                if close else ""
-            raise UserError(f"unknown key {key!r} in {path}{hint}")
-        action = actions[key]
-        if action.type is not None and value is not None and not isinstance(value, list):
-            try:
-                value = action.type(value)
-            except (TypeError, ValueError):
-                raise UserError(f"{path}: {key} must be {action.type.__name__}, "
-                                f"not {value!r}") from None
-        if action.choices and value not in action.choices:
-            raise UserError(f"{path}: {key} must be one of {list(action.choices)}, "
-                            f"not {value!r}")
-        values[key] = value
-    return values
-
-
-def parse_config(argv):
-    """Resolves the config: built-in defaults < YAML recipe < command-line flags.
-
-    Returns:
-        ``(config, explicit)``: the config dict, and the keys the user set (YAML or
-        command line), which override a resumed checkpoint's config.
-    """
-    parser = build_parser()
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config")
-    known, _ = pre.parse_known_args(argv)
-    from_yaml = _read_yaml(known.config, parser) if known.config else {}
-    parser.set_defaults(**from_yaml)
-    config = vars(parser.parse_args(argv))
-    if config["network"] is None:
-        config["network"] = "simple_cnn" if config["dataset"] == "synthetic" else "resnet18"
-    # The same parser with no defaults tells which flags were given on the command line.
-    bare = build_parser()
-    for action in bare._actions:
-        action.default = argparse.SUPPRESS
-    explicit = set(vars(bare.parse_args(argv))) | set(from_yaml)
-    return config, explicit - {"config"}
-
-
-def check_config(c):
-    """Rejects impossible combinations with one clear message."""
-    if c["dataset"] not in data.DATASETS:
-        raise UserError(f"unknown dataset {c['dataset']!r}; choose one of: "
-                        f"{', '.join(data.DATASETS)}")
-    if c["network"] not in NETWORKS and not c["network"].startswith("torchvision/"):
-        raise UserError(f"unknown network {c['network']!r}; choose one of: "
-                        f"{', '.join(sorted(NETWORKS))}, or torchvision/<name>")
-    if c["batch_size"] < 1:
-        raise UserError("--batch-size must be at least 1")
-    if c["virtual_batch_size"] and c["virtual_batch_size"] % c["batch_size"]:
-        raise UserError(f"--virtual-batch-size {c['virtual_batch_size']} must be a multiple "
-                        f"of --batch-size {c['batch_size']}")
-    if c["epochs"] < 1 and not c["max_steps"]:
-        raise UserError("--epochs must be at least 1")
-    for key in ("num_workers", "prefetch", "max_steps", "ckpt_every_steps", "keep_last",
-                "unfreeze_at"):
-        if c[key] < 0:
-            raise UserError(f"--{key.replace('_', '-')} must not be negative")
-    for key in ("eval_every", "log_every", "max_nonfinite"):
-        if c[key] < 1:
-            raise UserError(f"--{key.replace('_', '-')} must be at least 1")
-    if c["unfreeze_at"] and not c["freeze"]:
-        raise UserError("--unfreeze-at needs --freeze")
-    if c["resume"] == "auto" and not c["run_dir"]:
-        raise UserError("--resume auto needs --run-dir (the run to continue)")
-
-
-# ------------------------------------------------------------------ processes, device
-
-def setup_processes(config):
-    """Starts torch.distributed when launched by torchrun.
-
-    Returns:
-        ``(rank, world_size, device)``.
-    """
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    want_cuda = config["device"] != "cpu" and torch.cuda.is_available()
-    if world_size > 1:
-        if config["gpus"]:
-            raise UserError("--gpus (DataParallel) and torchrun (DDP) do not mix; use one")
-        device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        return rank, world_size, device
-    if config["gpus"]:
-        ids = _gpu_ids(config["gpus"])
-        return 0, 1, torch.device("cuda", ids[0])
-    if config["device"] == "auto":
-        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(config["device"])
-    except RuntimeError:
-        raise UserError(f"--device {config['device']!r} is not a device; use auto, cpu, "
-                        f"cuda or cuda:N") from None
-    if device.type == "cuda" and (not torch.cuda.is_available() or
-                                  (device.index or 0) >= torch.cuda.device_count()):
-        raise UserError(f"--device {config['device']}: no such CUDA device here "
-                        f"({torch.cuda.device_count()} visible)")
-    return 0, 1, device
-
-
-def check_same_resume_point(state, world_size, device):
-    """Each process read the checkpoint from its own disk: they must have found the same."""
-    step = torch.tensor([-1 if state is None else state["step"]], device=device)
-    steps = [torch.zeros_like(step) for _ in range(world_size)]
-    dist.all_gather(steps, step)
-    if len({int(s) for s in steps}) > 1:
-        raise UserError(f"the processes found different checkpoints to resume from (step "
-                        f"by rank, -1 = none: {[int(s) for s in steps]}); on several "
-                        f"machines --run-dir must be on a file system they share")
-
-
-def _gpu_ids(text):
-    try:
-        ids = [int(i) for i in str(text).split(",") if i.strip() != ""]
-    except ValueError:
-        raise UserError(f"--gpus takes comma-separated GPU ids like 0,1, not {text!r}") \
-            from None
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    bad = [i for i in ids if not 0 <= i < count]
-    if not ids or bad:
-        raise UserError(f"--gpus {text}: no GPU {bad or ids} here ({count} visible)")
-    return ids
-
-
-def seed_everything(seed, rank, deterministic, device):
-    """Seeds python, numpy and torch; sets the cuDNN and determinism switches."""
-    random.seed(seed + rank)
-    np.random.seed(seed + rank)
-    torch.manual_seed(seed + rank)  # DDP broadcasts rank 0's initial weights anyway
-    if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(deterministic)  # both ways: main() may run again
-    torch.backends.cudnn.deterministic = deterministic
-    torch.backends.cudnn.benchmark = device.type == "cuda" and not deterministic
-
-
-def amp_dtype(config, device):
-    """The autocast dtype, or None; a dtype the device cannot do is a UserError."""
-    if config["amp"] == "none":
-        return None
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[config["amp"]]
-    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise UserError(f"--amp bf16: {torch.cuda.get_device_name(device)} has no bfloat16; "
-                        f"use --amp fp16")
-    if not torch.amp.is_autocast_available(device.type):
-        raise UserError(f"--amp {config['amp']}: no autocast on {device.type}; use --amp none")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch warns, then silently runs at full precision
-        with torch.autocast(device.type, dtype=dtype):
-            works = torch.is_autocast_enabled(device.type)
-    if not works:
-        raise UserError(f"--amp {config['amp']}: autocast on {device.type} cannot do {dtype} "
-                        f"in this torch {torch.__version__}; use --amp none or the other dtype")
-    return dtype
-
-
-# ------------------------------------------------------------------------- run dir
-
-def prepare_run_dir(config, resuming, is_main, argv):
-    """Creates the run directory and records how the run was made."""
-    if not config["run_dir"]:
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        name = config["network"].replace("/", "-")
-        config["run_dir"] = os.path.join("runs", f"{stamp}-{name}-{config['dataset']}")
-    run_dir = config["run_dir"]
-    ckpt_dir = os.path.join(run_dir, "checkpoints")
-    if not resuming and config["resume"] != "auto" and os.path.isdir(ckpt_dir) and any(
-            f.endswith(".pt") for f in os.listdir(ckpt_dir)):
-        raise UserError(f"{run_dir!r} already holds checkpoints; continue it with --resume "
-                        f"auto, or choose another --run-dir")
-    if not is_main:
-        return run_dir
-    os.makedirs(ckpt_dir, exist_ok=True)
-    saved = {k: v for k, v in config.items() if k not in NOT_SAVED_IN_CONFIG}
-    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-        yaml.safe_dump(saved, f, sort_keys=False)
-    with open(os.path.join(run_dir, "command.txt"), "a") as f:
-        f.write(f"{datetime.datetime.now().isoformat(timespec='seconds')}  "
-                f"{shlex.join(['python', 'train.py', *argv])}\n"
-                f"  git {_git_commit()}  torch {torch.__version__}  {platform.node()}\n")
-    return run_dir
-
-
-def _git_commit():
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
-                                text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=here, capture_output=True, text=True,
-                               timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown (no git)"
-    return (commit + (" (with uncommitted changes)" if dirty else "")) or "unknown"
 
 
 # -------------------------------------------------------------------------- network
@@ -648,8 +308,8 @@ def build_model(config, train_set, device, world_size, log, resuming=False):
     if world_size > 1:
         ids = [device.index] if device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(net, device_ids=ids)
-    elif config["gpus"] and len(_gpu_ids(config["gpus"])) > 1:
-        model = torch.nn.DataParallel(net, device_ids=_gpu_ids(config["gpus"]))
+    elif config["gpus"] and len(runtime.gpu_ids(config["gpus"])) > 1:
+        model = torch.nn.DataParallel(net, device_ids=runtime.gpu_ids(config["gpus"]))
     if config["compile"]:
         model = torch.compile(model)
     return net, model
@@ -675,21 +335,6 @@ def load_pretrained(net, path, log):
     log(f"pretrained: loaded {len(weights) - len(skipped)} tensors from {path}"
         + (f"; kept the new head ({', '.join(skipped)}): its size differs" if skipped else ""))
     return skipped
-
-
-def write_summary(net, train_set, run_dir, device, log):
-    """Prints the torchinfo summary and writes it to summary.txt with parameter counts."""
-    import torchinfo
-
-    trainable, frozen = ops.count_parameters(net)
-    shape = (1, train_set.in_channels, train_set.image_size, train_set.image_size)
-    text = str(torchinfo.summary(net, input_size=shape, device=device, mode="eval",
-                                 verbose=0, col_names=("output_size", "num_params",
-                                                       "trainable")))
-    text += f"\nTrainable parameters: {trainable:,}\nFrozen parameters: {frozen:,}\n"
-    with open(os.path.join(run_dir, "summary.txt"), "w") as f:
-        f.write(text)
-    log(text)
 
 
 # ------------------------------------------------------------------------ optimiser
@@ -719,92 +364,7 @@ def unfreeze_into(net, optimizer, config):
     return names
 
 
-# ------------------------------------------------------------------------- logging
-
-class RunLog:
-    """TensorBoard and metrics.jsonl, written by the main process only."""
-
-    def __init__(self, run_dir, step, epoch, enabled):
-        self.enabled = enabled
-        self.path = os.path.join(run_dir, "metrics.jsonl")
-        self.writer = None
-        if not enabled:
-            return
-        from torch.utils.tensorboard import SummaryWriter
-
-        # A resumed run drops what the stopped one logged after its checkpoint at `step`
-        # (everything at `step` itself was logged before the save), so each tag shows one
-        # continuous curve and each epoch appears once.
-        self.writer = SummaryWriter(run_dir, purge_step=step + 1 if step > 0 else None)
-        kept = []
-        if os.path.exists(self.path):
-            with open(self.path) as f:
-                kept = [line for line in f if line.strip()
-                        and json.loads(line).get("epoch", 0) <= epoch]
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(kept)
-        os.replace(tmp, self.path)
-
-    def scalars(self, values, step):
-        if self.enabled:
-            for tag, value in values.items():
-                self.writer.add_scalar(tag, value, step)
-
-    def epoch(self, record):
-        if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-
-    def flush(self):
-        if self.enabled:
-            self.writer.flush()
-
-    def close(self, config, final, step=0):
-        if not self.enabled:
-            return
-        if final:
-            from torch.utils.tensorboard.summary import hparams
-
-            hp = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
-                  for k, v in config.items() if k not in NOT_SAVED_IN_CONFIG}
-            metrics = {f"hparam/{k}": v for k, v in final.items()}
-            for summary in hparams(hp, metrics):
-                self.writer.file_writer.add_summary(summary)
-            for tag, value in metrics.items():
-                self.writer.add_scalar(tag, value, step)
-        self.writer.close()
-
-
-# --------------------------------------------------------------------------- signals
-
-class StopRequest:
-    """Remembers SIGINT/SIGTERM; the loop stops at the next optimizer step and saves.
-
-    The handler only records the signal: the save happens in the loop, and a second
-    Ctrl-C during the save changes nothing (the save finishes, then the run exits).
-    """
-
-    def __init__(self):
-        self.signum = None
-        self._old = {}
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            self._old[signum] = signal.signal(signum, self._handle)
-
-    def _handle(self, signum, frame):
-        if self.signum is None:
-            self.signum = signum
-            print(f"\n{signal.Signals(signum).name}: stopping after this step and saving "
-                  f"a checkpoint (a second signal is ignored)", file=sys.stderr, flush=True)
-
-    def restore(self):
-        for signum, handler in self._old.items():
-            signal.signal(signum, handler)
-
-
-def finish_epoch(epoch, model, val_loader, run, config, progress, runlog, save,
+def finish_epoch(epoch, model, val_loader, run, config, progress, run_log, save,
                  world_size, num_classes, log, lr):
     """Validates (when due), logs the epoch, saves last.pt (and best.pt)."""
     data_t, compute_t, wall = run.timer.totals()
@@ -832,14 +392,14 @@ def finish_epoch(epoch, model, val_loader, run, config, progress, runlog, save,
             progress["best_val_acc"] = result["acc"]
     progress.update(epoch_samples=0, loss_sum=0.0, loss_count=0)
     step = progress["step"]
-    runlog.scalars({"perf/compute_efficiency": record["compute_efficiency"],
+    run_log.scalars({"perf/compute_efficiency": record["compute_efficiency"],
                     "perf/samples_per_sec": record["samples_per_sec"],
                     "perf/tflops": record["tflops"]}, step)
     if "mfu" in record:
-        runlog.scalars({"perf/mfu": record["mfu"]}, step)
+        run_log.scalars({"perf/mfu": record["mfu"]}, step)
     if "val_acc" in record:
-        runlog.scalars({"val/loss": record["val_loss"], "val/acc": record["val_acc"]}, step)
-    runlog.epoch(record)
+        run_log.scalars({"val/loss": record["val_loss"], "val/acc": record["val_acc"]}, step)
+    run_log.epoch(record)
     save("epoch", best)
     val = f"  val_loss {record['val_loss']:.4f}  val_acc {record['val_acc']:.4f}" \
         if "val_acc" in record else ""
@@ -853,16 +413,6 @@ def finish_epoch(epoch, model, val_loader, run, config, progress, runlog, save,
         log(f"  the loop waited for data {1 - record['compute_efficiency']:.0%} of the time: "
             f"try more --num-workers (now {config['num_workers']}) or --prefetch 2")
     return {k: record[k] for k in ("train_loss", "val_loss", "val_acc") if k in record}
-
-
-def log_first_batch(runlog, train_set, sampler):
-    """An image grid of the first training batch, to check what the network sees."""
-    import torchvision
-
-    keys = next(iter(sampler))[:64]
-    images = torch.stack([train_set[key][0] for key in keys])
-    grid = torchvision.utils.make_grid(images[:, :3], nrow=8, normalize=True)
-    runlog.writer.add_image("train/first_batch", grid, 0)
 
 
 # ----------------------------------------------------------------------- checkpoints
@@ -944,19 +494,6 @@ def find_resume(config):
         raise UserError(f"{config['resume']!r} is not a training checkpoint of this project "
                         f"(use --pretrained for plain weights)")
     return config["resume"], state
-
-
-def merge_resumed_config(saved, config, explicit):
-    """The checkpoint's config, with the keys the user set explicitly taking precedence."""
-    merged = dict(config)
-    merged.update({k: v for k, v in saved.items() if k in config and k not in explicit})
-    for key in sorted(explicit):
-        if key in saved and saved[key] != config[key] and key not in ("resume", "run_dir") \
-                and int(os.environ.get("RANK", "0")) == 0:  # once, not once per process
-            print(f"override: {key} = {config[key]!r} (checkpoint had {saved[key]!r})")
-    if not config["run_dir"] or "run_dir" not in explicit:
-        merged["run_dir"] = saved.get("run_dir") or config["run_dir"]
-    return merged
 
 
 def restore(state, net, optimizer, scaler, progress, config, rank, world_size, log):

@@ -10,6 +10,8 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
+from config import parse_config  # noqa: E402
+
 
 def setup_device(args):
     """Applies ``args.threads`` (0 = torch's default) and ``args.device``.
@@ -29,8 +31,7 @@ def setup_device(args):
 
 def train_defaults():
     """train.py's built-in defaults as a resolved config dict."""
-    import train
 
-    config, _ = train.parse_config([])
+    config, _ = parse_config([])
     config["run_dir"] = "runs/bench"
     return config

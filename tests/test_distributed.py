@@ -29,6 +29,7 @@ from conftest import ROOT, assert_states_equal, final_state, tiny_args
 import checkpoint
 import data
 import train
+from config import parse_config
 from networks import build_network
 
 TIMEOUT = 300  # seconds for one torchrun; generous, the two cores are shared
@@ -370,7 +371,7 @@ def test_processes_that_see_different_checkpoints_stop(runs, tmp_path):
 
 
 def test_sync_bn_on_cpu_processes_is_a_user_error():
-    config, _ = train.parse_config(tiny_args("unused", "--sync-bn", network="simple_cnn"))
+    config, _ = parse_config(tiny_args("unused", "--sync-bn", network="simple_cnn"))
     train_set, _ = data.build_datasets(config)
     with pytest.raises(train.UserError, match="--sync-bn"):
         train.build_model(config, train_set, torch.device("cpu"), 2, print)

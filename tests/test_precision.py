@@ -16,6 +16,7 @@ import engine
 import layers
 import ops
 import train
+from config import parse_config
 from networks import build_network
 
 CPU = torch.device("cpu")
@@ -332,7 +333,7 @@ def test_channels_last_outputs_and_gradients_match_contiguous(name):
 def test_build_model_puts_conv_weights_in_channels_last(tmp_path):
     train_set = _synthetic(16)
     for flag in ([], ["--channels-last"]):
-        config, _ = train.parse_config(tiny_args(tmp_path, *flag, network="resnet18"))
+        config, _ = parse_config(tiny_args(tmp_path, *flag, network="resnet18"))
         net, model = train.build_model(config, train_set, CPU, 1, lambda message: None)
         assert model is net
         weights = [p for p in net.parameters() if p.dim() == 4]

@@ -18,6 +18,7 @@ from PIL import Image
 import data
 import engine
 import train
+from config import build_parser, check_config, parse_config
 
 METRIC_KEYS = {"epoch", "step", "train_loss", "lr", "compute_efficiency", "data_time",
                "compute_time", "epoch_time", "samples_per_sec"}
@@ -126,7 +127,7 @@ def test_test_py_agrees_with_logged_val_acc(synthetic_run, tmp_path):
 
 
 def test_saved_config_reloads_with_config_flag(synthetic_run, tmp_path):
-    config, explicit = train.parse_config(["--config", str(synthetic_run / "config.yaml")])
+    config, explicit = parse_config(["--config", str(synthetic_run / "config.yaml")])
     saved = yaml.safe_load((synthetic_run / "config.yaml").read_text())
     for key, value in saved.items():
         assert config[key] == value
@@ -136,7 +137,7 @@ def test_saved_config_reloads_with_config_flag(synthetic_run, tmp_path):
 def test_config_precedence_defaults_yaml_command_line(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("lr: 0.5\nepochs: 7\nfreeze: ['features.*']\naugment: false\n")
-    config, explicit = train.parse_config(["--config", str(recipe), "--epochs", "9"])
+    config, explicit = parse_config(["--config", str(recipe), "--epochs", "9"])
     assert config["lr"] == 0.5            # YAML over default
     assert config["epochs"] == 9          # command line over YAML
     assert config["batch_size"] == 128    # default
@@ -166,7 +167,7 @@ def test_yaml_value_of_wrong_type_is_an_error(tmp_path, capsys):
 
 
 def test_every_flag_has_help_and_shows_its_default(capsys):
-    parser = train.build_parser()
+    parser = build_parser()
     for action in parser._actions:
         assert action.help, action.dest
     with pytest.raises(SystemExit):
@@ -176,16 +177,16 @@ def test_every_flag_has_help_and_shows_its_default(capsys):
 
 
 def test_default_network_is_resnet18_and_simple_cnn_for_synthetic():
-    assert train.parse_config([])[0]["network"] == "resnet18"
-    assert train.parse_config(["--dataset", "synthetic"])[0]["network"] == "simple_cnn"
-    assert train.parse_config(["--dataset", "synthetic", "--network", "mlp"])[0][
+    assert parse_config([])[0]["network"] == "resnet18"
+    assert parse_config(["--dataset", "synthetic"])[0]["network"] == "simple_cnn"
+    assert parse_config(["--dataset", "synthetic", "--network", "mlp"])[0][
         "network"] == "mlp"
 
 
 @pytest.mark.parametrize("recipe", sorted(os.listdir(os.path.join(ROOT, "configs"))))
 def test_every_recipe_parses(recipe):
-    config, explicit = train.parse_config(["--config", os.path.join(ROOT, "configs", recipe)])
-    train.check_config(config)
+    config, explicit = parse_config(["--config", os.path.join(ROOT, "configs", recipe)])
+    check_config(config)
     assert explicit
 
 
@@ -432,7 +433,7 @@ def test_torchvision_dataset_from_an_existing_copy(tmp_path):
     assert train.main(["--dataset", "mnist", "--data-dir", str(tmp_path / "data"),
                        "--network", "simple_cnn", "--epochs", "1", "--batch-size", "8",
                        "--num-workers", "0", "--run-dir", str(run_dir), "--device", "cpu"]) == 0
-    train_set, val_set = data.build_datasets(train.parse_config(
+    train_set, val_set = data.build_datasets(parse_config(
         ["--dataset", "mnist", "--data-dir", str(tmp_path / "data")])[0])
     assert (len(train_set), len(val_set), train_set.in_channels) == (40, 10, 1)
     image, label = train_set[(3, 0)]
