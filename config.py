@@ -7,8 +7,12 @@ config.yaml and inside every checkpoint, and nothing changes it after ``check_co
 
 import argparse
 import difflib
+import math
 import os
+import re
+import sys
 
+import torch
 import yaml
 
 import data
@@ -131,15 +135,125 @@ def _actions(parser):
     return {a.dest: a for a in parser._actions if a.dest not in ("help",)}
 
 
+def _flag(key):
+    return "--" + key.replace("_", "-")
+
+
+def _kind(action):
+    """The Python type a flag's value has: bool, list (of str), int, float or str."""
+    if action.nargs == 0:  # store_true and BooleanOptionalAction
+        return bool
+    if action.nargs in ("+", "*"):
+        return list
+    return action.type or str
+
+
+_KIND_NAMES = {bool: "true or false", list: "a list of strings", int: "int", float: "float",
+               str: "a string"}
+
+
+def _typed(key, value, action, from_yaml=False):
+    """``value`` as the flag's type, or a UserError naming the flag and the value.
+
+    A resolved config must hold exactly the flag's type (an int for a float flag is fine).
+    ``from_yaml`` also takes what a YAML file spells differently from the resolved value:
+    a number as text (``lr: 1e-3`` is a string to YAML, as on the command line), one
+    pattern for a list flag, a whole number for a string flag (``gpus: 0``).
+    """
+    kind = _kind(action)
+    if value is None:
+        if action.default is None:  # an optional flag: None means "not given"
+            return None
+    elif kind is bool:
+        if isinstance(value, bool):  # never a truthy string: "no" and "false" are true
+            return value
+    elif kind is list:
+        if from_yaml and isinstance(value, str):
+            return [value]  # one pattern, not a list of its characters
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return value
+    elif isinstance(value, bool):
+        pass  # true is no number, though bool is an int subclass
+    elif kind is int:
+        if isinstance(value, int):  # never a float: 12.7 would silently become 12
+            return value
+        if from_yaml and isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif kind is float:
+        if isinstance(value, (int, float)) or (from_yaml and isinstance(value, str)):
+            try:
+                number = float(value)
+            except (ValueError, OverflowError):  # not a number, or an int beyond floats
+                pass
+            else:
+                return number if from_yaml else value
+    elif isinstance(value, str) or (from_yaml and isinstance(value, int)):
+        return str(value)
+    raise UserError(f"{_flag(key)} must be {_KIND_NAMES[kind]}, not {_shown(value)}")
+
+
+def _shown(value, width=60):
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _check_choice(key, value, action):
+    if action.choices and value not in action.choices:
+        raise UserError(f"{_flag(key)} must be one of {list(action.choices)}, "
+                        f"not {_shown(value)}")
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """SafeLoader without anchors and aliases: a few hundred bytes of nested aliases (a
+    "billion laughs") expand to gigabytes when the config is saved."""
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        if getattr(event, "anchor", None) is not None:  # &name, or *name (an AliasEvent)
+            raise yaml.composer.ComposerError(
+                None, None, "anchors and aliases (&name, *name) are not allowed",
+                event.start_mark)
+        return super().compose_node(parent, index)
+
+
+def _yaml_problem(e):
+    """One line for a YAMLError: the problem and where (yaml's own text spans lines)."""
+    mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+    if problem and mark:
+        context = getattr(e, "context", None)
+        return (f"{context + ', ' if context else ''}{problem} "
+                f"(line {mark.line + 1}, column {mark.column + 1})")
+    return _one_line(str(e))
+
+
+def _one_line(text, width=200):
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 def _read_yaml(path, parser):
     """The YAML recipe as a dict of flag values, each checked like a command-line value."""
     try:
-        with open(path) as f:
-            values = yaml.safe_load(f) or {}
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
     except OSError as e:
         raise UserError(f"cannot read config {path!r}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"config {path!r} is not UTF-8 text (byte {e.object[e.start]:#04x} "
+                        f"at offset {e.start})") from None
+    try:
+        values = yaml.load(text, Loader=_NoAliasLoader)
     except yaml.YAMLError as e:
-        raise UserError(f"config {path!r} is not valid YAML: {e}") from None
+        raise UserError(f"config {path!r} is not valid YAML: {_yaml_problem(e)}") from None
+    except RecursionError:
+        raise UserError(f"config {path!r} is not valid YAML: nested too deeply") from None
+    except ValueError as e:  # a date like 2024-13-45, an int of more digits than Python takes
+        raise UserError(f"config {path!r} is not valid YAML: {_one_line(str(e))}") from None
+    if values is None:  # an empty file, or only comments
+        values = {}
     if not isinstance(values, dict):
         raise UserError(f"config {path!r} must be a mapping of flag names to values")
     actions = _actions(parser)
@@ -149,17 +263,11 @@ def _read_yaml(path, parser):
             hint = f"; did you mean {close[0]!r} (--{close[0].replace('_', '-')})?" \
                 if close else ""
             raise UserError(f"unknown key {key!r} in {path}{hint}")
-        action = actions[key]
-        if action.type is not None and value is not None and not isinstance(value, list):
-            try:
-                value = action.type(value)
-            except (TypeError, ValueError):
-                raise UserError(f"{path}: {key} must be {action.type.__name__}, "
-                                f"not {value!r}") from None
-        if action.choices and value not in action.choices:
-            raise UserError(f"{path}: {key} must be one of {list(action.choices)}, "
-                            f"not {value!r}")
-        values[key] = value
+        try:
+            values[key] = _typed(key, value, actions[key], from_yaml=True)
+            _check_choice(key, values[key], actions[key])
+        except UserError as e:
+            raise UserError(f"{path}: {e}") from None
     return values
 
 
@@ -170,8 +278,9 @@ def parse_config(argv):
         ``(config, explicit)``: the config dict, and the keys the user set (YAML or
         command line), which override a resumed checkpoint's config.
     """
+    _warned.clear()  # a new run: its warnings are shown once each
     parser = build_parser()
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = _Parser(add_help=False)
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)
     from_yaml = _read_yaml(known.config, parser) if known.config else {}
@@ -187,32 +296,116 @@ def parse_config(argv):
     return config, explicit - {"config"}
 
 
+# Ranges: each helper gives (test, the rule as the error message says it).
+
+def _at_least(low):
+    return (lambda v: v >= low), ("must not be negative" if low == 0
+                                  else f"must be at least {low}")
+
+
+def _above(low):
+    return (lambda v: v > low), f"must be greater than {low}"
+
+
+def _within(low, high, high_open=False):
+    if high_open:
+        return (lambda v: low <= v < high), f"must be in [{low}, {high})"
+    return (lambda v: low <= v <= high), f"must be in [{low}, {high}]"
+
+
+MAX_SEED = 2**31 - 1  # numpy seeds must be below 2**32, and train.py seeds with seed + rank
+MAX_SYNTHETIC_BYTES = 8 * 2**30  # the synthetic set lives in memory as float32
+DEVICES = re.compile(r"auto|cpu|cuda(:(0|[1-9][0-9]*))?")
+
+RANGES = {  # every numeric flag's allowed values
+    "synthetic_size": _at_least(1),
+    "image_size": _within(4, 4096),  # every network takes any side; 4096 is already huge
+    "num_classes": _within(2, 100_000),
+    "num_workers": _at_least(0),
+    "prefetch": _at_least(0),
+    "unfreeze_at": _at_least(0),
+    "unfreeze_lr_scale": _at_least(0),
+    "epochs": _at_least(1),  # also with --max-steps: 0 epochs train nothing
+    "max_steps": _at_least(0),
+    "batch_size": _at_least(1),
+    "virtual_batch_size": _at_least(0),
+    "lr": _above(0),
+    "momentum": _within(0, 1, high_open=True),
+    "weight_decay": _at_least(0),
+    "warmup_epochs": _at_least(0),
+    "grad_clip": _at_least(0),
+    "label_smoothing": _within(0, 1, high_open=True),
+    "max_nonfinite": _at_least(1),
+    "seed": _within(0, MAX_SEED),
+    "ckpt_every_steps": _at_least(0),
+    "keep_last": _at_least(0),
+    "eval_every": _at_least(1),
+    "log_every": _at_least(1),
+}
+
+_warned = set()  # warnings already shown for this run (check_config runs twice on resume)
+
+
+def _warn(message):
+    if message not in _warned and int(os.environ.get("RANK", "0")) == 0:  # once, not per process
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+    _warned.add(message)
+
+
 def check_config(c):
-    """Rejects impossible combinations with one clear message."""
+    """Rejects wrong types, out-of-range values and impossible combinations, each with one
+    clear message naming the flag and the value; warns about suspicious ones."""
+    actions = _actions(build_parser())
+    for key, value in c.items():
+        if key in actions:
+            _typed(key, value, actions[key])
+            _check_choice(key, value, actions[key])
     if c["dataset"] not in data.DATASETS:
         raise UserError(f"unknown dataset {c['dataset']!r}; choose one of: "
                         f"{', '.join(data.DATASETS)}")
-    if c["network"] not in NETWORKS and not c["network"].startswith("torchvision/"):
+    if c["network"] not in NETWORKS and not str(c["network"]).startswith("torchvision/"):
         raise UserError(f"unknown network {c['network']!r}; choose one of: "
                         f"{', '.join(sorted(NETWORKS))}, or torchvision/<name>")
-    if c["batch_size"] < 1:
-        raise UserError("--batch-size must be at least 1")
+    for key, action in actions.items():
+        if action.type is float and not math.isfinite(c[key]):
+            raise UserError(f"{_flag(key)} must be a finite number (got {c[key]!r})")
+    for key, (valid, rule) in RANGES.items():
+        if not valid(c[key]):
+            raise UserError(f"{_flag(key)} {rule} (got {c[key]!r})")
     if c["virtual_batch_size"] and c["virtual_batch_size"] % c["batch_size"]:
         raise UserError(f"--virtual-batch-size {c['virtual_batch_size']} must be a multiple "
                         f"of --batch-size {c['batch_size']}")
-    if c["epochs"] < 1 and not c["max_steps"]:
-        raise UserError("--epochs must be at least 1")
-    for key in ("num_workers", "prefetch", "max_steps", "ckpt_every_steps", "keep_last",
-                "unfreeze_at"):
-        if c[key] < 0:
-            raise UserError(f"--{key.replace('_', '-')} must not be negative")
-    for key in ("eval_every", "log_every", "max_nonfinite"):
-        if c[key] < 1:
-            raise UserError(f"--{key.replace('_', '-')} must be at least 1")
     if c["unfreeze_at"] and not c["freeze"]:
         raise UserError("--unfreeze-at needs --freeze")
     if c["resume"] == "auto" and not c["run_dir"]:
         raise UserError("--resume auto needs --run-dir (the run to continue)")
+    _check_device(c["device"])
+    if c["dataset"] == "synthetic":
+        _check_synthetic(c)
+    if c["unfreeze_at"] > c["epochs"]:
+        _warn(f"--unfreeze-at {c['unfreeze_at']} is beyond --epochs {c['epochs']}: the "
+              f"frozen parameters stay frozen for the whole run")
+
+
+def _check_device(device):
+    mps = torch.backends.mps.is_available()
+    if DEVICES.fullmatch(device) or (device == "mps" and mps):
+        return
+    raise UserError(f"--device must be auto, cpu, cuda or cuda:N{', or mps' if mps else ''} "
+                    f"(got {device!r})")
+
+
+def _check_synthetic(c):
+    size, classes, side = c["synthetic_size"], c["num_classes"], c["image_size"]
+    if classes > size:
+        raise UserError(f"--num-classes {classes} is more than --synthetic-size {size}: "
+                        f"some classes would have no sample")
+    samples = size + max(size // 5, 1)  # the training set and the validation fifth
+    need = samples * c.get("in_channels", 3) * side * side * 4
+    if need > MAX_SYNTHETIC_BYTES:
+        raise UserError(f"--synthetic-size {size} with --image-size {side} needs "
+                        f"{need / 2**30:.1f} GiB of memory (at most "
+                        f"{MAX_SYNTHETIC_BYTES // 2**30} GiB); lower one of them")
 
 
 def merge_resumed_config(saved, config, explicit):
