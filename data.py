@@ -10,9 +10,12 @@ number of DataLoader workers, the number of processes, or where a run was resume
 import os
 import signal
 import socket
+import sys
+import warnings
 
 import torch
 import torch.utils.data
+from PIL import Image
 from torchvision import datasets as tv_datasets
 from torchvision.transforms import v2
 
@@ -29,6 +32,9 @@ STATS = {
 TORCHVISION_SETS = {"cifar10": tv_datasets.CIFAR10, "cifar100": tv_datasets.CIFAR100,
                     "mnist": tv_datasets.MNIST, "fashion_mnist": tv_datasets.FashionMNIST}
 DATASETS = sorted(TORCHVISION_SETS) + ["imagefolder", "synthetic"]
+# The raster formats an ImageFolder image may be in. Left free, PIL.Image.open tries about
+# forty formats on any file, EPS among them (which runs Ghostscript on the file).
+IMAGE_FORMATS = ("JPEG", "PNG", "BMP", "GIF", "TIFF", "WEBP", "PPM")
 
 
 def sample_seed(seed, epoch, index):
@@ -65,6 +71,12 @@ class SeededDataset(torch.utils.data.Dataset):
 
     def __len__(self):
         return len(self.base)
+
+    def unreadable_count(self):
+        """The number of distinct files of the set found unreadable so far by this process
+        or its DataLoader workers (0 for sets that read no files)."""
+        count = getattr(self.base, "unreadable_count", None)
+        return count() if count is not None else 0
 
     def __getitem__(self, key):
         index, epoch = key if isinstance(key, tuple) else (key, 0)
@@ -118,6 +130,101 @@ class SyntheticImages(torch.utils.data.Dataset):
         return self.images[index], int(self.labels[index])
 
 
+class UnreadableImage(OSError):
+    """An image file that cannot be decoded: empty, truncated, not an image, too large."""
+
+
+def _to_rgb(image):
+    """An 8-bit RGB copy of a decoded image.
+
+    16-bit (``I;16*``), 32-bit (``I``) and float (``F``) grayscale is scaled to 8 bits by
+    its bit depth, not clipped at 255: 16 bits for ``I;16*``; for ``I`` and ``F`` the
+    smallest of 8, 16 or 31 (signed 32) bits that holds the largest value, or [0, 1] for
+    floats up to 1.
+    """
+    if image.mode.startswith("I;16") or image.mode in ("I", "F"):
+        top = image.getextrema()[1]
+        if image.mode.startswith("I;16"):
+            full = 2**16 - 1
+        elif image.mode == "F" and top <= 1:
+            full = 1
+        else:
+            full = next((2**b - 1 for b in (8, 16, 31) if top < 2**b), top)
+        mode = "F" if image.mode == "F" else "I"
+        image = image.convert(mode).point(lambda v: v * 255 / full).convert("L")
+    return image.convert("RGB")  # palette, LA, RGBA, CMYK... (and always a copy)
+
+
+def load_image(path):
+    """Reads an image file fully into an 8-bit RGB PIL image (ImageFolder's loader).
+
+    Only ``IMAGE_FORMATS`` are tried (never EPS/PostScript or PDF). A decompression bomb
+    (more than ``PIL.Image.MAX_IMAGE_PIXELS`` pixels) counts as unreadable. The whole image
+    is decoded here, so a truncated file fails here and not later in a transform.
+
+    Args:
+        path: the image file.
+
+    Returns:
+        The RGB image (see ``_to_rgb`` for 16-bit, 32-bit and float grayscale).
+
+    Raises:
+        UnreadableImage: the file cannot be read; the message says why.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path, formats=IMAGE_FORMATS) as image:
+                image.load()
+                return _to_rgb(image)
+    except Exception as e:  # PIL raises OSError, ValueError, SyntaxError, EOFError...
+        reason = str(e).splitlines()[0] if str(e) else "no message"
+        raise UnreadableImage(f"{type(e).__name__}: {reason}") from e
+
+
+class SafeImageFolder(tv_datasets.ImageFolder):
+    """An ImageFolder on which an unreadable image never stops a run.
+
+    A sample whose file cannot be read (see ``load_image``) is replaced by the next readable
+    sample of the set, wrapping around: the replacement depends only on the files, so
+    results are the same with any number of workers and after a resume. A ``warning:``
+    line naming the file goes to stderr. Unreadable files are flagged in a shared-memory
+    tensor that the main process and the DataLoader workers (forked, or spawned: it is
+    pickled as shared memory) all see; flagged files are skipped without reading them
+    again, so each is reported once.
+
+    Args:
+        root: the folder with one sub-folder per class.
+
+    Raises:
+        UserError: no image of the set can be read (checked when it is built, from the
+            first image on, in the process that builds it).
+    """
+
+    def __init__(self, root):
+        super().__init__(root, loader=load_image)
+        self.unreadable = torch.zeros(len(self.samples), dtype=torch.uint8).share_memory_()
+        self[0]  # finds a readable image now, or raises UserError
+
+    def __getitem__(self, index):
+        size = len(self.samples)
+        for i in (j % size for j in range(index, index + size)):
+            if self.unreadable[i]:
+                continue
+            path, label = self.samples[i]
+            try:
+                return self.loader(path), label
+            except UnreadableImage as e:
+                self.unreadable[i] = 1
+                print(f"warning: skipping unreadable image {path} ({e}); the next readable "
+                      f"image of the set stands in for it", file=sys.stderr, flush=True)
+        raise UserError(f"no image in {self.root!r} can be read (see the warnings above)")
+
+    def unreadable_count(self):
+        """The number of distinct files of the set found unreadable so far."""
+        return int(self.unreadable.sum())
+
+
 def _transforms(name, image_size, augment, from_pil=True):
     """The train (maybe augmented) and eval transforms of a dataset.
 
@@ -167,8 +274,8 @@ def _imagefolder_splits(data_dir, image_size, augment, seed):
         raise UserError(f"--dataset imagefolder needs {data_dir!r} to hold train/ and val/ "
                         f"(or test/) folders with one sub-folder per class")
     try:
-        train = tv_datasets.ImageFolder(train_dir)
-        val = tv_datasets.ImageFolder(val_dir)
+        train = SafeImageFolder(train_dir)
+        val = SafeImageFolder(val_dir)
     except (FileNotFoundError, RuntimeError) as e:
         raise UserError(f"cannot read image folders in {data_dir!r}: {e}") from None
     if train.classes != val.classes:
@@ -177,6 +284,9 @@ def _imagefolder_splits(data_dir, image_size, augment, seed):
         raise UserError(f"the class folders of {train_dir!r} and {val_dir!r} differ: only "
                         f"in train: {only_train or 'none'}; only in "
                         f"{os.path.basename(val_dir)}: {only_val or 'none'}")
+    if len(train.classes) == 1:
+        print(f"warning: {train_dir!r} has a single class folder ({train.classes[0]!r}): "
+              f"every label is the same, so there is nothing to learn", file=sys.stderr)
     t_train, t_eval = _transforms("imagefolder", image_size, augment)
     return (SeededDataset(train, t_train, seed, augment, train.classes, 3, image_size),
             SeededDataset(val, t_eval, seed, False, val.classes, 3, image_size))
@@ -195,8 +305,13 @@ def build_datasets(config):
         ``in_channels`` and ``image_size`` attributes. The training set augments when
         ``config["augment"]``; the validation set never does.
 
+        An image folder reads its images with ``load_image``; unreadable ones are replaced
+        and counted (see ``SafeImageFolder``, ``SeededDataset.unreadable_count``). One with a
+        single class gets a ``warning:`` line on stderr.
+
     Raises:
-        UserError: unknown dataset, missing directory, download impossible.
+        UserError: unknown dataset, missing directory, download impossible, an image
+            folder without a single readable image.
     """
     name, data_dir, seed = config["dataset"], config["data_dir"], config["seed"]
     augment, image_size = config.get("augment", True), config.get("image_size", 32)
@@ -286,8 +401,8 @@ class EpochBatchSampler:
 def _ignore_stop_signals(worker_id):
     # Ctrl-C and schedulers signal the whole process group. Workers ignore it and are shut
     # down by the main process after it has saved, so the save never sees a dead worker.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def build_loader(dataset, batch_sampler=None, batch_size=None, num_workers=0,
@@ -298,7 +413,7 @@ def build_loader(dataset, batch_sampler=None, batch_size=None, num_workers=0,
         dataset: the dataset.
         batch_sampler: an EpochBatchSampler (training), or None.
         batch_size: batch size when no batch_sampler is given (evaluation).
-        num_workers: worker processes (persistent; they ignore SIGINT/SIGTERM).
+        num_workers: worker processes (persistent; they ignore SIGINT/SIGTERM/SIGHUP).
         pin_memory: page-locked host memory for faster copies to CUDA.
         sampler: an index sampler for evaluation (e.g. one shard of the set).
 
