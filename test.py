@@ -17,6 +17,10 @@ dimension. The artifact is written to a temporary file next to OUT, loaded back,
 outputs compared with the eager network on random inputs of two batch sizes; only an
 artifact that matches is renamed to OUT, so OUT is never a half-written or wrong file.
 
+Every output (--json, --export) is checked to be writable before anything is loaded; a
+write that fails later (a full disk) is one ``error:`` line, exit code 1, and the file
+that was there before is left as it was.
+
 This file is not importable as ``test`` (the standard library owns that name): run it,
 or load it by path as tests/conftest.py does.
 """
@@ -26,8 +30,11 @@ import contextlib
 import copy
 import importlib.util
 import json
+import logging
 import math
 import os
+import re
+import shutil
 import sys
 import tempfile
 import warnings
@@ -46,6 +53,11 @@ EXPORT_KINDS = {".pt2": "torch.export", ".ts": "frozen TorchScript", ".onnx": "O
 ONNX_PACKAGES = ("onnx", "onnxscript", "onnxruntime")
 EXPORT_BATCHES = (2, 1, 5)  # traced with the first; checked at the others (1: no specialising)
 EXPORT_RTOL, EXPORT_ATOL = 1e-4, 1e-4  # float32 graph rewrites (conv-BN folding) stay far below
+DEVICE_TEXT = re.compile(r"(cpu|cuda)(:[0-9]+)?")
+
+
+class OutputError(Exception):
+    """Writing an output failed mid-run (a full disk, say); exit code 1, old file intact."""
 
 
 # ----------------------------------------------------------------------------- flags
@@ -86,7 +98,10 @@ def check_args(args):
         raise UserError("--batch-size must be at least 1")
     if args.num_workers < 0:
         raise UserError("--num-workers must not be negative")
-    if not args.export:
+    for flag, path in (("--json", args.json), ("--export", args.export)):
+        if path is not None and not path.strip():
+            raise UserError(f"{flag} needs a file name")
+    if args.export is None:
         return None
     suffix = os.path.splitext(args.export)[1].lower()
     if suffix not in EXPORT_KINDS:
@@ -101,17 +116,61 @@ def check_args(args):
     return suffix
 
 
+def check_output(flag, path, checkpoint_path):
+    """Rejects an output that could not be written, before any slow work.
+
+    The nearest existing directory above ``path`` must take a new file: a temporary file
+    is made there and removed (the mode bits alone would mislead root, and a read-only
+    mount or a full inode table are only seen by trying).
+
+    Args:
+        flag: ``--json`` or ``--export``, for the message.
+        path: the output file; its directory may not exist yet.
+        checkpoint_path: the checkpoint, which an output must not replace.
+    """
+    if path.endswith(("/", os.sep)) or os.path.isdir(path):
+        raise UserError(f"{flag} {path!r} is a directory; name a file (in it)")
+    if os.path.exists(path):
+        if not os.path.isfile(path):
+            raise UserError(f"{flag} {path!r} exists and is not a regular file")
+        if os.path.isfile(checkpoint_path) and os.path.samefile(path, checkpoint_path):
+            raise UserError(f"{flag} {path!r} is the checkpoint being evaluated; name "
+                            f"another file")
+    existing = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(existing):  # created when written
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UserError(f"{flag} {path!r}: {existing!r} is a file, not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".tmp-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UserError(f"{flag} {path!r}: cannot write in {existing!r} "
+                        f"({e.strerror or e})") from None
+
+
+def check_outputs(args):
+    """check_output for --json and --export, which must name two different files."""
+    outputs = [(flag, path) for flag, path in (("--json", args.json),
+                                               ("--export", args.export)) if path]
+    for flag, path in outputs:
+        check_output(flag, path, args.checkpoint)
+    if len(outputs) == 2 and os.path.abspath(args.json) == os.path.abspath(args.export):
+        raise UserError(f"--json and --export both name {args.json!r}; name two files")
+
+
 def resolve_device(text):
     """The torch.device named by --device; one that is not here is a UserError."""
     if text == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not DEVICE_TEXT.fullmatch(text):  # before torch.device, which warns for some names
+        raise UserError(f"--device {text!r}: use auto, cpu, cuda or cuda:N")
     try:
         device = torch.device(text)
     except RuntimeError:
         raise UserError(f"--device {text!r} is not a device; use auto, cpu, cuda or "
                         f"cuda:N") from None
-    if device.type not in ("cpu", "cuda"):
-        raise UserError(f"--device {text!r}: use auto, cpu, cuda or cuda:N")
     if device.type == "cuda" and (not torch.cuda.is_available() or
                                   (device.index or 0) >= torch.cuda.device_count()):
         raise UserError(f"--device {text}: no such CUDA device here "
@@ -131,6 +190,91 @@ def autocast_dtype(config, device):
         raise UserError(f"the run trained with --amp {config['amp']}: no autocast on "
                         f"{device.type}")
     return dtype
+
+
+# ------------------------------------------------------------------------ checkpoint
+
+def load_training_checkpoint(path):
+    """The checkpoint at ``path``, checked to be a training checkpoint of this project.
+
+    Returns:
+        The state dict: ``model`` a state_dict (string keys, dense CPU tensors with finite
+        values) and ``config`` a dict.
+
+    Raises:
+        checkpoint.CheckpointError: anything else, in one line.
+    """
+    with warnings.catch_warnings():  # a sparse tensor's check; the weights are refused below
+        warnings.filterwarnings("ignore", message="Validating sparse tensor invariants")
+        state = checkpoint.load_checkpoint(path)
+    if "model" not in state or not isinstance(state.get("config"), dict):
+        raise checkpoint.CheckpointError(f"{path!r} is not a training checkpoint "
+                                         f"of this project (no model and config)")
+    weights = state["model"]
+    if not isinstance(weights, dict):
+        raise checkpoint.CheckpointError(f"{path!r}: its model is a {type(weights).__name__}, "
+                                         f"not a state_dict (a dict of tensors)")
+    for key, value in weights.items():
+        if not isinstance(key, str):
+            raise checkpoint.CheckpointError(f"{path!r}: its model has a key {_short(key)}, "
+                                             f"not a parameter name")
+        if not isinstance(value, torch.Tensor):
+            raise checkpoint.CheckpointError(f"{path!r}: its model's {key} is "
+                                             f"{_short(value)}, not a tensor")
+        if value.layout != torch.strided or value.device.type != "cpu" or \
+                value.is_complex():
+            raise checkpoint.CheckpointError(
+                f"{path!r}: its model's {key} is a {value.dtype} {value.layout} tensor on "
+                f"{value.device}, not a plain real one")
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise checkpoint.CheckpointError(f"{path!r}: its model's {key} holds NaN or "
+                                             f"infinite values")
+    return state
+
+
+def _short(value, limit=60):
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _int_at_least(low):
+    return lambda v: type(v) is int and v >= low  # not bool, not float (NaN included)
+
+
+_CONFIG_NEEDS = (  # key, check, what it must be, whether the key may be absent
+    ("network", lambda v: isinstance(v, str) and v != "", "a network name", False),
+    ("dataset", lambda v: isinstance(v, str) and v != "", "a dataset name", False),
+    ("data_dir", lambda v: isinstance(v, str), "a directory (or pass --data-dir)", False),
+    ("seed", lambda v: type(v) is int, "an integer", False),
+    ("image_size", _int_at_least(1), "an integer of at least 1", True),
+    ("in_channels", _int_at_least(1), "an integer of at least 1", True),
+    ("amp", lambda v: isinstance(v, str) and v in AMP_DTYPES,
+     f"one of {', '.join(AMP_DTYPES)}", True),
+)
+_SYNTHETIC_NEEDS = (
+    ("synthetic_size", _int_at_least(1), "an integer of at least 1", False),
+    ("num_classes", _int_at_least(2), "an integer of at least 2", False),
+)
+
+
+def check_config(config, path, need_batch_size):
+    """Raises a CheckpointError when the config lacks, or holds a senseless value for, a
+    key that evaluation reads (``batch_size`` only when ``need_batch_size``)."""
+    needs = list(_CONFIG_NEEDS)
+    if need_batch_size:
+        needs.append(("batch_size", _int_at_least(1),
+                      "an integer of at least 1 (or pass --batch-size)", False))
+    if config.get("dataset") == "synthetic":
+        needs.extend(_SYNTHETIC_NEEDS)
+    for key, ok, expected, optional in needs:
+        if key not in config:
+            if optional:
+                continue
+            raise checkpoint.CheckpointError(f"{path!r}: its config has no {key}; expected "
+                                             f"{expected}")
+        if not ok(config[key]):
+            raise checkpoint.CheckpointError(f"{path!r}: its config's {key} is "
+                                             f"{_short(config[key])}; expected {expected}")
 
 
 # --------------------------------------------------------------------------- network
@@ -210,15 +354,60 @@ def format_report(report, state, config):
     return "\n".join(lines)
 
 
-def write_json(report, path):
-    """Writes the report atomically (temporary file, then rename)."""
+def _write_failed(flag, path, error):
+    kept = ("the previous file there is unchanged" if os.path.isfile(path)
+            else "nothing was written")
+    return OutputError(f"{flag} {path!r}: writing failed ({error.strerror or error}); {kept}")
+
+
+def _new_temp_file(path, suffix):
+    """An empty temporary file in ``path``'s directory (made if needed), with the mode
+    ``open`` would give a new file (mkstemp makes it private)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".tmp-{os.getpid()}-{os.path.basename(path)}")
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=suffix, dir=directory)
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    return tmp
+
+
+def _fill(tmp, source):
+    """Writes ``source`` (bytes, or a file to copy) into ``tmp`` and fsyncs it."""
+    with open(tmp, "wb") as f:
+        if isinstance(source, bytes):
+            f.write(source)
+        else:
+            with open(source, "rb") as src:
+                shutil.copyfileobj(src, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _remove(tmp):
+    if tmp is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def write_json(report, path):
+    """Writes the report atomically (temporary file, fsync, then rename).
+
+    Raises:
+        OutputError: the write failed (a full disk); a previous file at ``path`` is intact.
+    """
+    text = json.dumps(report, indent=2) + "\n"
+    tmp = None
+    try:
+        tmp = _new_temp_file(path, ".json")
+        _fill(tmp, text.encode())
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as e:
+        raise _write_failed("--json", path, e) from None
+    finally:
+        _remove(tmp)
 
 
 # ---------------------------------------------------------------------------- export
@@ -236,9 +425,19 @@ def _batch_dim():
     return torch.export.Dim("batch", min=1)
 
 
+def _not_about_the_pt2_name(record):
+    # torch.export.save logs that a path should end in .pt2; a staging file's does not.
+    return not record.getMessage().startswith("Expect archive file to be a file ending in")
+
+
 def _save_pt2(net, example, path):
     program = torch.export.export(net, (example,), dynamic_shapes=({0: _batch_dim()},))
-    torch.export.save(program, path)
+    logger = logging.getLogger("torch.export.pt2_archive._package")
+    logger.addFilter(_not_about_the_pt2_name)
+    try:
+        torch.export.save(program, path)
+    finally:
+        logger.removeFilter(_not_about_the_pt2_name)
 
 
 def _load_pt2(path):
@@ -280,7 +479,8 @@ def export(net, path, suffix, sample_shape):
     The artifact goes to a temporary file in OUT's directory, is loaded back and run on
     random inputs of several batch sizes; it replaces OUT (atomic rename) only when every
     output matches the eager network within EXPORT_RTOL/EXPORT_ATOL. On any failure the
-    temporary file is removed and an existing OUT is left as it was.
+    temporary file is removed and an existing OUT is left as it was. (.pt2 and .ts are
+    serialised into memory first where Linux allows: see _staging_file.)
 
     Args:
         net: the network in eval mode, on the CPU, float32, contiguous.
@@ -290,21 +490,29 @@ def export(net, path, suffix, sample_shape):
 
     Returns:
         ``(ok, max_abs_diff)``.
+
+    Raises:
+        OutputError: writing the file failed (a full disk).
     """
     save, load = EXPORTERS[suffix]
-    directory = os.path.dirname(os.path.abspath(path))
+    tmp = None
     try:
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=suffix, dir=directory)
-    except OSError as e:
-        raise UserError(f"--export {path!r}: cannot write in {directory!r}: {e.strerror}") \
-            from None
-    os.close(fd)
-    try:
+        try:
+            tmp = _new_temp_file(path, suffix)
+        except OSError as e:
+            raise _write_failed("--export", path, e) from None
         g = torch.Generator().manual_seed(0)
         inputs = [torch.randn(n, *sample_shape, generator=g) for n in EXPORT_BATCHES]
         with torch.no_grad():
-            save(net, inputs[0], tmp)
+            with _staging_file(suffix) as staged:
+                try:
+                    save(net, inputs[0], staged or tmp)
+                    if staged:
+                        _fill(tmp, staged)
+                    else:
+                        _fsync(tmp)
+                except OSError as e:
+                    raise _write_failed("--export", path, e) from None
             reloaded = load(tmp)
             ok, worst = True, 0.0
             for x in inputs:
@@ -313,19 +521,43 @@ def export(net, path, suffix, sample_shape):
                 ok = ok and same_shape and torch.allclose(got, want, EXPORT_RTOL, EXPORT_ATOL)
                 worst = max(worst, float((got - want).abs().max()) if same_shape else math.inf)
         if ok:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; an artifact is not
-            fd = os.open(tmp, os.O_RDONLY)
             try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
+                os.replace(tmp, path)
+            except OSError as e:
+                raise _write_failed("--export", path, e) from None
+            tmp = None
         return ok, worst
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        _remove(tmp)
+
+
+def _fsync(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _staging_file(suffix):
+    """The path of an anonymous in-memory file for torch's own writers (.pt2, .ts), or None.
+
+    Those writers abort the whole process (a C++ error thrown in a destructor) when the
+    disk fills up under them; written to memory first, the artifact reaches the disk
+    through Python, whose OSError becomes one ``error:`` line. None where there is no
+    memfd (not Linux): the artifact is then written in place.
+    """
+    fd = None
+    if suffix in (".pt2", ".ts") and hasattr(os, "memfd_create") and \
+            os.path.isdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            fd = os.memfd_create("test.py-export")
+    try:
+        yield None if fd is None else f"/proc/self/fd/{fd}"
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 # ------------------------------------------------------------------------------ main
@@ -335,13 +567,17 @@ def main(argv=None):
 
     Returns:
         The exit code: 0 when done, 2 for a user error (one ``error:`` line), 1 when the
-        exported artifact's outputs differ from the eager network's.
+        exported artifact's outputs differ from the eager network's or an output could not
+        be written (one ``error:`` line; a file that was there is left as it was).
     """
     try:
         return run(sys.argv[1:] if argv is None else argv)
     except UserError as e:  # checkpoint.CheckpointError included
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except OutputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
 
 
 def run(argv):
@@ -349,15 +585,14 @@ def run(argv):
     args = build_parser().parse_args(argv)
     suffix = check_args(args)
     device = resolve_device(args.device)
+    check_outputs(args)
 
     # 2. The checkpoint and the training run's config.
-    state = checkpoint.load_checkpoint(args.checkpoint)
-    if "model" not in state or not isinstance(state.get("config"), dict):
-        raise checkpoint.CheckpointError(f"{args.checkpoint!r} is not a training checkpoint "
-                                         f"of this project (no model and config)")
+    state = load_training_checkpoint(args.checkpoint)
     config = dict(state["config"])
     if args.data_dir is not None:
         config["data_dir"] = args.data_dir
+    check_config(config, args.checkpoint, need_batch_size=args.batch_size is None)
     batch_size = args.batch_size or config["batch_size"]
 
     # 3. Data and network, evaluated as training validated.
