@@ -34,8 +34,9 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from ops import UserError
+from ops import RunFailed, UserError
 
 ROTATING = re.compile(r"^(epoch-\d{4,}|step-\d{8,})\.pt$")
 
@@ -428,6 +429,11 @@ class BackgroundWriter:
 
         self._thread = threading.Thread(target=write, name="checkpoint-writer")
         self._thread.start()
+
+    def done(self):
+        """Whether a write was submitted and has finished (``wait`` then returns at once,
+        raising its error if it failed)."""
+        return self._thread is not None and not self._thread.is_alive()
 
     def wait(self):
         """Blocks until the write in progress is done; raises its error if it failed."""
@@ -873,3 +879,121 @@ class RunLock:
         _, current = self._read()
         if current == record:
             _remove_quietly(self.path)
+
+
+# ------------------------------------------------------------ the training checkpoint
+
+def training_state(net, optimizer, scaler, progress, rngs, config):
+    """The checkpoint dict of a training run: what exact resumption needs.
+
+    Args:
+        net: the plain network (no DDP/DataParallel/compile wrapper).
+        optimizer: its optimizer.
+        scaler: the GradScaler (enabled or not).
+        progress: ``TrainState.state_dict()``, loss sums summed over processes.
+        rngs: ``rng_state()`` of every process, by rank.
+        config: the resolved config.
+
+    Returns:
+        A dict of tensors and plain values (``weights_only``-loadable once saved).
+    """
+    return {
+        "model": unwrap_state_dict(net.state_dict()),
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict(),
+        "scheduler": {"step": progress["step"]},  # the LR is a function of the step
+        "epoch": progress["epoch"],
+        "step": progress["step"],
+        "progress": progress,
+        "rng": rngs[0],
+        "rng_per_rank": rngs,
+        "config": {k: v for k, v in config.items() if k not in ("resume",)},
+    }
+
+
+class Saver:
+    """Writes checkpoints: last.pt, best.pt and rotating epoch-/step- files.
+
+    Every process calls ``save``; the main process writes, in a background thread, from
+    a CPU copy. Non-finite weights are never saved: the run stops instead, and names
+    the last good checkpoint.
+
+    Args:
+        run_dir: the run directory (checkpoints go into its ``checkpoints/``).
+        config: the resolved config (saved in every checkpoint).
+        net, optimizer, scaler: what is saved.
+        state: the run's ``engine.TrainState``.
+        procs: ``runtime.Processes``.
+        last_saved: the checkpoint resumed from, if any.
+    """
+
+    def __init__(self, run_dir, config, net, optimizer, scaler, state, procs, last_saved):
+        self.dir = os.path.join(run_dir, "checkpoints")
+        self.config, self.net, self.optimizer, self.scaler = config, net, optimizer, scaler
+        self.state, self.procs = state, procs
+        self.last_saved = last_saved
+        self.writer = BackgroundWriter()
+        if procs.is_main:  # temporary files of a save that was killed half-way
+            for name in os.listdir(self.dir):
+                if name.startswith(".tmp-"):
+                    os.unlink(os.path.join(self.dir, name))
+
+    def save(self, kind, best=False):
+        """Saves the state as of the last optimizer step (all processes call this).
+
+        Args:
+            kind: ``"epoch"`` or ``"step"`` (also writes a rotating file), ``"stop"``.
+            best: also write best.pt.
+        """
+        self.poll()
+        self.check_weights()
+        progress = self.state.state_dict()
+        rngs = [rng_state()]
+        if self.procs.world_size > 1:
+            sums = torch.tensor([progress["loss_sum"], progress["loss_count"]],
+                                dtype=torch.float64, device=self.procs.device)
+            dist.all_reduce(sums)
+            progress.update(loss_sum=float(sums[0]), loss_count=int(sums[1]))
+            rngs = [None] * self.procs.world_size
+            dist.all_gather_object(rngs, rng_state())
+        path = os.path.join(self.dir, "last.pt")
+        if not self.procs.is_main:
+            self.last_saved = path  # what the main process writes
+            return
+        state = training_state(self.net, self.optimizer, self.scaler, progress, rngs,
+                               self.config)
+        also = [os.path.join(self.dir, "best.pt")] if best else []
+        if self.config["keep_last"] > 0 and kind in ("epoch", "step"):
+            name = f"epoch-{progress['epoch']:04d}.pt" if kind == "epoch" \
+                else f"step-{progress['step']:08d}.pt"
+            also.append(os.path.join(self.dir, name))
+        # Training goes on while a thread writes a private CPU copy of the state.
+        self._failing(self.writer.submit, to_cpu(state), path, also,
+                      keep_last=self.config["keep_last"])
+        self.last_saved = path
+
+    def check_weights(self):
+        """Stops the run when a weight or buffer is NaN or infinite: such a state is never
+        saved (the loss is computed before the update, so it may still look fine)."""
+        tensors = [t for t in self.net.state_dict().values() if t.is_floating_point()]
+        if not torch.stack([torch.isfinite(t).all() for t in tensors]).all():
+            raise RunFailed(
+                f"the weights are not finite at step {self.state.step}; lower --lr or add "
+                f"--grad-clip. The last good checkpoint is {self.last_saved or 'none'}")
+
+    def poll(self):
+        """Raises now if the last write failed in the background (say, a full disk)."""
+        if self.procs.is_main and self.writer.done():
+            self.wait()
+
+    def wait(self):
+        """Waits for the checkpoint being written (re-raising a failed write's error)."""
+        if self.procs.is_main:
+            self._failing(self.writer.wait)
+
+    def _failing(self, call, *args, **kwargs):
+        try:
+            return call(*args, **kwargs)
+        except OSError as e:
+            raise RunFailed(f"writing a checkpoint into {self.dir!r} failed ({e}); the "
+                            f"files there are the last complete ones") from None

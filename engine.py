@@ -117,12 +117,32 @@ def set_lr(optimizer, factor):
 
 
 @dataclasses.dataclass
-class RunSettings:
-    """What the loops need to know about the run, beyond the model and the data."""
+class TrainState:
+    """Where the run stands; checkpoints hold it under ``progress`` (``state_dict()``)."""
+
+    epoch: int = 0             # finished epochs
+    step: int = 0              # optimizer steps taken
+    epoch_samples: int = 0     # samples of the current epoch consumed, all processes
+    loss_sum: float = 0.0      # the current epoch's finite training losses, summed ...
+    loss_count: int = 0        # ... over this many samples
+    best_val_acc: float = -1.0
+    scaler_skips: int = 0      # fp16 steps the GradScaler skipped (inf/nan gradients)
+
+    def state_dict(self):
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, saved):
+        for field in dataclasses.fields(self):
+            if field.name in saved:
+                setattr(self, field.name, field.type(saved[field.name]))
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSettings:
+    """What the loops need to know beyond the model and the data; fixed for the run."""
 
     device: torch.device
     epochs: int = 1
-    epoch: int = 0                      # 0-based index of the epoch being trained
     accum: int = 1                      # micro-batches per optimizer step
     world_size: int = 1
     amp_dtype: torch.dtype = None       # None: full precision
@@ -157,16 +177,22 @@ class Counters:
 
     def reset(self):
         self.loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
-        self.loss_count = 0
+        self.loss_count = torch.zeros((), device=self.device, dtype=torch.long)
+        self.samples = 0
         self.worst = torch.zeros((), device=self.device, dtype=torch.long)
         self.skips = torch.zeros((), device=self.device)
 
     def add_loss(self, loss, count):
-        """Adds a batch's mean loss for ``count`` samples; tracks non-finite streaks."""
+        """Adds a batch's mean loss for ``count`` samples; tracks non-finite streaks.
+
+        A non-finite loss adds nothing to the sums (the mean stays the mean of the
+        finite ones) and lengthens the streak.
+        """
         loss = loss.detach()
         finite = torch.isfinite(loss)
         self.loss_sum += torch.where(finite, loss.double() * count, 0.0)
-        self.loss_count += count
+        self.loss_count += finite * count
+        self.samples += count
         self.streak = torch.where(finite, 0, self.streak + 1)
         self.worst = torch.maximum(self.worst, self.streak)
 
@@ -174,23 +200,80 @@ class Counters:
         """Returns the sums since the last read as numbers, and starts new ones.
 
         Returns:
-            A dict with ``loss_sum``, ``loss_count``, ``worst_streak`` (longest run of
-            non-finite losses), ``streak`` (the current one) and ``scaler_skips``.
+            A dict with ``loss_sum`` and ``loss_count`` (finite losses only),
+            ``samples`` (all), ``worst_streak`` (longest run of non-finite losses),
+            ``streak`` (the current one) and ``scaler_skips``.
         """
-        values = {"loss_sum": float(self.loss_sum), "loss_count": self.loss_count,
-                  "worst_streak": int(self.worst), "streak": int(self.streak),
-                  "scaler_skips": int(self.skips)}
+        values = {"loss_sum": float(self.loss_sum), "loss_count": int(self.loss_count),
+                  "samples": self.samples, "worst_streak": int(self.worst),
+                  "streak": int(self.streak), "scaler_skips": int(self.skips)}
         self.reset()
         return values
 
 
-def train_one_epoch(model, loader, optimizer, criterion, run, progress, after_step):
-    """Trains from the sampler's position in the epoch to its end, or until told to stop.
+class LossMeter:
+    """The training loss and throughput since the last log, read from the counters.
 
-    Each optimizer step takes ``run.accum`` micro-batches; every micro-batch's loss is
-    weighted by its share of the window's samples (the last window of an epoch may be
-    short), so the accumulated gradient is that of one batch of all of them. Under DDP,
-    the micro-batches before the last skip the gradient all-reduce (``no_sync``).
+    ``collect`` moves the device counters into the run's epoch sums (``TrainState``) and
+    into this window; ``restart`` begins a new window after a log.
+
+    Args:
+        counters: the loop's ``Counters``.
+        world_size: number of processes (samples/s counts all of them).
+    """
+
+    def __init__(self, counters, world_size=1):
+        self.counters, self.world_size = counters, world_size
+        self.shown = 0.0
+        self.restart()
+
+    def restart(self):
+        self.loss_sum, self.loss_count, self.samples = 0.0, 0, 0
+        self.since = time.perf_counter()
+
+    def collect(self, state):
+        """Reads the counters (one sync) into ``state`` and the window.
+
+        Returns:
+            ``(streak, worst_streak)`` of non-finite losses, the worst over all
+            processes: every process must take the same decision (skip a save, stop).
+        """
+        values = self.counters.read()
+        streaks = (values["streak"], values["worst_streak"])
+        if self.world_size > 1:
+            both = torch.tensor(streaks, device=self.counters.device)
+            dist.all_reduce(both, op=dist.ReduceOp.MAX)
+            streaks = tuple(int(s) for s in both)
+        state.loss_sum += values["loss_sum"]
+        state.loss_count += values["loss_count"]
+        state.scaler_skips += values["scaler_skips"]
+        self.loss_sum += values["loss_sum"]
+        self.loss_count += values["loss_count"]
+        self.samples += values["samples"]
+        return streaks
+
+    def pending(self):
+        """Samples trained since the window began (also those not collected yet)."""
+        return self.samples + self.counters.samples
+
+    def mean(self):
+        return self.loss_sum / self.loss_count if self.loss_count else math.nan
+
+    def rate(self):
+        """Samples per second (all processes) since the window began."""
+        return self.samples * self.world_size / max(time.perf_counter() - self.since, 1e-9)
+
+
+def steps(model, loader, optimizer, criterion, loop, state, bar):
+    """Trains from the sampler's position in the epoch; yields after every optimizer step.
+
+    The caller decides what happens between steps (log, save, stop) and may stop early
+    by leaving its ``for`` loop; close the generator (``contextlib.closing``) so that the
+    prefetch thread stops at once. Each optimizer step takes ``loop.accum``
+    micro-batches; every micro-batch's loss is weighted by its share of the window's
+    samples (the last window of an epoch may be short), so the accumulated gradient is
+    that of one batch of all of them. Under DDP, the micro-batches before the last skip
+    the gradient all-reduce (``no_sync``).
 
     Args:
         model: the (possibly wrapped) network.
@@ -198,82 +281,95 @@ def train_one_epoch(model, loader, optimizer, criterion, run, progress, after_st
             this epoch and position.
         optimizer: the optimizer; its param groups carry ``base_lr``.
         criterion: the loss, mean over the batch.
-        run: the RunSettings.
-        progress: the run's position, a dict saved in checkpoints; ``step`` (optimizer
-            steps) and ``epoch_samples`` (samples of this epoch consumed, all processes)
-            advance here.
-        after_step: called with the tqdm bar after every optimizer step (logging,
-            checkpoints, stop requests); returning True ends the epoch early.
+        loop: the LoopSettings.
+        state: the TrainState; ``step`` and ``epoch_samples`` advance here.
+        bar: a progress display with ``update(n)`` (one per micro-batch).
 
-    Returns:
-        ``"done"`` at the end of the epoch, ``"stopped"`` when ``after_step`` said so.
+    Yields:
+        The number of optimizer steps taken so far (``state.step``).
     """
-    device, accum, world, timer = run.device, run.accum, run.world_size, run.timer
+    device, accum, world, timer = loop.device, loop.accum, loop.world_size, loop.timer
     plan = loader.batch_sampler.plan()  # (global, local) sample counts of each batch
     model.train()
     keep_frozen_norms_eval(model)
-    bar = tqdm(total=len(plan), desc=f"epoch {run.epoch + 1}/{run.epochs}", unit="batch",
-               disable=not run.show_progress, dynamic_ncols=True, leave=False)
-    batches = _Prefetcher(loader, run.prefetch)
-    status = "done"
+    batches = _Prefetcher(loader, loop.prefetch)
     try:
         timer.start_data()
         for k, (x, y) in enumerate(batches):
             global_n, local_n = plan[k]
             first = k - k % accum
-            window_n = sum(g for g, _ in plan[first:first + accum])
-            last_in_window = k + 1 == min(first + accum, len(plan))
-            x = x.to(device, non_blocking=True, memory_format=run.memory_format)
+            accum_n = sum(g for g, _ in plan[first:first + accum])
+            last_micro_batch = k + 1 == min(first + accum, len(plan))
+            x = x.to(device, non_blocking=True, memory_format=loop.memory_format)
             y = y.to(device, non_blocking=True)
             timer.start_compute()
-            no_sync = world > 1 and not last_in_window
+            no_sync = world > 1 and not last_micro_batch
             with model.no_sync() if no_sync else contextlib.nullcontext():
-                with run.autocast():
+                with loop.autocast():
                     loss = criterion(model(x), y)
-                # DDP averages gradients over processes: scale so that the window's sum is
-                # the mean over all of its samples, however they were split.
-                weight = local_n * world / window_n
-                run.scaler.scale(loss * weight if weight != 1.0 else loss).backward()
-            run.counters.add_loss(loss, local_n)
-            if last_in_window:
-                _optimizer_step(model, optimizer, run)
-                progress["step"] += 1
-                set_lr(optimizer, run.lr_factor(progress["step"]))
+                # DDP averages gradients over processes: scale so that the sum over the
+                # accumulation is the mean over all of its samples, however they were split.
+                weight = local_n * world / accum_n
+                loop.scaler.scale(loss * weight if weight != 1.0 else loss).backward()
+            loop.counters.add_loss(loss, local_n)
+            if last_micro_batch:
+                _optimizer_step(model, optimizer, loop)
+                state.step += 1
+                set_lr(optimizer, loop.lr_factor(state.step))
             timer.end_compute()
-            progress["epoch_samples"] += global_n
+            state.epoch_samples += global_n
             bar.update(1)
-            if last_in_window and after_step(bar):
-                status = "stopped"
-                break
+            if last_micro_batch:
+                yield state.step
             timer.start_data()
     finally:
         batches.close()
+
+
+def train_one_epoch(model, loader, optimizer, criterion, loop, progress, after_step=None):
+    """``steps`` run to the end of the epoch (or until ``after_step`` returns True), for
+    scripts and tests that want a plain call; ``progress`` is a ``TrainState`` or a dict
+    with ``step`` and ``epoch_samples``, updated in place."""
+    state = progress if isinstance(progress, TrainState) else TrainState(
+        step=progress.get("step", 0), epoch_samples=progress.get("epoch_samples", 0))
+    bar = tqdm(total=len(loader.batch_sampler), disable=not loop.show_progress,
+               leave=False, dynamic_ncols=True)
+    try:
+        with contextlib.closing(steps(model, loader, optimizer, criterion, loop, state,
+                                      bar)) as each_step:
+            for _ in each_step:
+                if after_step is not None and after_step(bar):
+                    break
+    finally:
         bar.close()
-    return status
+        if not isinstance(progress, TrainState):
+            progress.update(step=state.step, epoch_samples=state.epoch_samples)
 
 
-def _optimizer_step(model, optimizer, run):
-    scaler = run.scaler
-    if run.grad_clip > 0:
+def _optimizer_step(model, optimizer, loop):
+    scaler = loop.scaler
+    if loop.grad_clip > 0:
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-        torch.nn.utils.clip_grad_norm_(model.parameters(), run.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), loop.grad_clip)
     scaler.step(optimizer)
     if scaler.is_enabled():
+        # No public API tells whether this step was skipped without a sync; the
+        # per-device found-inf tensors stay on the device and are summed there.
         found = scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device")
         if found:
-            run.counters.skips += sum(found.values())  # stays on the device
+            loop.counters.skips += sum(found.values())
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
 
 
 @torch.no_grad()
-def evaluate(model, loader, run, num_classes):
+def evaluate(model, loader, loop, num_classes):
     """Evaluates on ``loader`` (this process's shard), summed over all processes.
 
     Args:
         model: the network (switched to eval mode here).
         loader: batches of (images, labels).
-        run: a ``RunSettings`` (device, autocast, memory format, world size).
+        loop: the LoopSettings (device, autocast, memory format, world size).
         num_classes: number of classes, for the confusion matrix.
 
     Returns:
@@ -281,18 +377,18 @@ def evaluate(model, loader, run, num_classes):
         ``confusion`` (a num_classes x num_classes tensor, rows are true classes).
     """
     model.eval()
-    device = run.device
+    device = loop.device
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     confusion = torch.zeros(num_classes * num_classes, device=device, dtype=torch.long)
     for x, y in loader:
-        x = x.to(device, non_blocking=True, memory_format=run.memory_format)
+        x = x.to(device, non_blocking=True, memory_format=loop.memory_format)
         y = y.to(device, non_blocking=True)
-        with run.autocast():
+        with loop.autocast():
             logits = model(x)
         loss_sum += torch.nn.functional.cross_entropy(logits.float(), y, reduction="sum")
         pred = logits.argmax(dim=1)
         confusion += torch.bincount(y * num_classes + pred, minlength=num_classes ** 2)
-    if run.world_size > 1:
+    if loop.world_size > 1:
         dist.all_reduce(loss_sum)
         dist.all_reduce(confusion)
     confusion = confusion.view(num_classes, num_classes).cpu()
@@ -307,3 +403,4 @@ def per_class_accuracy(confusion):
     totals = confusion.sum(dim=1)
     return [float(c) / float(t) if t > 0 else math.nan
             for c, t in zip(confusion.diag(), totals)]
+RunSettings = LoopSettings  # old name, until the tests and benches move

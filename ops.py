@@ -17,6 +17,11 @@ class UserError(Exception):
     """A mistake in the user's input, reported as one line without a traceback."""
 
 
+class RunFailed(Exception):
+    """The run cannot go on: a non-finite loss or weights, a failed write; train.py
+    prints its message as one line and exits with code 1."""
+
+
 def _matching(names, patterns):
     return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
 

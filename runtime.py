@@ -10,6 +10,7 @@ import random
 import signal
 import sys
 import warnings
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -18,14 +19,37 @@ import torch.distributed as dist
 from ops import UserError
 
 
+class Processes(NamedTuple):
+    """This process's place: its rank among ``world_size`` processes, and its device."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+
+def process_rank():
+    """The rank torchrun gave this process (0 without torchrun), before any set-up."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def main_print(message):
+    """Prints on the main process only (once per run, not once per process)."""
+    if process_rank() == 0:
+        say(message)
+
+
 def setup_processes(config):
-    """Starts torch.distributed when launched by torchrun.
+    """Starts torch.distributed when launched by torchrun; picks the device.
 
     Returns:
-        ``(rank, world_size, device)``.
+        A ``Processes``.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    rank, local_rank = process_rank(), int(os.environ.get("LOCAL_RANK", "0"))
     want_cuda = config["device"] != "cpu" and torch.cuda.is_available()
     if world_size > 1:
         if config["gpus"]:
@@ -34,28 +58,41 @@ def setup_processes(config):
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        return rank, world_size, device
+        return Processes(rank, world_size, device)
     if config["gpus"]:
-        ids = gpu_ids(config["gpus"])
-        return 0, 1, torch.device("cuda", ids[0])
-    if config["device"] == "auto":
-        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return Processes(0, 1, torch.device("cuda", gpu_ids(config["gpus"])[0]))
+    return Processes(0, 1, parse_device(config["device"]))
+
+
+def parse_device(text):
+    """The torch.device that a --device value names: auto, cpu, cuda, cuda:N (or mps).
+
+    Raises:
+        UserError: not a device, or not one this machine has.
+    """
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        device = torch.device(config["device"])
-    except RuntimeError:
-        raise UserError(f"--device {config['device']!r} is not a device; use auto, cpu, "
-                        f"cuda or cuda:N") from None
+        device = torch.device(text)
+    except (RuntimeError, TypeError):
+        raise UserError(f"--device {text!r} is not a device; use auto, cpu, cuda or "
+                        f"cuda:N") from None
     if device.type == "cuda" and (not torch.cuda.is_available() or
                                   (device.index or 0) >= torch.cuda.device_count()):
-        raise UserError(f"--device {config['device']}: no such CUDA device here "
+        raise UserError(f"--device {text}: no such CUDA device here "
                         f"({torch.cuda.device_count()} visible)")
-    return 0, 1, device
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"--device {text}: no MPS device here")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise UserError(f"--device {text}: cannot train on {device.type}; use auto, cpu, "
+                        f"cuda or cuda:N")
+    return device
 
 
-def check_same_resume_point(state, world_size, device):
+def check_same_resume_point(saved, procs):
     """Each process read the checkpoint from its own disk: they must have found the same."""
-    step = torch.tensor([-1 if state is None else state["step"]], device=device)
-    steps = [torch.zeros_like(step) for _ in range(world_size)]
+    step = torch.tensor([-1 if saved is None else saved["step"]], device=procs.device)
+    steps = [torch.zeros_like(step) for _ in range(procs.world_size)]
     dist.all_gather(steps, step)
     if len({int(s) for s in steps}) > 1:
         raise UserError(f"the processes found different checkpoints to resume from (step "
@@ -109,25 +146,66 @@ def amp_dtype(config, device):
 
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, scheduler, SSH gone
+
+
 class StopRequest:
-    """Remembers SIGINT/SIGTERM; the loop stops at the next optimizer step and saves.
+    """Remembers SIGINT/SIGTERM/SIGHUP; the loop stops at the next optimizer step and saves.
 
     The handler only records the signal: the save happens in the loop, and a second
-    Ctrl-C during the save changes nothing (the save finishes, then the run exits).
+    signal during the save changes nothing (the save finishes, then the run exits with
+    128 + the first signal's number: 130, 143 or 129).
     """
 
     def __init__(self):
         self.signum = None
         self._old = {}
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        for signum in STOP_SIGNALS:
             self._old[signum] = signal.signal(signum, self._handle)
 
     def _handle(self, signum, frame):
         if self.signum is None:
             self.signum = signum
-            print(f"\n{signal.Signals(signum).name}: stopping after this step and saving "
-                  f"a checkpoint (a second signal is ignored)", file=sys.stderr, flush=True)
+            say(f"\n{signal.Signals(signum).name}: stopping after this step and saving "
+                f"a checkpoint (a second signal is ignored)", file=sys.stderr)
+
+    def agreed(self, procs):
+        """Whether to stop now; under DDP every process stops at the same step (a signal
+        to one process stops them all)."""
+        wanted = self.signum is not None
+        if procs.world_size > 1:
+            flag = torch.tensor([int(wanted)], device=procs.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() and self.signum is None:
+                self.signum = signal.SIGTERM
+            wanted = bool(flag.item())
+        return wanted
+
+    @property
+    def exit_code(self):
+        return 128 + int(self.signum)
 
     def restore(self):
         for signum, handler in self._old.items():
             signal.signal(signum, handler)
+
+
+def say(message, file=None):
+    """Prints a line; a closed stdout/stderr (``train.py | head``) never stops the run.
+
+    Once the reader of a pipe is gone, further output to it goes to /dev/null.
+    """
+    file = file or sys.stdout
+    try:
+        print(message, file=file, flush=True)
+    except (BrokenPipeError, ValueError):  # ValueError: the stream was closed
+        _silence(file)
+
+
+def _silence(stream):
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())  # also what the interpreter flushes at exit
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass

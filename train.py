@@ -6,16 +6,31 @@
     python train.py --resume auto --run-dir runs/exp1  # continue where it stopped
     torchrun --nproc_per_node 4 train.py ...           # DistributedDataParallel
 
-Read ``main`` top to bottom: config, processes and device, data, network, loss,
-optimizer, resume, the epoch loop, the final save. Each stage is a short function
-below it. Everything the run makes goes into one run directory (see README).
+Read ``train`` and ``fit`` top to bottom: config, run directory, processes, data,
+network, optimizer, resume, then the epoch and step loops, where logging, checkpoints
+and stopping are decided in plain sight. Everything else is one hop away:
+
+    the training step (forward, backward, optimizer step)    engine.steps
+    validation                                               engine.evaluate
+    a flag: its definition, default and checks               config.py
+    checkpoint write / resume point / restore                Saver, restore below;
+                                                             checkpoint.py for the files
+    TensorBoard, metrics.jsonl, config.yaml, summary.txt     runlog.RunLog
+    processes, devices, AMP dtype, seeds, signals            runtime.py
+    datasets, the seeded sampler, loaders                    data.py
 """
 
-import os
-import shlex
 import signal
 import sys
-import time
+
+if __name__ == "__main__":  # Ctrl-C while torch loads: exit quietly with 130
+    signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
+
+import contextlib
+import dataclasses
+import functools
+import os
+import shlex
 
 import torch
 import torch.distributed as dist
@@ -29,9 +44,9 @@ import runtime
 from config import check_config, merge_resumed_config, parse_config
 from losses import build_criterion
 from networks import build_network
-from ops import UserError
+from ops import RunFailed, UserError
 
-EXIT_USER_ERROR, EXIT_FAILED, EXIT_SIGINT, EXIT_SIGTERM = 2, 1, 130, 143
+EXIT_USER_ERROR, EXIT_FAILED = 2, 1  # a signal exits with 128 + its number (130, 143, 129)
 
 
 # ---------------------------------------------------------------------------- main
@@ -41,16 +56,21 @@ def main(argv=None):
 
     Returns:
         The exit code: 0 when done, 2 for a user error (one ``error:`` line), 1 when the
-        loss stayed non-finite, 130/143 when stopped by SIGINT/SIGTERM after saving.
+        run failed (non-finite loss or weights, a disk that refused a write), and
+        128 + the signal's number when stopped by SIGINT/SIGTERM/SIGHUP after saving.
     """
     stop = runtime.StopRequest()
     try:
         return train(sys.argv[1:] if argv is None else argv, stop)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        runtime.say(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
-    except NonFiniteLoss as e:
-        print(f"error: {e}", file=sys.stderr)
+    except RunFailed as e:
+        runtime.say(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except OSError as e:  # a file system that failed mid-run: full, gone, read-only
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        runtime.say(f"error: {e.strerror or e}{where}", file=sys.stderr)
         return EXIT_FAILED
     finally:
         stop.restore()
@@ -58,219 +78,332 @@ def main(argv=None):
             dist.destroy_process_group()
 
 
-class NonFiniteLoss(Exception):
-    """The loss stayed NaN or infinite for --max-nonfinite optimizer steps in a row."""
-
-
 def train(argv, stop):
-    """The whole run, stage by stage; returns the exit code (see ``main``)."""
-    # 1. Config: defaults < YAML < command line; a resumed run takes its checkpoint's.
+    """The run: config, its directory (locked), then ``fit``; returns the exit code."""
     config, explicit = parse_config(argv)
     check_config(config)
-    resume_path, state = find_resume(config)
-    if state is not None:
-        state["path"] = resume_path
-        config = merge_resumed_config(state["config"], config, explicit)
+    resume_path, saved = resume_file(config)  # --resume PATH: read before anything is written
+    run_dir = choose_run_dir(config, explicit, resume_path, saved)
+    with runlog.RunDirectory(run_dir, is_main=runtime.process_rank() == 0) as directory:
+        if config["resume"] == "auto":
+            resume_path, saved = checkpoint.find_latest(run_dir, warn=runtime.main_print)
+        if saved is not None:
+            config = merge_resumed_config(saved["config"], config, explicit)
+        config = {**config, "run_dir": run_dir}
         check_config(config)
+        return fit(config, argv, resume_path, saved, directory, stop)
 
-    # 2. Processes, device, seeds, run directory.
-    rank, world_size, device = runtime.setup_processes(config)
-    is_main = rank == 0
-    if world_size > 1:
-        runtime.check_same_resume_point(state, world_size, device)
 
-    def log(message):
-        if is_main:
-            print(message, flush=True)
+@dataclasses.dataclass
+class Training:
+    """What ``fit`` built, handed to the few functions that act on the whole run."""
 
-    runtime.seed_everything(config["seed"], rank, config["deterministic"], device)
-    run_dir = runlog.prepare_run_dir(config, state is not None, is_main, argv)
+    config: dict
+    procs: runtime.Processes
+    net: torch.nn.Module          # the plain network (saved in checkpoints)
+    model: torch.nn.Module        # what is called: maybe DDP / DataParallel / compiled
+    optimizer: torch.optim.Optimizer
+    loop: engine.LoopSettings
+    state: engine.TrainState
+    meter: engine.LossMeter
+    saver: checkpoint.Saver
+    run_log: runlog.RunLog
+    val_loader: torch.utils.data.DataLoader
+    datasets: tuple               # (train, val)
+
+
+def fit(config, argv, resume_path, saved, directory, stop):
+    """Builds everything, resumes, trains (``run_epochs``) and says how it ended."""
+    log = runtime.main_print
+    procs = runtime.setup_processes(config)
+    if procs.world_size > 1:
+        runtime.check_same_resume_point(saved, procs)
+    runtime.seed_everything(config["seed"], procs.rank, config["deterministic"], procs.device)
+    directory.record(config, argv, resuming=saved is not None)
     if resume_path:
-        log(f"resuming from {resume_path} (epoch {state['epoch']}, step {state['step']})")
+        log(f"resuming from {resume_path} (epoch {saved['epoch']}, step {saved['step']})")
     elif config["resume"] == "auto":
-        log(f"no valid checkpoint in {run_dir}: starting fresh")
+        log(f"no valid checkpoint in {directory.path}: starting fresh")
 
-    # 3. Data: the first process downloads, the others wait and read.
-    if is_main:
-        train_set, val_set = data.build_datasets(config)
-    if world_size > 1:
-        dist.barrier()
-    if not is_main:
-        train_set, val_set = data.build_datasets(config)
-    accum = (config["virtual_batch_size"] or config["batch_size"]) // config["batch_size"]
+    train_set, val_set = build_datasets(config, procs)
     sampler = data.EpochBatchSampler(len(train_set), config["batch_size"], config["seed"],
-                                     rank=rank, world_size=world_size)
-    pin = device.type == "cuda"
-    train_loader = data.build_loader(train_set, batch_sampler=sampler,
-                                     num_workers=config["num_workers"], pin_memory=pin)
-    val_loader = data.build_loader(
-        val_set, batch_size=config["batch_size"], num_workers=config["num_workers"],
-        pin_memory=pin, sampler=data.shard_indices(len(val_set), rank, world_size))
-
-    # 4. Network, loss, optimizer.
-    net, model = build_model(config, train_set, device, world_size, log, state is not None)
-    if is_main:
-        runlog.write_summary(net, train_set, run_dir, device, log)
+                                     rank=procs.rank, world_size=procs.world_size)
+    train_loader, val_loader = build_loaders(config, procs, train_set, val_set, sampler)
+    net, model = build_model(config, train_set, procs.device, procs.world_size, log,
+                             resuming=saved is not None)
     criterion = build_criterion(config)
     optimizer = build_optimizer(net, config)
-    dtype = runtime.amp_dtype(config, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    loop = build_loop(config, procs, net, train_set, sampler)
 
-    windows_per_epoch = -(-len(sampler) // accum)
-    total_steps = config["max_steps"] or windows_per_epoch * config["epochs"]
-    total_steps = min(total_steps, windows_per_epoch * config["epochs"])
-    warmup = int(config["warmup_epochs"] * windows_per_epoch)
-
-    def lr_factor(step):
-        return ops.lr_factor(step, total_steps, config["scheduler"], warmup)
-
-    # 5. Resume: weights, optimizer, scaler, position and RNG as of the saved step.
-    progress = {"epoch": 0, "step": 0, "epoch_samples": 0, "loss_sum": 0.0,
-                "loss_count": 0, "best_val_acc": -1.0, "scaler_skips": 0}
-    if state is not None:
-        restore(state, net, optimizer, scaler, progress, config, rank, world_size, log)
-    engine.set_lr(optimizer, lr_factor(progress["step"]))
-
-    # 6. The epoch loop.
-    memory_format = torch.channels_last if config["channels_last"] else torch.contiguous_format
-    run = engine.RunSettings(
-        device=device, epochs=config["epochs"], accum=accum, world_size=world_size,
-        amp_dtype=dtype, scaler=scaler, grad_clip=config["grad_clip"],
-        memory_format=memory_format, prefetch=config["prefetch"], show_progress=is_main,
-        lr_factor=lr_factor, timer=engine.StepTimer(device), counters=engine.Counters(device))
-    run.flops_per_sample = ops.train_flops_per_sample(
-        net, (train_set.in_channels, train_set.image_size, train_set.image_size), device)
-    if device.type == "cuda":
-        run.peak_tflops = ops.peak_tflops(torch.cuda.get_device_name(device), dtype is not None)
-    run_log = runlog.RunLog(run_dir, progress["step"], progress["epoch"], is_main)
-    saver = Saver(run_dir, config, net, optimizer, scaler, progress, is_main, world_size)
-    saver.last_saved = resume_path
-    if progress["step"] == 0 and is_main:
-        runlog.log_first_batch(run_log, train_set, sampler)
+    state = engine.TrainState()
+    if saved is not None:  # weights, optimizer, scaler, position and RNG of the saved step
+        restore(saved, resume_path, net, optimizer, loop.scaler, state, config, procs)
+    engine.set_lr(optimizer, loop.lr_factor(state.step))
+    run_log = runlog.RunLog(directory.path, state.step, state.epoch, procs.is_main)
+    run_log.summary(net, train_set, procs.device)
+    if state.step == 0:
+        run_log.first_batch(train_set, sampler)
+    saver = checkpoint.Saver(directory.path, config, net, optimizer, loop.scaler, state, procs,
+                  last_saved=resume_path)
+    t = Training(config, procs, net, model, optimizer, loop, state,
+                 engine.LossMeter(loop.counters, procs.world_size), saver, run_log,
+                 val_loader, (train_set, val_set))
     log(f"training {config['network']} on {config['dataset']} ({len(train_set)} samples, "
-        f"{world_size} process(es), {device}) into {run_dir}")
-
-    window = {"loss_sum": 0.0, "loss_count": 0, "time": time.perf_counter(), "shown": 0.0}
-
-    def read_counters():
-        values = run.counters.read()
-        if world_size > 1:  # the loss may be non-finite on some processes only: every
-            # process must take the same decision (skip a save, stop), or they fall out of step
-            streaks = torch.tensor([values["worst_streak"], values["streak"]], device=device)
-            dist.all_reduce(streaks, op=dist.ReduceOp.MAX)
-            values["worst_streak"], values["streak"] = (int(s) for s in streaks)
-        for key in ("loss_sum", "loss_count"):
-            progress[key] += values[key]
-            window[key] += values[key]
-        progress["scaler_skips"] += values["scaler_skips"]
-        if values["worst_streak"] >= config["max_nonfinite"]:
-            raise NonFiniteLoss(
-                f"the loss was not finite for {values['worst_streak']} steps in a row (at "
-                f"step {progress['step']}); lower --lr, add --grad-clip, or try --amp bf16. "
-                f"The last good checkpoint is {saver.last_saved or 'none'}")
-        return values
-
-    def save(kind, best=False):
-        if read_counters()["streak"]:
-            log(f"not saving at step {progress['step']}: the last loss was not finite")
-            return
-        saver.save(kind, best)
-
-    def show(bar):  # loss, samples/s and efficiency since the last log, on the bar
-        read_counters()
-        mean = window["loss_sum"] / max(window["loss_count"], 1)
-        data_t, compute_t, _ = run.timer.totals()
-        now = time.perf_counter()
-        rate = window["loss_count"] * world_size / max(now - window["time"], 1e-9)
-        bar.set_postfix(loss=f"{mean:.4f}", samples_s=f"{rate:.0f}",
-                        eff=f"{engine.efficiency(data_t, compute_t):.2f}")
-        window["shown"] = now
-        return mean
-
-    def log_window(bar, step):
-        mean = show(bar)
-        scalars = {"train/loss": mean, "train/lr": optimizer.param_groups[0]["lr"]}
-        if scaler.is_enabled():
-            scalars["train/scaler_skips"] = progress["scaler_skips"]
-        run_log.scalars(scalars, step)
-        window.update(loss_sum=0.0, loss_count=0, time=time.perf_counter())
-
-    def after_step(bar):  # called by the engine after every optimizer step
-        step = progress["step"]
-        stopping = stop_now()
-        at_max = bool(config["max_steps"]) and step >= config["max_steps"]
-        if step % config["log_every"] == 0 or stopping or at_max:
-            log_window(bar, step)
-        elif world_size == 1 and time.perf_counter() - window["shown"] > 0.5:
-            show(bar)  # at most two syncs a second (no collectives: one process only)
-        epoch_done = progress["epoch_samples"] >= len(train_set)  # finish_epoch saves then
-        if stopping or (config["ckpt_every_steps"] and step % config["ckpt_every_steps"] == 0
-                        and not epoch_done):
-            save("stop" if stopping else "step")
-        return stopping or at_max
-
-    def stop_now():
-        wanted = stop.signum is not None
-        if world_size > 1:  # every process stops at the same step
-            flag = torch.tensor([int(wanted)], device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            wanted = bool(flag.item())
-            if wanted and stop.signum is None:
-                stop.signum = signal.SIGTERM
-        return wanted
-
-    final, status = {}, "done"
+        f"{procs.world_size} process(es), {procs.device}) into {directory.path}")
     try:
-        for epoch in range(progress["epoch"], config["epochs"]):
-            if stop_now():  # a signal that came between steps (setup, validation)
-                save("stop")
-                break
-            if config["unfreeze_at"] and epoch + 1 == config["unfreeze_at"] \
-                    and progress["epoch_samples"] == 0:
-                names = unfreeze_into(net, optimizer, config)
-                engine.set_lr(optimizer, lr_factor(progress["step"]))
-                log(f"epoch {epoch + 1}: unfroze {len(names)} parameter tensors")
-            run.epoch = epoch
-            sampler.set_epoch(epoch, progress["epoch_samples"])
-            run.timer.reset()
-            window["time"] = time.perf_counter()
-            status = engine.train_one_epoch(model, train_loader, optimizer, criterion, run,
-                                            progress, after_step)
-            if progress["epoch_samples"] >= len(train_set):  # the epoch is complete
-                read_counters()
-                final = finish_epoch(epoch, model, val_loader, run, config, progress,
-                                     run_log, save, world_size, train_set.num_classes, log,
-                                     optimizer.param_groups[0]["lr"])
-            if status == "stopped":
-                break
-        if status == "stopped" and stop.signum is None and progress["epoch_samples"]:
-            result = engine.evaluate(model, val_loader, run, train_set.num_classes)
-            final = {"val_loss": result["loss"], "val_acc": result["acc"]}
-            run_log.scalars({"val/loss": result["loss"], "val/acc": result["acc"]},
-                           progress["step"])
-            save("stop")  # --max-steps reached inside an epoch
-            log(f"--max-steps {config['max_steps']} reached at step {progress['step']}: "
-                f"val_acc {result['acc']:.4f}")
+        ended, final = run_epochs(t, train_loader, criterion, stop)
     finally:
         run_log.flush()  # keep what was logged, also when the run fails
         saver.wait()  # the checkpoint being written in the background
         data.shutdown_loader(train_loader)
         data.shutdown_loader(val_loader)
-    if stop.signum is not None:
+    if ended is Ended.SIGNAL:
         run_log.close(config, None)
-        if world_size > 1:  # no process exits (and makes torchrun kill the rest) before
-            dist.barrier()  # rank 0 has written the checkpoint
-        name = signal.Signals(stop.signum).name
-        launcher = "python train.py" if world_size == 1 else "torchrun <same options> train.py"
-        log(f"{name}: saved {saver.last_saved}. Resume with:\n  {launcher} --resume auto "
-            f"--run-dir {shlex.quote(run_dir)}")
-        return EXIT_SIGINT if stop.signum == signal.SIGINT else EXIT_SIGTERM
-    run_log.close(config, final, progress["step"])
-    log(f"done: {run_dir}")
+        if procs.world_size > 1:  # no process exits (and makes torchrun kill the rest)
+            dist.barrier()        # before rank 0 has written the checkpoint
+        launcher = "python train.py" if procs.world_size == 1 else \
+            "torchrun <same options> train.py"
+        log(f"{signal.Signals(stop.signum).name}: saved {saver.last_saved}. Resume with:\n"
+            f"  {launcher} --resume auto --run-dir {shlex.quote(directory.path)}")
+        return stop.exit_code
+    run_log.close(config, final, state.step)
+    log(f"done: {directory.path}")
     return 0
 
 
-# -------------------------------------------------------------------------- network
+class Ended:
+    """How ``run_epochs`` ended."""
+
+    ALL_EPOCHS, MAX_STEPS, SIGNAL = "all epochs", "--max-steps", "signal"
+
+
+def run_epochs(t, train_loader, criterion, stop):
+    """The epoch and step loops: when to log, checkpoint and stop is decided here.
+
+    Returns:
+        ``(ended, final)``: an ``Ended`` value and the last validation figures.
+    """
+    config, state, sampler = t.config, t.state, train_loader.batch_sampler
+    final, ended = {}, Ended.ALL_EPOCHS
+    for epoch in range(state.epoch, config["epochs"]):
+        if stop.agreed(t.procs):  # a signal that came between steps (set-up, validation)
+            save(t, "stop")
+            return Ended.SIGNAL, final
+        if (epoch, state.epoch_samples) == unfreeze_point(config):
+            names = unfreeze_into(t.net, t.optimizer, config)
+            engine.set_lr(t.optimizer, t.loop.lr_factor(state.step))
+            runtime.main_print(f"epoch {epoch + 1}: unfroze {len(names)} parameter tensors")
+        sampler.set_epoch(epoch, state.epoch_samples)
+        t.loop.timer.reset()
+        t.meter.restart()
+        with t.run_log.progress(epoch, config["epochs"], len(sampler)) as bar, \
+                contextlib.closing(engine.steps(t.model, train_loader, t.optimizer, criterion,
+                                                t.loop, state, bar)) as steps:
+            for step in steps:
+                t.saver.poll()  # a checkpoint write that failed in the background
+                if stop.agreed(t.procs):
+                    ended = Ended.SIGNAL
+                elif config["max_steps"] and step >= config["max_steps"]:
+                    ended = Ended.MAX_STEPS
+                if step % config["log_every"] == 0 or ended is not Ended.ALL_EPOCHS:
+                    log_train(t, bar)
+                elif t.procs.world_size == 1 and bar.due():
+                    show(t, bar)  # at most twice a second (no collectives: one process)
+                epoch_done = state.epoch_samples >= sampler.size  # finish_epoch saves then
+                if ended is Ended.SIGNAL:
+                    save(t, "stop")
+                elif config["ckpt_every_steps"] and step % config["ckpt_every_steps"] == 0 \
+                        and not epoch_done:
+                    save(t, "step")
+                if ended is not Ended.ALL_EPOCHS:
+                    break
+            if t.meter.pending():  # every epoch ends its loss curve, however short
+                log_train(t, bar)
+        if state.epoch_samples >= sampler.size:  # the epoch is complete
+            final = finish_epoch(t, epoch)
+        if ended is not Ended.ALL_EPOCHS:
+            break
+    if ended is Ended.MAX_STEPS and state.epoch_samples:  # stopped inside an epoch
+        final = validate(t)
+        save(t, "stop")
+        runtime.main_print(f"--max-steps {config['max_steps']} reached at step {state.step}: "
+                           f"val_acc {final['val_acc']:.4f}")
+    return ended, final
+
+
+# ----------------------------------------------------------- logging, saving, epochs
+
+def collect(t):
+    """Reads the loss counters (one sync); after --max-nonfinite bad losses, stops the run.
+
+    Returns:
+        How many of the latest losses in a row were not finite (0: the last was fine).
+    """
+    streak, worst = t.meter.collect(t.state)
+    if worst >= t.config["max_nonfinite"]:
+        raise RunFailed(
+            f"the loss was not finite for {worst} steps in a row (at step {t.state.step}); "
+            f"lower --lr, add --grad-clip, or try --amp bf16. The last good checkpoint is "
+            f"{t.saver.last_saved or 'none'}")
+    return streak
+
+
+def show(t, bar, log_step=False):
+    """Loss, samples/s and compute efficiency since the last log, on the progress bar."""
+    collect(t)
+    data_t, compute_t, _ = t.loop.timer.totals()
+    bar.show(t.meter.mean(), t.meter.rate(), engine.efficiency(data_t, compute_t), log_step)
+
+
+def log_train(t, bar):
+    """The training loss and learning rate since the last log, to TensorBoard and the bar."""
+    show(t, bar, log_step=True)
+    scalars = {"train/loss": t.meter.mean(), "train/lr": t.optimizer.param_groups[0]["lr"]}
+    if t.loop.scaler.is_enabled():
+        scalars["train/scaler_skips"] = t.state.scaler_skips
+    t.run_log.scalars(scalars, t.state.step)
+    t.meter.restart()
+
+
+def save(t, kind, best=False):
+    """Checkpoints the state after the last optimizer step, unless its loss was not finite."""
+    streak = collect(t)
+    t.saver.check_weights()
+    if streak:
+        runtime.main_print(f"not saving at step {t.state.step}: the last loss was not finite")
+        return
+    t.saver.save(kind, best)
+
+
+def validate(t):
+    """Evaluates on the validation set and logs ``val/loss`` and ``val/acc``."""
+    result = engine.evaluate(t.model, t.val_loader, t.loop, t.datasets[0].num_classes)
+    t.run_log.scalars({"val/loss": result["loss"], "val/acc": result["acc"]}, t.state.step)
+    return {"val_loss": result["loss"], "val_acc": result["acc"]}
+
+
+def finish_epoch(t, epoch):
+    """Validates (when due), logs the epoch, saves last.pt (and best.pt)."""
+    config, state = t.config, t.state
+    data_t, compute_t, wall = t.loop.timer.totals()
+    unreadable = sum(dataset.unreadable_count() for dataset in t.datasets)  # skipped
+    sums = torch.tensor([state.loss_sum, state.loss_count, unreadable], dtype=torch.float64,
+                        device=t.loop.device)
+    if t.procs.world_size > 1:
+        dist.all_reduce(sums)
+    state.epoch += 1
+    record = {"epoch": state.epoch, "step": state.step,
+              "train_loss": float(sums[0] / sums[1]) if sums[1] > 0 else float("nan"),
+              "lr": t.optimizer.param_groups[0]["lr"],
+              "compute_efficiency": engine.efficiency(data_t, compute_t),
+              "data_time": data_t, "compute_time": compute_t, "epoch_time": wall,
+              "samples_per_sec": state.epoch_samples / max(wall, 1e-9)}
+    record["tflops"] = t.loop.flops_per_sample * record["samples_per_sec"] / 1e12
+    if t.loop.peak_tflops:
+        record["mfu"] = record["tflops"] / t.loop.peak_tflops
+    if sums[2] > 0:
+        record["unreadable_images"] = int(sums[2])
+    best = False
+    if state.epoch % config["eval_every"] == 0 or state.epoch == config["epochs"]:
+        record.update(validate(t))
+        best = record["val_acc"] > state.best_val_acc
+        state.best_val_acc = max(state.best_val_acc, record["val_acc"])
+    state.epoch_samples, state.loss_sum, state.loss_count = 0, 0.0, 0
+    t.run_log.epoch(record)
+    save(t, "epoch", best)
+    runtime.main_print(runlog.epoch_line(record, config))
+    return {k: record[k] for k in ("train_loss", "val_loss", "val_acc") if k in record}
+
+
+# ------------------------------------------------------------------ config, run dir
+
+def resume_file(config):
+    """The checkpoint that ``--resume PATH`` names, loaded: ``(path, state)``, or Nones."""
+    if config["resume"] in (None, "auto"):
+        return None, None
+    state = checkpoint.load_checkpoint(config["resume"])
+    if "model" not in state or "config" not in state or "progress" not in state:
+        raise UserError(f"{config['resume']!r} is not a training checkpoint of this project "
+                        f"(use --pretrained for plain weights)")
+    return config["resume"], state
+
+
+def choose_run_dir(config, explicit, resume_path, saved):
+    """``--run-dir``; else, for ``--resume PATH``, the checkpoint's own run directory, but
+    only when PATH is that run's newest checkpoint (continuing from an older one would
+    rewind the run); else a new ``runs/<time>-<network>-<dataset>``."""
+    if config["run_dir"]:
+        return config["run_dir"]
+    if saved is None:
+        return runlog.default_run_dir(config)
+    recorded = saved["config"].get("run_dir") or ""
+    ckpt_dir = os.path.join(recorded, "checkpoints")
+    if not (os.path.isdir(ckpt_dir) and os.path.samefile(
+            os.path.dirname(os.path.abspath(resume_path)), ckpt_dir)):
+        raise UserError(f"{resume_path!r} is not in the run directory it records "
+                        f"({recorded!r}); pass --run-dir to say where this run goes on")
+    _, newest = checkpoint.find_latest(recorded, warn=lambda message: None)
+    if newest is not None and newest["step"] > saved["step"]:
+        raise UserError(f"{resume_path!r} (step {saved['step']}) is not the newest "
+                        f"checkpoint of {recorded!r} (step {newest['step']}): continuing "
+                        f"there would rewind that run. Continue it with --resume auto "
+                        f"--run-dir {recorded}, or start a new run from this checkpoint "
+                        f"with --run-dir NEW_DIR")
+    return recorded
+
+
+# --------------------------------------------------------------------- data, network
+
+def build_datasets(config, procs):
+    """The training and validation sets; the first process downloads, the others wait."""
+    if procs.is_main:
+        train_set, val_set = data.build_datasets(config)
+    if procs.world_size > 1:
+        dist.barrier()
+    if not procs.is_main:
+        train_set, val_set = data.build_datasets(config)
+    return train_set, val_set
+
+
+def build_loaders(config, procs, train_set, val_set, sampler):
+    """Loaders: training batches from the seeded sampler, this process's validation shard."""
+    pin = procs.device.type == "cuda"
+    train_loader = data.build_loader(train_set, batch_sampler=sampler,
+                                     num_workers=config["num_workers"], pin_memory=pin)
+    val_loader = data.build_loader(
+        val_set, batch_size=config["batch_size"], num_workers=config["num_workers"],
+        pin_memory=pin, sampler=data.shard_indices(len(val_set), procs.rank, procs.world_size))
+    return train_loader, val_loader
+
+
+def build_loop(config, procs, net, train_set, sampler):
+    """The loop's fixed settings: accumulation, precision, LR schedule, timers, FLOPs."""
+    device = procs.device
+    dtype = runtime.amp_dtype(config, device)
+    accum = (config["virtual_batch_size"] or config["batch_size"]) // config["batch_size"]
+    steps_per_epoch = -(-len(sampler) // accum)
+    total_steps = steps_per_epoch * config["epochs"]
+    if config["max_steps"]:
+        total_steps = min(total_steps, config["max_steps"])
+    peak = None
+    if device.type == "cuda":
+        peak = ops.peak_tflops(torch.cuda.get_device_name(device), dtype is not None)
+    return engine.LoopSettings(
+        device=device, epochs=config["epochs"], accum=accum, world_size=procs.world_size,
+        amp_dtype=dtype, scaler=torch.amp.GradScaler(device.type,
+                                                     enabled=dtype == torch.float16),
+        grad_clip=config["grad_clip"], prefetch=config["prefetch"],
+        memory_format=torch.channels_last if config["channels_last"]
+        else torch.contiguous_format,
+        show_progress=procs.is_main,
+        lr_factor=functools.partial(ops.lr_factor, total_steps=total_steps,
+                                    schedule=config["scheduler"],
+                                    warmup_steps=int(config["warmup_epochs"] * steps_per_epoch)),
+        timer=engine.StepTimer(device), counters=engine.Counters(device),
+        flops_per_sample=ops.train_flops_per_sample(
+            net, (train_set.in_channels, train_set.image_size, train_set.image_size), device),
+        peak_tflops=peak)
+
 
 def build_model(config, train_set, device, world_size, log, resuming=False):
     """The network: built, pretrained weights, frozen parts, moved and wrapped.
@@ -322,7 +455,12 @@ def load_pretrained(net, path, log):
     initialisation and is listed; any other mismatch is a UserError listing the keys.
     """
     state = checkpoint.load_checkpoint(path)
-    weights = checkpoint.unwrap_state_dict(state["model"] if "model" in state else state)
+    weights = state["model"] if "model" in state else state
+    if not isinstance(weights, dict) or not weights or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()):
+        raise UserError(f"--pretrained {path!r} holds no weights: expected a checkpoint of "
+                        f"this project or a state_dict (names mapped to tensors)")
+    weights = checkpoint.unwrap_state_dict(weights)
     own = net.state_dict()
     head = list(dict(net.named_parameters()))[-1].rsplit(".", 1)[0]  # e.g. "fc"
     resized = [k for k in weights if k in own and own[k].shape != weights[k].shape]
@@ -344,191 +482,70 @@ def build_optimizer(net, config):
     params = [p for p in net.parameters() if p.requires_grad]
     if not params:
         raise UserError("every parameter is frozen: nothing to train")
-    group = {"params": params, "base_lr": config["lr"]}
-    wd, lr = config["weight_decay"], config["lr"]
-    if config["optimizer"] == "sgd":
-        nesterov = config["nesterov"] and config["momentum"] > 0
-        return torch.optim.SGD([group], lr=lr, momentum=config["momentum"],
-                               nesterov=nesterov, weight_decay=wd)
-    cls = torch.optim.Adam if config["optimizer"] == "adam" else torch.optim.AdamW
-    return cls([group], lr=lr, weight_decay=wd)
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam,
+           "adamw": torch.optim.AdamW}[config["optimizer"]]
+    optimizer = cls([{"params": params}], lr=config["lr"])
+    set_hyperparameters(optimizer, config)
+    return optimizer
 
 
-def unfreeze_into(net, optimizer, config):
-    """Unfreezes the frozen parameters and adds them to the optimizer as a new group."""
-    names = ops.unfreeze(net, config["freeze"])
-    params = dict(net.named_parameters())
-    base_lr = config["lr"] * config["unfreeze_lr_scale"]
-    optimizer.add_param_group({"params": [params[n] for n in names], "base_lr": base_lr,
-                               "lr": base_lr})
-    return names
-
-
-def finish_epoch(epoch, model, val_loader, run, config, progress, run_log, save,
-                 world_size, num_classes, log, lr):
-    """Validates (when due), logs the epoch, saves last.pt (and best.pt)."""
-    data_t, compute_t, wall = run.timer.totals()
-    sums = torch.tensor([progress["loss_sum"], progress["loss_count"]], dtype=torch.float64,
-                        device=run.device)
-    if world_size > 1:
-        dist.all_reduce(sums)
-    progress["epoch"] += 1
-    samples = progress["epoch_samples"]
-    record = {"epoch": progress["epoch"], "step": progress["step"],
-              "train_loss": float(sums[0] / max(sums[1], 1)),
-              "lr": lr, "compute_efficiency": engine.efficiency(data_t, compute_t),
-              "data_time": data_t, "compute_time": compute_t, "epoch_time": wall,
-              "samples_per_sec": samples / max(wall, 1e-9)}
-    record["tflops"] = run.flops_per_sample * record["samples_per_sec"] / 1e12
-    if run.peak_tflops:
-        record["mfu"] = record["tflops"] / run.peak_tflops
-    is_last = progress["epoch"] == config["epochs"]
-    best = False
-    if progress["epoch"] % config["eval_every"] == 0 or is_last:
-        result = engine.evaluate(model, val_loader, run, num_classes)
-        record.update(val_loss=result["loss"], val_acc=result["acc"])
-        best = result["acc"] > progress["best_val_acc"]
-        if best:
-            progress["best_val_acc"] = result["acc"]
-    progress.update(epoch_samples=0, loss_sum=0.0, loss_count=0)
-    step = progress["step"]
-    run_log.scalars({"perf/compute_efficiency": record["compute_efficiency"],
-                    "perf/samples_per_sec": record["samples_per_sec"],
-                    "perf/tflops": record["tflops"]}, step)
-    if "mfu" in record:
-        run_log.scalars({"perf/mfu": record["mfu"]}, step)
-    if "val_acc" in record:
-        run_log.scalars({"val/loss": record["val_loss"], "val/acc": record["val_acc"]}, step)
-    run_log.epoch(record)
-    save("epoch", best)
-    val = f"  val_loss {record['val_loss']:.4f}  val_acc {record['val_acc']:.4f}" \
-        if "val_acc" in record else ""
-    log(f"epoch {progress['epoch']}/{config['epochs']}  step {step}  train_loss "
-        f"{record['train_loss']:.4f}{val}  {record['samples_per_sec']:.0f} samples/s  "
-        f"efficiency {record['compute_efficiency']:.2f} (data {data_t:.1f}s, compute "
-        f"{compute_t:.1f}s)")
-    if "mfu" in record:
-        log(f"  {record['tflops']:.1f} TFLOP/s, model FLOPs utilisation {record['mfu']:.1%}")
-    if record["compute_efficiency"] < 0.7:
-        log(f"  the loop waited for data {1 - record['compute_efficiency']:.0%} of the time: "
-            f"try more --num-workers (now {config['num_workers']}) or --prefetch 2")
-    return {k: record[k] for k in ("train_loss", "val_loss", "val_acc") if k in record}
-
-
-# ----------------------------------------------------------------------- checkpoints
-
-class Saver:
-    """Writes checkpoints: last.pt, best.pt and rotating epoch-/step- files."""
-
-    def __init__(self, run_dir, config, net, optimizer, scaler, progress, is_main,
-                 world_size):
-        self.dir = os.path.join(run_dir, "checkpoints")
-        self.config, self.net, self.optimizer, self.scaler = config, net, optimizer, scaler
-        self.progress, self.is_main, self.world_size = progress, is_main, world_size
-        self.last_saved = None
-        self.writer = checkpoint.BackgroundWriter()
-        if is_main:  # temporary files of a save that was killed half-way
-            for name in os.listdir(self.dir):
-                if name.startswith(".tmp-"):
-                    os.unlink(os.path.join(self.dir, name))
-
-    def save(self, kind, best=False):
-        """Saves the state as of the last optimizer step (all processes call this)."""
-        progress = {k: v for k, v in self.progress.items()}
-        rngs = [checkpoint.rng_state()]
-        if self.world_size > 1:
-            sums = torch.tensor([progress["loss_sum"], progress["loss_count"]],
-                                dtype=torch.float64)
-            sums = sums.to(next(self.net.parameters()).device)
-            dist.all_reduce(sums)
-            progress.update(loss_sum=float(sums[0]), loss_count=int(sums[1]))
-            rngs = [None] * self.world_size
-            dist.all_gather_object(rngs, checkpoint.rng_state())
-        if not self.is_main:
-            return
-        state = {
-            "model": checkpoint.unwrap_state_dict(self.net.state_dict()),
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "scheduler": {"step": progress["step"]},  # the LR is a function of the step
-            "epoch": progress["epoch"],
-            "step": progress["step"],
-            "progress": progress,
-            "rng": rngs[0],
-            "rng_per_rank": rngs,
-            "config": {k: v for k, v in self.config.items() if k not in ("resume",)},
-        }
-        path = os.path.join(self.dir, "last.pt")
-        also = []
-        if best:
-            also.append(os.path.join(self.dir, "best.pt"))
-        if self.config["keep_last"] > 0 and kind in ("epoch", "step"):
-            name = f"epoch-{progress['epoch']:04d}.pt" if kind == "epoch" \
-                else f"step-{progress['step']:08d}.pt"
-            also.append(os.path.join(self.dir, name))
-        # Training goes on while a thread writes a private CPU copy of the state.
-        self.writer.submit(checkpoint.to_cpu(state), path, also,
-                           keep_last=self.config["keep_last"])
-        self.last_saved = path
-
-    def wait(self):
-        """Waits for the checkpoint being written (re-raising a failed write's error)."""
-        if self.is_main:
-            try:
-                self.writer.wait()
-            except OSError as e:
-                raise checkpoint.CheckpointError(
-                    f"writing a checkpoint into {self.dir!r} failed ({e}); the files "
-                    f"there are the last complete ones") from None
-
-
-def find_resume(config):
-    """The checkpoint to resume from: ``(path, state)`` or ``(None, None)``."""
-    if not config["resume"]:
-        return None, None
-    if config["resume"] == "auto":
-        warn = print if int(os.environ.get("RANK", "0")) == 0 else (lambda m: None)
-        return checkpoint.find_latest(config["run_dir"], warn=warn)
-    state = checkpoint.load_checkpoint(config["resume"])
-    if "model" not in state or "config" not in state or "progress" not in state:
-        raise UserError(f"{config['resume']!r} is not a training checkpoint of this project "
-                        f"(use --pretrained for plain weights)")
-    return config["resume"], state
-
-
-def restore(state, net, optimizer, scaler, progress, config, rank, world_size, log):
-    """Loads the checkpoint's state into the freshly built objects."""
-    weights = checkpoint.unwrap_state_dict(state["model"])
-    checkpoint.check_compatible(net, weights, state["path"])
-    net.load_state_dict(weights)
-    progress.update(state["progress"])
-    if rank != 0:  # the epoch's partial loss sums are global; count them once
-        progress.update(loss_sum=0.0, loss_count=0)
-    if config["unfreeze_at"] and progress["epoch"] >= config["unfreeze_at"] - 1 and (
-            progress["epoch"] > config["unfreeze_at"] - 1 or progress["epoch_samples"]):
-        unfreeze_into(net, optimizer, config)
-    try:
-        optimizer.load_state_dict(state["optimizer"])
-    except (ValueError, KeyError) as e:
-        raise UserError(f"the optimizer state in {state['path']!r} does not fit "
-                        f"(--optimizer or --freeze changed?): {e}") from None
-    # Hyper-parameters come from the (possibly overridden) config, not the saved groups.
+def set_hyperparameters(optimizer, config):
+    """Puts the config's hyper-parameters into every param group (also after a resume:
+    the config may override the checkpoint's). A second group holds the parameters
+    unfrozen by --unfreeze-at; its learning rate is scaled by --unfreeze-lr-scale."""
     for i, group in enumerate(optimizer.param_groups):
         group["base_lr"] = config["lr"] * (config["unfreeze_lr_scale"] if i else 1.0)
         group["weight_decay"] = config["weight_decay"]
         if config["optimizer"] == "sgd":
             group["momentum"] = config["momentum"]
             group["nesterov"] = config["nesterov"] and config["momentum"] > 0
-    if state.get("scaler"):
-        scaler.load_state_dict(state["scaler"])
-    rngs = state.get("rng_per_rank") or [state["rng"]]
-    checkpoint.set_rng_state(rngs[rank] if len(rngs) == world_size else rngs[0])
-    saved = state["config"]  # --batch-size is per process: say so when the count changed
-    before = (saved.get("virtual_batch_size") or saved.get("batch_size", 0)) * len(rngs)
-    now = (config["virtual_batch_size"] or config["batch_size"]) * world_size
-    if before and before != now:
-        log(f"note: the checkpoint took {before} samples per optimizer step ({len(rngs)} "
-            f"process(es)), this run takes {now} ({world_size}); to continue the same "
+
+
+def unfreeze_point(config):
+    """The position ``(epoch index, samples into it)`` at which --unfreeze-at unfreezes,
+    or None."""
+    return (config["unfreeze_at"] - 1, 0) if config["unfreeze_at"] else None
+
+
+def unfreeze_into(net, optimizer, config):
+    """Unfreezes the frozen parameters and adds them to the optimizer as a new group."""
+    names = ops.unfreeze(net, config["freeze"])
+    params = dict(net.named_parameters())
+    optimizer.add_param_group({"params": [params[n] for n in names]})
+    set_hyperparameters(optimizer, config)
+    return names
+
+
+# ---------------------------------------------------------------------- resume
+
+def restore(saved, path, net, optimizer, scaler, state, config, procs):
+    """Loads a checkpoint's state into the freshly built objects."""
+    weights = checkpoint.unwrap_state_dict(saved["model"])
+    checkpoint.check_compatible(net, weights, path)
+    net.load_state_dict(weights)
+    state.load_state_dict(saved["progress"])
+    if procs.rank != 0:  # the epoch's partial loss sums are global; count them once
+        state.loss_sum, state.loss_count = 0.0, 0
+    point = unfreeze_point(config)
+    if point is not None and (state.epoch, state.epoch_samples) > point:
+        unfreeze_into(net, optimizer, config)  # it happened before the save
+    try:
+        optimizer.load_state_dict(saved["optimizer"])
+    except (ValueError, KeyError) as e:
+        raise UserError(f"the optimizer state in {path!r} does not fit "
+                        f"(--optimizer or --freeze changed?): {e}") from None
+    set_hyperparameters(optimizer, config)  # the config's, maybe overridden, not the saved
+    if saved.get("scaler"):
+        scaler.load_state_dict(saved["scaler"])
+    rngs = saved.get("rng_per_rank") or [saved["rng"]]
+    checkpoint.set_rng_state(rngs[procs.rank] if len(rngs) == procs.world_size else rngs[0])
+    before = saved["config"]  # --batch-size is per process: say so when the count changed
+    per_step = (before.get("virtual_batch_size") or before.get("batch_size", 0)) * len(rngs)
+    now = (config["virtual_batch_size"] or config["batch_size"]) * procs.world_size
+    if per_step and per_step != now:
+        runtime.main_print(
+            f"note: the checkpoint took {per_step} samples per optimizer step ({len(rngs)} "
+            f"process(es)), this run takes {now} ({procs.world_size}); to continue the same "
             f"training, set --batch-size (per process) so that they match")
 
 

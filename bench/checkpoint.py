@@ -4,7 +4,7 @@
     python bench/checkpoint.py --device cuda       # step timed at batch 128 on the GPU
     python bench/checkpoint.py --dir /scratch/x    # where your runs write checkpoints
 
-The state is shaped like train.Saver's for one process: model (unwrapped state_dict),
+The state is shaped like checkpoint.Saver's for one process: model (unwrapped state_dict),
 SGD state with its momentum buffers populated by real training steps, GradScaler, the
 scheduler step, epoch/step/progress, RNG states from checkpoint.rng_state(), and the
 resolved config as a plain dict (train.py's defaults). A save is what Saver.save does at
@@ -88,21 +88,9 @@ def sync(device):
 
 
 def build_state(net, optimizer, scaler, progress):
-    """The dict train.Saver.save writes (one process)."""
-    progress = dict(progress)
-    rngs = [checkpoint.rng_state()]
-    return {
-        "model": checkpoint.unwrap_state_dict(net.state_dict()),
-        "optimizer": optimizer.state_dict(),
-        "scaler": scaler.state_dict(),
-        "scheduler": {"step": progress["step"]},
-        "epoch": progress["epoch"],
-        "step": progress["step"],
-        "progress": progress,
-        "rng": rngs[0],
-        "rng_per_rank": rngs,
-        "config": dict(CONFIG),
-    }
+    """The dict checkpoint.Saver.save writes (one process)."""
+    return checkpoint.training_state(net, optimizer, scaler, dict(progress),
+                                     [checkpoint.rng_state()], CONFIG)
 
 
 def tensor_mib(obj):
@@ -138,7 +126,7 @@ def time_steps(net, optimizer, criterion, args, device):
 def main(argv=None):
     args = parse_args(argv)
     device, name = setup_device(args)
-    print(f"# checkpoint: {args.network}, SGD momentum, state shaped like train.Saver's, "
+    print(f"# checkpoint: {args.network}, SGD momentum, state shaped like checkpoint.Saver's, "
           f"{args.repeats} saves and loads; training step at batch {args.batch_size}, "
           f"median of {args.steps}")
     print(f"# {device} ({name}), torch {torch.__version__}, python "

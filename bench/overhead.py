@@ -1,4 +1,4 @@
-"""What engine.train_one_epoch costs over a bare training loop (issue 2).
+"""What train.py's loop costs over a bare training loop.
 
     python bench/overhead.py                        # simple_cnn, batch 128, 50 steps x 5
     python bench/overhead.py --threads 1            # steadier on a shared, busy CPU
@@ -11,13 +11,12 @@ and the same criterion (losses.build_criterion, label smoothing 0.1) go through:
 
 * bare: ``for x, y in loader``: copy to the device, zero_grad, forward, loss, backward,
   step. Nothing else.
-* engine: ``engine.train_one_epoch`` with what train.py gives it: RunSettings with a
-  disabled GradScaler, the cosine lr_factor, StepTimer, Counters; a tqdm bar; and an
-  ``after_step`` that does what train.py's does: every --log-every steps it reads the
-  counters (the one sync), the timer totals, writes train/loss and train/lr to a
-  TensorBoard SummaryWriter (in a temporary directory) and sets the bar's postfix.
-  The bar is enabled and writes to os.devnull by default (--bar): it formats and writes
-  as often as on a terminal, but its text does not mix with these figures.
+* engine: ``engine.steps`` with what train.py gives it (LoopSettings with a disabled
+  GradScaler, the cosine lr_factor, StepTimer, Counters; a runlog.Progress), and
+  train.py's own ``log_train`` every --log-every steps: it reads the counters (the one
+  sync) and the timer totals, writes train/loss and train/lr to TensorBoard (a RunLog in
+  a temporary directory) and shows the figures. By default (--bar null) stderr goes to
+  os.devnull, which is no terminal: the Progress prints plain lines, as in a log file.
   One engine row per --prefetch depth (a BackgroundGenerator thread when > 0).
 
 Augmentation is off by default: data costs the same in every loop, so cheaper data makes
@@ -39,6 +38,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import functools
 import os
 import platform
 import statistics
@@ -52,6 +52,9 @@ from common import setup_device  # noqa: E402  (puts the repository on the path)
 import data  # noqa: E402
 import engine  # noqa: E402
 import ops  # noqa: E402
+import runlog  # noqa: E402
+import runtime  # noqa: E402
+import train  # noqa: E402
 from losses import build_criterion  # noqa: E402
 from networks import build_network  # noqa: E402
 
@@ -71,7 +74,7 @@ def parse_args(argv=None):
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers")
     p.add_argument("--prefetch", default="0,2", help="comma-separated BackgroundGenerator "
                    "depths: one engine row each")
-    p.add_argument("--log-every", type=int, default=50, help="after_step logs every N steps")
+    p.add_argument("--log-every", type=int, default=50, help="log every N steps")
     p.add_argument("--augment", action=argparse.BooleanOptionalAction, default=False,
                    help="random crop and flip (train.py's default); off: data is cheaper")
     p.add_argument("--bar", default="null", choices=["null", "stderr", "off"],
@@ -114,62 +117,45 @@ def bare_epoch(model, loader, optimizer, criterion, device):
 
 
 class EngineLoop:
-    """engine.train_one_epoch wired as train.py wires it (one process, no AMP)."""
+    """train.py's loop: engine.steps, with train.log_train / train.show deciding, as
+    train.run_epochs does, when to log (no checkpoints, no validation)."""
 
-    def __init__(self, net, device, prefetch, args, total_steps, writer):
-        self.net, self.writer, self.log_every = net, writer, args.log_every
-        self.optimizer = make_optimizer(net)
-        self.bar = args.bar
-        warmup = total_steps // 10
-
-        def lr_factor(step):
-            return ops.lr_factor(step, total_steps, "cosine", warmup)
-
-        self.run = engine.RunSettings(
-            device=device, epochs=args.repeats * args.rounds + 1, accum=1, world_size=1,
-            amp_dtype=None,
-            scaler=torch.amp.GradScaler(device.type, enabled=False), grad_clip=0.0,
-            memory_format=torch.contiguous_format, prefetch=prefetch,
-            show_progress=args.bar != "off", lr_factor=lr_factor,
+    def __init__(self, net, device, prefetch, args, total_steps, log_dir):
+        self.log_every, self.bar = args.log_every, args.bar
+        optimizer = make_optimizer(net)
+        loop = engine.LoopSettings(
+            device=device, epochs=args.repeats * args.rounds + 1, prefetch=prefetch,
+            scaler=torch.amp.GradScaler(device.type, enabled=False),
+            show_progress=args.bar != "off",
+            lr_factor=functools.partial(ops.lr_factor, total_steps=total_steps,
+                                        schedule="cosine", warmup_steps=total_steps // 10),
             timer=engine.StepTimer(device), counters=engine.Counters(device))
-        self.progress = {"epoch": 0, "step": 0, "epoch_samples": 0, "loss_sum": 0.0,
-                         "loss_count": 0}
-        self.window = {"loss_sum": 0.0, "loss_count": 0, "time": time.perf_counter()}
-        engine.set_lr(self.optimizer, lr_factor(0))
-
-    def log_window(self, bar, step):  # train.py's log_window, minus the non-finite check
-        values = self.run.counters.read()
-        for key in ("loss_sum", "loss_count"):
-            self.progress[key] += values[key]
-            self.window[key] += values[key]
-        mean = self.window["loss_sum"] / max(self.window["loss_count"], 1)
-        data_t, compute_t, _ = self.run.timer.totals()
-        elapsed = max(time.perf_counter() - self.window["time"], 1e-9)
-        rate = self.window["loss_count"] / elapsed
-        if self.writer is not None:
-            self.writer.add_scalar("train/loss", mean, step)
-            self.writer.add_scalar("train/lr", self.optimizer.param_groups[0]["lr"], step)
-        bar.set_postfix(loss=f"{mean:.4f}", samples_s=f"{rate:.0f}",
-                        eff=f"{engine.efficiency(data_t, compute_t):.2f}", refresh=False)
-        self.window.update(loss_sum=0.0, loss_count=0, time=time.perf_counter())
-
-    def after_step(self, bar):
-        step = self.progress["step"]
-        if step % self.log_every == 0:
-            self.log_window(bar, step)
-        return False
+        engine.set_lr(optimizer, loop.lr_factor(0))
+        self.t = train.Training(
+            config={"log_every": args.log_every, "max_nonfinite": 10}, procs=runtime.Processes(
+                0, 1, device), net=net, model=net, optimizer=optimizer, loop=loop,
+            state=engine.TrainState(), meter=engine.LossMeter(loop.counters), saver=None,
+            run_log=runlog.RunLog(log_dir, 0, 0, enabled=log_dir is not None),
+            val_loader=None, datasets=())
 
     def epoch(self, loader, criterion, epoch):
-        self.run.epoch = epoch
-        self.progress["epoch_samples"] = 0
-        self.run.timer.reset()
-        self.window["time"] = time.perf_counter()
+        t = self.t
+        t.state.epoch_samples = 0
+        t.loop.timer.reset()
+        t.meter.restart()
         with contextlib.ExitStack() as stack:
-            if self.bar == "null":  # tqdm takes sys.stderr when the bar is made
+            if self.bar == "null":  # the bar takes sys.stderr when it is made
                 null = stack.enter_context(open(os.devnull, "w"))
                 stack.enter_context(contextlib.redirect_stderr(null))
-            engine.train_one_epoch(self.net, loader, self.optimizer, criterion, self.run,
-                                   self.progress, self.after_step)
+            bar = stack.enter_context(runlog.Progress(f"epoch {epoch}", len(loader),
+                                                      t.loop.show_progress))
+            steps = stack.enter_context(contextlib.closing(engine.steps(
+                t.model, loader, t.optimizer, criterion, t.loop, t.state, bar)))
+            for step in steps:
+                if step % self.log_every == 0:
+                    train.log_train(t, bar)
+                elif bar.due():
+                    train.show(t, bar)
 
 
 def main(argv=None):
@@ -187,21 +173,19 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     net0 = build_network(args.network, 10, 3, args.image_size)
 
-    writer, tb_dir = None, None
-    if args.tensorboard:
-        from torch.utils.tensorboard import SummaryWriter
-
-        tb_dir = tempfile.TemporaryDirectory(prefix="bench-overhead-")
-        writer = SummaryWriter(tb_dir.name)
+    tb_dir = tempfile.TemporaryDirectory(prefix="bench-overhead-") if args.tensorboard \
+        else None
 
     loops = {}  # name -> callable(epoch)
     bare_net = copy.deepcopy(net0).to(device)
     bare_opt = make_optimizer(bare_net)
     loops["bare"] = lambda e: bare_epoch(bare_net, loader, bare_opt, criterion, device)
     total_steps = args.steps * args.repeats + args.warmup
+    engines = {}
     for depth in args.prefetch:
         loop = EngineLoop(copy.deepcopy(net0).to(device), device, depth, args, total_steps,
-                          writer)
+                          tb_dir.name if tb_dir else None)
+        engines[depth] = loop
         loops[f"engine --prefetch {depth}"] = lambda e, loop=loop: loop.epoch(loader,
                                                                              criterion, e)
     names = list(loops)
@@ -237,8 +221,9 @@ def main(argv=None):
                 times[n][r] += time.perf_counter() - start
                 cpu[n][r] += time.process_time() - start_cpu
 
-    if writer is not None:
-        writer.close()
+    for loop in engines.values():
+        loop.t.run_log.close({}, None)
+    if tb_dir is not None:
         tb_dir.cleanup()
     data.shutdown_loader(loader)
 

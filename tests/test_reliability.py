@@ -1,0 +1,361 @@
+"""Nothing lost, nothing silent (issue 10): non-finite weights, damaged metrics, forks
+of a run, file systems that refuse writes, concurrent runs, signals, pipes and logs."""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+from conftest import ROOT, assert_states_equal, final_state, tiny_args
+
+import checkpoint
+import engine
+import runlog
+import train
+
+
+def ckpt(run_dir, name="last.pt"):
+    return torch.load(os.path.join(run_dir, "checkpoints", name), weights_only=True)
+
+
+def finite(state):
+    return all(torch.isfinite(t).all() for t in state["model"].values()
+               if t.is_floating_point())
+
+
+def one_error_line(err):
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert "Traceback" not in err, err
+    assert lines and lines[-1].startswith("error: "), err
+    return lines[-1]
+
+
+def metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+# ------------------------------------------------------------ 1. non-finite weights
+
+def test_exploding_weights_are_never_saved_and_the_named_checkpoint_is_good(tmp_path, capsys):
+    code = train.main(tiny_args(tmp_path, "--lr", "1e30", "--ckpt-every-steps", "1",
+                                "--keep-last", "2", "--max-nonfinite", "1000", epochs=3))
+    err = capsys.readouterr().err
+    assert code == 1
+    line = one_error_line(err)
+    assert "weights are not finite" in line
+    named = line.split("The last good checkpoint is ")[1].strip()
+    assert named != "none" and finite(torch.load(named, weights_only=True))
+    saved = sorted(os.listdir(tmp_path / "checkpoints"))
+    assert saved and all(finite(ckpt(tmp_path, name)) for name in saved if name.endswith(".pt"))
+    assert any(name.startswith("step-") for name in saved)  # rotation kept finite ones
+
+
+def test_nonfinite_losses_are_left_out_of_the_logged_mean():
+    counters = engine.Counters(torch.device("cpu"))
+    counters.add_loss(torch.tensor(float("nan")), 4)
+    counters.add_loss(torch.tensor(2.0), 4)
+    counters.add_loss(torch.tensor(float("inf")), 4)
+    values = counters.read()
+    assert values["loss_sum"] == 8.0 and values["loss_count"] == 4 and values["samples"] == 12
+    assert values["streak"] == 1 and values["worst_streak"] == 1
+
+
+# --------------------------------------------------------------- 4. metrics.jsonl
+
+def test_damaged_metrics_lines_are_dropped_with_a_warning(tmp_path, capsys):
+    assert train.main(tiny_args(tmp_path, epochs=1)) == 0
+    with open(tmp_path / "metrics.jsonl", "ab") as f:
+        f.write(b'[1, 2]\nnull\n{"epoch": "2"}\n\xff\xfe\n{"epoch": true}\n{"epoch": 1, "st')
+    capsys.readouterr()
+    assert train.main(tiny_args(tmp_path, "--resume", "auto", epochs=2)) == 0
+    err = capsys.readouterr().err
+    assert "warning:" in err and "metrics.jsonl" in err and "Traceback" not in err
+    assert [r["epoch"] for r in metrics(tmp_path)] == [1, 2]
+
+
+# ------------------------------------------------------- 6. --resume PATH, no --run-dir
+
+def test_resuming_an_old_checkpoint_without_run_dir_refuses_to_rewind(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert train.main(tiny_args(run, "--keep-last", "5", epochs=3)) == 0
+    last, lines = (run / "checkpoints" / "last.pt").read_bytes(), metrics(run)
+    argv = tiny_args(run, "--resume", str(run / "checkpoints" / "epoch-0001.pt"), epochs=3)
+    del argv[argv.index("--run-dir"):argv.index("--run-dir") + 2]
+    capsys.readouterr()
+    assert train.main(argv) == 2
+    assert "--run-dir" in one_error_line(capsys.readouterr().err)
+    assert (run / "checkpoints" / "last.pt").read_bytes() == last and metrics(run) == lines
+    # An explicit --run-dir forks the run; the original stays as it was.
+    assert train.main(argv + ["--run-dir", str(tmp_path / "fork")]) == 0
+    assert ckpt(tmp_path / "fork")["epoch"] == 3 and metrics(run) == lines
+    # The newest checkpoint continues its own run.
+    argv = tiny_args(run, "--resume", str(run / "checkpoints" / "last.pt"), epochs=4)
+    del argv[argv.index("--run-dir"):argv.index("--run-dir") + 2]
+    assert train.main(argv) == 0
+    assert ckpt(run)["epoch"] == 4
+
+
+def test_a_checkpoint_from_another_machine_needs_a_run_dir(tmp_path, capsys):
+    assert train.main(tiny_args(tmp_path / "run", epochs=1)) == 0
+    state = ckpt(tmp_path / "run")
+    elsewhere = tmp_path / "elsewhere" / "run"
+    state["config"]["run_dir"] = str(elsewhere)
+    checkpoint.save_checkpoint(state, str(tmp_path / "copied.pt"))  # a new checksum
+    argv = tiny_args("x", "--resume", str(tmp_path / "copied.pt"), epochs=2)
+    del argv[argv.index("--run-dir"):argv.index("--run-dir") + 2]
+    assert train.main(argv) == 2
+    assert "--run-dir" in one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "elsewhere").exists()
+
+
+# ------------------------------------------------------------------- 8. file systems
+
+@pytest.mark.parametrize("case", ["file", "under_a_file", "checkpoints_is_a_file"])
+def test_run_dirs_that_cannot_be_used_are_one_error_line(tmp_path, capsys, case):
+    (tmp_path / "f").write_text("a file")
+    run = {"file": tmp_path / "f", "under_a_file": tmp_path / "f" / "run",
+           "checkpoints_is_a_file": tmp_path / "run"}[case]
+    if case == "checkpoints_is_a_file":
+        run.mkdir()
+        (run / "checkpoints").write_text("a file")
+    assert train.main(tiny_args(run)) == 2
+    assert str(run) in one_error_line(capsys.readouterr().err)
+    assert (tmp_path / "f").read_text() == "a file"
+
+
+def _mount_tmpfs(path, options):
+    path.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                          capture_output=True)
+    if proc.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+
+
+def _unmount(path):
+    subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_a_read_only_run_dir_is_one_error_line(tmp_path, capsys):
+    mount = tmp_path / "ro"
+    _mount_tmpfs(mount, "ro,size=1m")
+    try:
+        assert train.main(tiny_args(mount / "run")) == 2
+        assert str(mount / "run") in one_error_line(capsys.readouterr().err)
+    finally:
+        _unmount(mount)
+
+
+def test_a_full_disk_mid_run_is_one_error_line_and_keeps_the_checkpoints(tmp_path, capsys):
+    mount = tmp_path / "disk"
+    _mount_tmpfs(mount, "size=2m")
+    try:
+        run = mount / "run"
+        assert train.main(tiny_args(run, epochs=1)) == 0
+        before = (run / "checkpoints" / "last.pt").read_bytes()
+        fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT)
+        try:  # fill the disk to the last byte
+            while True:
+                os.write(fd, b"\0" * 512)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+        finally:
+            os.close(fd)
+        capsys.readouterr()
+        code = train.main(tiny_args(run, "--resume", "auto", "--ckpt-every-steps", "1",
+                                    epochs=3))
+        err = capsys.readouterr().err
+        assert code == 1, err
+        assert "No space left" in one_error_line(err)
+        assert (run / "checkpoints" / "last.pt").read_bytes() == before
+        assert not [n for n in os.listdir(run / "checkpoints") if n.startswith(".tmp")]
+    finally:
+        _unmount(mount)
+
+
+def test_a_failed_background_write_stops_the_run_at_once(tmp_path, monkeypatch, capsys):
+    real_save, calls = torch.save, []
+
+    def save(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    code = train.main(tiny_args(tmp_path, "--ckpt-every-steps", "1", epochs=3))
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "No space left" in one_error_line(err)
+    assert len(calls) == 2  # nothing was trained and saved after the failure
+    assert ckpt(tmp_path)["step"] == 1
+
+
+# ------------------------------------------------------------ 9. one run per run dir
+
+def launch(run_dir, *extra):
+    args = tiny_args(run_dir, "--synthetic-size", "4000", "--log-every", "5", *extra,
+                     epochs=50)
+    return subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def wait_for_line(proc, text, timeout=120):
+    deadline = time.time() + timeout
+    seen = []
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        seen.append(line)
+        if text in line:
+            return
+    proc.kill()
+    raise AssertionError(f"{text!r} never appeared: {''.join(seen)[-2000:]}")
+
+
+def test_a_second_run_in_the_same_run_dir_is_refused(tmp_path, capsys):
+    proc = launch(tmp_path)
+    try:
+        wait_for_line(proc, "training mlp")
+        code = train.main(tiny_args(tmp_path, "--resume", "auto"))
+        line = one_error_line(capsys.readouterr().err)
+        assert code == 2 and f"pid {proc.pid}" in line
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    # The killed run left a stale lock: the next run takes it over with a warning.
+    assert (tmp_path / ".lock").exists()
+    assert train.main(tiny_args(tmp_path, "--resume", "auto", epochs=1)) == 0
+    captured = capsys.readouterr()
+    assert "warning:" in captured.out + captured.err and str(proc.pid) in captured.out + \
+        captured.err
+    assert not (tmp_path / ".lock").exists()
+
+
+# --------------------------------------------------- 10. failures before the first step
+
+def test_a_run_that_fails_before_training_leaves_no_run_dir(tmp_path, monkeypatch, capsys):
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    monkeypatch.setattr(urllib.request.OpenerDirector, "open", offline)
+    monkeypatch.chdir(tmp_path)
+    argv = tiny_args("unused", "--dataset", "cifar10", "--data-dir", str(tmp_path / "data"),
+                     "--network", "simple_cnn")
+    del argv[argv.index("--run-dir"):argv.index("--run-dir") + 2]
+    assert train.main(argv) == 2
+    assert not (tmp_path / "runs").exists() or not os.listdir(tmp_path / "runs")
+    assert train.main(tiny_args(tmp_path / "explicit", "--dataset", "imagefolder",
+                                "--data-dir", str(tmp_path / "nowhere"))) == 2
+    assert not (tmp_path / "explicit").exists()
+
+
+# ----------------------------------------------------------- 12. pretrained files
+
+@pytest.mark.parametrize("payload", [{"fc.1.weight": 1}, {"model": [1]}, [1, 2], {}])
+def test_pretrained_files_without_weights_are_one_error_line(tmp_path, capsys, payload):
+    torch.save(payload, tmp_path / "weights.pt")
+    code = train.main(tiny_args(tmp_path / "run", "--pretrained", str(tmp_path / "weights.pt")))
+    assert code == 2
+    assert "weights.pt" in one_error_line(capsys.readouterr().err)
+
+
+# ---------------------------------------------------- 13. signals, pipes, terminals
+
+def test_sighup_saves_and_exits_129_then_resumes_exactly(tmp_path):
+    full = tmp_path / "full"
+    args = ("--synthetic-size", "640", "--log-every", "1")
+    assert train.main(tiny_args(full, *args, epochs=2)) == 0
+    proc = subprocess.Popen([sys.executable, "train.py",
+                             *tiny_args(tmp_path / "run", *args, epochs=2)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    wait_for_line(proc, "training mlp")
+    os.killpg(proc.pid, signal.SIGHUP)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 129, err
+    assert "SIGHUP: saved" in out and "--resume auto" in out and "Traceback" not in err
+    assert train.main(tiny_args(tmp_path / "run", *args, "--resume", "auto", epochs=2)) == 0
+    assert_states_equal(final_state(tmp_path / "run")["model"], final_state(full)["model"])
+
+
+def test_a_closed_stdout_pipe_does_not_stop_the_training(tmp_path):
+    proc = subprocess.Popen([sys.executable, "train.py", *tiny_args(tmp_path, epochs=2)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # `python train.py | head -0`: the reader is gone
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err
+    assert ckpt(tmp_path)["epoch"] == 2
+
+
+def test_ctrl_c_while_importing_exits_quietly_with_130(tmp_path):
+    proc = subprocess.Popen([sys.executable, "train.py", *tiny_args(tmp_path)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)  # python is up, torch is still loading
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert "training" not in out  # it stopped during the imports
+
+
+# ------------------------------------------------------- 14, 15. logs, loss curves
+
+def test_a_log_file_gets_plain_lines_not_bar_redraws(tmp_path):
+    log = tmp_path / "log.txt"
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, "train.py",
+                               *tiny_args(tmp_path / "run", "--synthetic-size", "256",
+                                          epochs=2)],
+                              cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=300)
+    assert proc.returncode == 0
+    text = log.read_text()
+    assert "\r" not in text
+    assert "epoch 1/2" in text and "done:" in text
+
+
+def test_plain_progress_lines_follow_log_steps(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(runlog.Progress, "PLAIN_EVERY", 0.0)
+    assert train.main(tiny_args(tmp_path, "--log-every", "2", epochs=1)) == 0
+    err = capsys.readouterr().err
+    assert err.count("epoch 1/1  2/4 batches") == 1 and err.count("epoch 1/1  4/4 batches") == 1
+    assert "1/4 batches" not in err and "\r" not in err
+
+
+def test_a_run_shorter_than_log_every_still_draws_its_loss_curve(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert train.main(tiny_args(tmp_path, "--log-every", "1000", epochs=2)) == 0
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [4, 8]
+    assert [e.step for e in events.Scalars("train/lr")] == [4, 8]
+    mean = [r["train_loss"] for r in metrics(tmp_path)]
+    torch.testing.assert_close([e.value for e in events.Scalars("train/loss")], mean)
+
+
+def test_unreadable_images_are_counted_in_the_epoch_summary(tmp_path, capsys):
+    from test_data import write_tree
+
+    write_tree(tmp_path / "data", per_class=4, size=16)
+    bad = tmp_path / "data" / "train" / "a" / "broken.png"
+    bad.write_bytes(b"")
+    code = train.main(tiny_args(tmp_path / "run", "--dataset", "imagefolder", "--data-dir",
+                                str(tmp_path / "data"), "--image-size", "16", "--batch-size",
+                                "4", epochs=2))
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert str(bad) in captured.err
+    assert "1 unreadable image(s) skipped so far" in captured.out
+    assert [r.get("unreadable_images") for r in metrics(tmp_path / "run")] == [1, 1]
