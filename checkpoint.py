@@ -18,6 +18,7 @@ verification.
 """
 
 import datetime
+import enum
 import errno
 import glob
 import json
@@ -36,6 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import ops
 from ops import RunFailed, UserError
 
 ROTATING = re.compile(r"^(epoch-\d{4,}|step-\d{8,})\.pt$")
@@ -883,6 +885,14 @@ class RunLock:
 
 # ------------------------------------------------------------ the training checkpoint
 
+class Kind(enum.Enum):
+    """Why a checkpoint is saved; EPOCH and STEP saves also write a rotating file."""
+
+    EPOCH = "epoch"  # at the end of an epoch: last.pt (best.pt), epoch-NNNN.pt
+    STEP = "step"    # every --ckpt-every-steps: last.pt, step-NNNNNNNN.pt
+    STOP = "stop"    # a signal or --max-steps inside an epoch: last.pt
+
+
 def training_state(net, optimizer, scaler, progress, rngs, config):
     """The checkpoint dict of a training run: what exact resumption needs.
 
@@ -942,18 +952,18 @@ class Saver:
         """Saves the state as of the last optimizer step (all processes call this).
 
         Args:
-            kind: ``"epoch"`` or ``"step"`` (also writes a rotating file), ``"stop"``.
+            kind: a ``Kind``.
             best: also write best.pt.
         """
         self.poll()
         self.check_weights()
         progress = self.state.state_dict()
         rngs = [rng_state()]
-        if self.procs.world_size > 1:
-            sums = torch.tensor([progress["loss_sum"], progress["loss_count"]],
-                                dtype=torch.float64, device=self.procs.device)
-            dist.all_reduce(sums)
-            progress.update(loss_sum=float(sums[0]), loss_count=int(sums[1]))
+        if self.procs.world_size > 1:  # the epoch's loss sums, over all processes
+            loss_sum, loss_count = ops.sum_over_processes(
+                [progress["loss_sum"], progress["loss_count"]], self.procs.device,
+                self.procs.world_size)
+            progress.update(loss_sum=loss_sum, loss_count=int(loss_count))
             rngs = [None] * self.procs.world_size
             dist.all_gather_object(rngs, rng_state())
         path = os.path.join(self.dir, "last.pt")
@@ -963,8 +973,8 @@ class Saver:
         state = training_state(self.net, self.optimizer, self.scaler, progress, rngs,
                                self.config)
         also = [os.path.join(self.dir, "best.pt")] if best else []
-        if self.config["keep_last"] > 0 and kind in ("epoch", "step"):
-            name = f"epoch-{progress['epoch']:04d}.pt" if kind == "epoch" \
+        if self.config["keep_last"] > 0 and kind is not Kind.STOP:
+            name = f"epoch-{progress['epoch']:04d}.pt" if kind is Kind.EPOCH \
                 else f"step-{progress['step']:08d}.pt"
             also.append(os.path.join(self.dir, name))
         # Training goes on while a thread writes a private CPU copy of the state.

@@ -132,6 +132,8 @@ def build_parser():
 
 
 def _actions(parser):
+    # argparse has no public list of a parser's actions (its types, choices and defaults
+    # check YAML values like command-line ones); _actions is the documented-by-use one.
     return {a.dest: a for a in parser._actions if a.dest not in ("help",)}
 
 
@@ -290,7 +292,7 @@ def parse_config(argv):
         config["network"] = "simple_cnn" if config["dataset"] == "synthetic" else "resnet18"
     # The same parser with no defaults tells which flags were given on the command line.
     bare = build_parser()
-    for action in bare._actions:
+    for action in bare._actions:  # no public way: set_defaults would type-convert SUPPRESS
         action.default = argparse.SUPPRESS
     explicit = set(vars(bare.parse_args(argv))) | set(from_yaml)
     return config, explicit - {"config"}
@@ -301,10 +303,6 @@ def parse_config(argv):
 def _at_least(low):
     return (lambda v: v >= low), ("must not be negative" if low == 0
                                   else f"must be at least {low}")
-
-
-def _above(low):
-    return (lambda v: v > low), f"must be greater than {low}"
 
 
 def _within(low, high, high_open=False):
@@ -329,7 +327,7 @@ RANGES = {  # every numeric flag's allowed values
     "max_steps": _at_least(0),
     "batch_size": _at_least(1),
     "virtual_batch_size": _at_least(0),
-    "lr": _above(0),
+    "lr": _at_least(0),  # 0: the weights stay (a check, a BatchNorm recalibration)
     "momentum": _within(0, 1, high_open=True),
     "weight_decay": _at_least(0),
     "warmup_epochs": _at_least(0),

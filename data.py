@@ -1,6 +1,6 @@
 """Datasets, transforms, the deterministic sampler and the loaders.
 
-Determinism promise (DESIGN.md): the order of samples in an epoch depends only on the
+Determinism promise (docs/design.md): the order of samples in an epoch depends only on the
 seed and the epoch, and a sample's random augmentation only on (seed, epoch, index).
 ``EpochBatchSampler`` yields keys ``(index, epoch)``; ``SeededDataset`` seeds the
 transform of each sample from its key. So results do not depend on the batch size, the
@@ -314,7 +314,7 @@ def build_datasets(config):
             folder without a single readable image.
     """
     name, data_dir, seed = config["dataset"], config["data_dir"], config["seed"]
-    augment, image_size = config.get("augment", True), config.get("image_size", 32)
+    augment, image_size = config["augment"], config["image_size"]
     if name == "synthetic":
         size, classes, channels = (config["synthetic_size"], config["num_classes"],
                                    config.get("in_channels", 3))
@@ -438,6 +438,8 @@ def shard_indices(size, rank, world_size):
 def shutdown_loader(loader):
     """Stops a loader's persistent workers now (not at interpreter exit, where workers that
     ignore SIGTERM would be waited for)."""
+    # DataLoader has no public way to stop persistent workers before it is garbage
+    # collected; its iterator's _shutdown_workers is what its own __del__ calls.
     iterator = getattr(loader, "_iterator", None)
     if iterator is not None and hasattr(iterator, "_shutdown_workers"):
         iterator._shutdown_workers()

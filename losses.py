@@ -25,7 +25,7 @@ def build_criterion(config):
     Returns:
         ``nn.CrossEntropyLoss`` with that label smoothing, mean over the batch.
     """
-    return nn.CrossEntropyLoss(label_smoothing=float(config.get("label_smoothing", 0.0)))
+    return nn.CrossEntropyLoss(label_smoothing=float(config["label_smoothing"]))
 
 
 # torchvision's ImageNet statistics: the pretrained VGG saw inputs normalised with them.

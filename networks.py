@@ -19,7 +19,23 @@ def register(name):
     return add
 
 
-class SimpleCNN(nn.Module):
+class GradCheckpointing:
+    """``set_grad_checkpointing`` for a network whose ``forward`` runs its blocks through
+    ``self.run_block(module, x)``: while training with it on, a block's activations are
+    recomputed in backward instead of kept (``layers.checkpoint_forward``)."""
+
+    grad_checkpointing = False
+
+    def set_grad_checkpointing(self, enable=True):
+        self.grad_checkpointing = enable
+
+    def run_block(self, module, x):
+        if self.grad_checkpointing and self.training:
+            return checkpoint_forward(module, x)
+        return module(x)
+
+
+class SimpleCNN(GradCheckpointing, nn.Module):
     """The pytorch-styleguide's CIFAR-10 example network: three strided ConvBlocks, a Linear.
 
     Its ``features`` and ``fc`` submodules carry the example's names, so freeze patterns
@@ -40,21 +56,14 @@ class SimpleCNN(nn.Module):
             nn.Flatten(),
             nn.Linear(128 * side * side, num_classes),
         )
-        self.grad_checkpointing = False
-
-    def set_grad_checkpointing(self, enable=True):
-        self.grad_checkpointing = enable
 
     def forward(self, x):
         for block in self.features:
-            x = checkpoint_forward(block, x) if self._checkpointing() else block(x)
+            x = self.run_block(block, x)
         return self.fc(x)
 
-    def _checkpointing(self):
-        return self.grad_checkpointing and self.training
 
-
-class ResNet18(nn.Module):
+class ResNet18(GradCheckpointing, nn.Module):
     """ResNet-18 for 32x32 images (He et al., 2016, CIFAR variant).
 
     A 3x3 stride-1 stem and no max-pool keep the resolution that small images need; four
@@ -71,23 +80,16 @@ class ResNet18(nn.Module):
         self.blocks = nn.Sequential(*blocks)
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(512, num_classes)
-        self.grad_checkpointing = False
-
-    def set_grad_checkpointing(self, enable=True):
-        self.grad_checkpointing = enable
 
     def forward(self, x):
         x = self.stem(x)  # (N, 64, H, W)
         for block in self.blocks:
-            x = checkpoint_forward(block, x) if self._checkpointing() else block(x)
+            x = self.run_block(block, x)
         x = self.pool(x).flatten(1)  # (N, 512)
         return self.fc(x)
 
-    def _checkpointing(self):
-        return self.grad_checkpointing and self.training
 
-
-class MLP(nn.Module):
+class MLP(GradCheckpointing, nn.Module):
     """Flatten, Linear, ReLU, Linear: no BatchNorm, no dropout, so every sample is independent."""
 
     def __init__(self, num_classes=10, in_channels=3, image_size=32, hidden=512):
@@ -96,15 +98,10 @@ class MLP(nn.Module):
         self.hidden = nn.Sequential(nn.Linear(in_channels * image_size * image_size, hidden),
                                     nn.ReLU())
         self.fc = nn.Linear(hidden, num_classes)
-        self.grad_checkpointing = False
-
-    def set_grad_checkpointing(self, enable=True):
-        self.grad_checkpointing = enable
 
     def forward(self, x):
         x = self.flatten(x)  # (N, C*H*W)
-        use_ckpt = self.grad_checkpointing and self.training
-        x = checkpoint_forward(self.hidden, x) if use_ckpt else self.hidden(x)  # (N, hidden)
+        x = self.run_block(self.hidden, x)  # (N, hidden)
         return self.fc(x)
 
 

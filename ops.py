@@ -327,3 +327,23 @@ def peak_tflops(device_name, low_precision):
         if key in device_name:
             return half if low_precision else single
     return None
+
+
+def sum_over_processes(values, device, world_size=1):
+    """Sums a few numbers over the processes of a torch.distributed run.
+
+    Args:
+        values: numbers (this process's).
+        device: where the collective runs (the process's training device).
+        world_size: number of processes; with 1, the numbers come back as they are.
+
+    Returns:
+        A list of floats: the sums over all processes.
+    """
+    if world_size == 1:
+        return [float(v) for v in values]
+    import torch.distributed as dist
+
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()

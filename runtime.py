@@ -7,6 +7,7 @@ at a step boundary (SIGINT, SIGTERM, SIGHUP).
 
 import os
 import random
+import re
 import signal
 import sys
 import warnings
@@ -72,6 +73,9 @@ def parse_device(text):
     """
     if text == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not re.fullmatch(r"(cpu|cuda|mps)(:[0-9]+)?", str(text)):  # torch.device warns
+        raise UserError(f"--device {text!r} is not a device; use auto, cpu, cuda or "
+                        f"cuda:N")                                   # for some names
     try:
         device = torch.device(text)
     except (RuntimeError, TypeError):
@@ -82,7 +86,7 @@ def parse_device(text):
         raise UserError(f"--device {text}: no such CUDA device here "
                         f"({torch.cuda.device_count()} visible)")
     if device.type == "mps" and not torch.backends.mps.is_available():
-        raise UserError(f"--device {text}: no MPS device here")
+        raise UserError(f"--device {text!r}: no MPS device here")
     if device.type not in ("cpu", "cuda", "mps"):
         raise UserError(f"--device {text}: cannot train on {device.type}; use auto, cpu, "
                         f"cuda or cuda:N")
@@ -125,25 +129,39 @@ def seed_everything(seed, rank, deterministic, device):
     torch.backends.cudnn.benchmark = device.type == "cuda" and not deterministic
 
 
-def amp_dtype(config, device):
-    """The autocast dtype, or None; a dtype the device cannot do is a UserError."""
-    if config["amp"] == "none":
+AMP_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def amp_dtype(amp, device, remedy=None):
+    """The autocast dtype that an --amp value names, or None for ``none``.
+
+    Args:
+        amp: ``none``, ``fp16`` or ``bf16``.
+        device: where autocast will run.
+        remedy: what the error message suggests; by default, another --amp.
+
+    Raises:
+        UserError: the device (or this torch) cannot autocast to that dtype: torch would
+            warn and silently run at full precision.
+    """
+    dtype = AMP_DTYPES[amp]
+    if dtype is None:
         return None
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[config["amp"]]
     if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
         raise UserError(f"--amp bf16: {torch.cuda.get_device_name(device)} has no bfloat16; "
-                        f"use --amp fp16")
+                        f"{remedy or 'use --amp fp16'}")
     if not torch.amp.is_autocast_available(device.type):
-        raise UserError(f"--amp {config['amp']}: no autocast on {device.type}; use --amp none")
+        raise UserError(f"--amp {amp}: no autocast on {device.type}; "
+                        f"{remedy or 'use --amp none'}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch warns, then silently runs at full precision
         with torch.autocast(device.type, dtype=dtype):
             works = torch.is_autocast_enabled(device.type)
     if not works:
-        raise UserError(f"--amp {config['amp']}: autocast on {device.type} cannot do {dtype} "
-                        f"in this torch {torch.__version__}; use --amp none or the other dtype")
+        raise UserError(f"--amp {amp}: autocast on {device.type} cannot do {dtype} in this "
+                        f"torch {torch.__version__}; "
+                        f"{remedy or 'use --amp none or the other dtype'}")
     return dtype
-
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, scheduler, SSH gone

@@ -33,7 +33,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -44,16 +43,15 @@ import torch
 import checkpoint
 import data
 import engine
+import runtime
 from networks import build_network
 from ops import UserError
 
 EXIT_USER_ERROR, EXIT_FAILED = 2, 1
-AMP_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 EXPORT_KINDS = {".pt2": "torch.export", ".ts": "frozen TorchScript", ".onnx": "ONNX"}
 ONNX_PACKAGES = ("onnx", "onnxscript", "onnxruntime")
 EXPORT_BATCHES = (2, 1, 5)  # traced with the first; checked at the others (1: no specialising)
 EXPORT_RTOL, EXPORT_ATOL = 1e-4, 1e-4  # float32 graph rewrites (conv-BN folding) stay far below
-DEVICE_TEXT = re.compile(r"(cpu|cuda)(:[0-9]+)?")
 
 
 class OutputError(Exception):
@@ -160,38 +158,6 @@ def check_outputs(args):
         raise UserError(f"--json and --export both name {args.json!r}; name two files")
 
 
-def resolve_device(text):
-    """The torch.device named by --device; one that is not here is a UserError."""
-    if text == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not DEVICE_TEXT.fullmatch(text):  # before torch.device, which warns for some names
-        raise UserError(f"--device {text!r}: use auto, cpu, cuda or cuda:N")
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise UserError(f"--device {text!r} is not a device; use auto, cpu, cuda or "
-                        f"cuda:N") from None
-    if device.type == "cuda" and (not torch.cuda.is_available() or
-                                  (device.index or 0) >= torch.cuda.device_count()):
-        raise UserError(f"--device {text}: no such CUDA device here "
-                        f"({torch.cuda.device_count()} visible)")
-    return device
-
-
-def autocast_dtype(config, device):
-    """The training run's autocast dtype (``--amp``), or None; checked on ``device``."""
-    dtype = AMP_DTYPES[config.get("amp", "none")]
-    if dtype is None:
-        return None
-    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise UserError(f"the run trained with --amp bf16, which "
-                        f"{torch.cuda.get_device_name(device)} cannot do; use --device cpu")
-    if not torch.amp.is_autocast_available(device.type):
-        raise UserError(f"the run trained with --amp {config['amp']}: no autocast on "
-                        f"{device.type}")
-    return dtype
-
-
 # ------------------------------------------------------------------------ checkpoint
 
 def load_training_checkpoint(path):
@@ -248,8 +214,8 @@ _CONFIG_NEEDS = (  # key, check, what it must be, whether the key may be absent
     ("seed", lambda v: type(v) is int, "an integer", False),
     ("image_size", _int_at_least(1), "an integer of at least 1", True),
     ("in_channels", _int_at_least(1), "an integer of at least 1", True),
-    ("amp", lambda v: isinstance(v, str) and v in AMP_DTYPES,
-     f"one of {', '.join(AMP_DTYPES)}", True),
+    ("amp", lambda v: isinstance(v, str) and v in runtime.AMP_DTYPES,
+     f"one of {', '.join(runtime.AMP_DTYPES)}", True),
 )
 _SYNTHETIC_NEEDS = (
     ("synthetic_size", _int_at_least(1), "an integer of at least 1", False),
@@ -313,12 +279,13 @@ def evaluate(net, val_set, config, device, batch_size, num_workers):
     memory_format = torch.channels_last if config.get("channels_last") \
         else torch.contiguous_format
     model = copy.deepcopy(net).to(device, memory_format=memory_format)
-    run = engine.RunSettings(device=device, amp_dtype=autocast_dtype(config, device),
-                             memory_format=memory_format, show_progress=False)
+    dtype = runtime.amp_dtype(config["amp"], device, remedy="evaluate with --device cpu")
+    loop = engine.LoopSettings(device=device, amp_dtype=dtype, memory_format=memory_format,
+                               show_progress=False)
     loader = data.build_loader(val_set, batch_size=batch_size, num_workers=num_workers,
                                pin_memory=device.type == "cuda")
     try:
-        return engine.evaluate(model, loader, run, val_set.num_classes)
+        return engine.evaluate(model, loader, loop, val_set.num_classes)
     finally:
         data.shutdown_loader(loader)
 
@@ -360,54 +327,18 @@ def _write_failed(flag, path, error):
     return OutputError(f"{flag} {path!r}: writing failed ({error.strerror or error}); {kept}")
 
 
-def _new_temp_file(path, suffix):
-    """An empty temporary file in ``path``'s directory (made if needed), with the mode
-    ``open`` would give a new file (mkstemp makes it private)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=suffix, dir=directory)
-    os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    return tmp
-
-
-def _fill(tmp, source):
-    """Writes ``source`` (bytes, or a file to copy) into ``tmp`` and fsyncs it."""
-    with open(tmp, "wb") as f:
-        if isinstance(source, bytes):
-            f.write(source)
-        else:
-            with open(source, "rb") as src:
-                shutil.copyfileobj(src, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _remove(tmp):
-    if tmp is not None:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-
-
 def write_json(report, path):
-    """Writes the report atomically (temporary file, fsync, then rename).
+    """Writes the report atomically (checkpoint.atomic_write).
 
     Raises:
         OutputError: the write failed (a full disk); a previous file at ``path`` is intact.
     """
     text = json.dumps(report, indent=2) + "\n"
-    tmp = None
     try:
-        tmp = _new_temp_file(path, ".json")
-        _fill(tmp, text.encode())
-        os.replace(tmp, path)
-        tmp = None
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        checkpoint.atomic_write(path, lambda f: f.write(text))
     except OSError as e:
         raise _write_failed("--json", path, e) from None
-    finally:
-        _remove(tmp)
 
 
 # ---------------------------------------------------------------------------- export
@@ -495,24 +426,17 @@ def export(net, path, suffix, sample_shape):
         OutputError: writing the file failed (a full disk).
     """
     save, load = EXPORTERS[suffix]
-    tmp = None
-    try:
-        try:
-            tmp = _new_temp_file(path, suffix)
-        except OSError as e:
-            raise _write_failed("--export", path, e) from None
-        g = torch.Generator().manual_seed(0)
-        inputs = [torch.randn(n, *sample_shape, generator=g) for n in EXPORT_BATCHES]
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(n, *sample_shape, generator=g) for n in EXPORT_BATCHES]
+    check = {}
+
+    def write_and_check(tmp):  # raises _Mismatch so that atomic_write keeps OUT as it was
         with torch.no_grad():
             with _staging_file(suffix) as staged:
-                try:
-                    save(net, inputs[0], staged or tmp)
-                    if staged:
-                        _fill(tmp, staged)
-                    else:
-                        _fsync(tmp)
-                except OSError as e:
-                    raise _write_failed("--export", path, e) from None
+                save(net, inputs[0], staged or tmp)
+                if staged:
+                    with open(staged, "rb") as src, open(tmp, "wb") as dst:
+                        shutil.copyfileobj(src, dst)
             reloaded = load(tmp)
             ok, worst = True, 0.0
             for x in inputs:
@@ -520,23 +444,22 @@ def export(net, path, suffix, sample_shape):
                 same_shape = tuple(got.shape) == tuple(want.shape)
                 ok = ok and same_shape and torch.allclose(got, want, EXPORT_RTOL, EXPORT_ATOL)
                 worst = max(worst, float((got - want).abs().max()) if same_shape else math.inf)
-        if ok:
-            try:
-                os.replace(tmp, path)
-            except OSError as e:
-                raise _write_failed("--export", path, e) from None
-            tmp = None
-        return ok, worst
-    finally:
-        _remove(tmp)
+        check["worst"] = worst
+        if not ok:
+            raise _Mismatch
 
-
-def _fsync(path):
-    fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        checkpoint.atomic_write(path, write_and_check, mode=None)
+    except _Mismatch:
+        return False, check["worst"]
+    except OSError as e:
+        raise _write_failed("--export", path, e) from None
+    return True, check["worst"]
+
+
+class _Mismatch(Exception):
+    """The exported artifact's outputs differ from the eager network's."""
 
 
 @contextlib.contextmanager
@@ -571,7 +494,7 @@ def main(argv=None):
         be written (one ``error:`` line; a file that was there is left as it was).
     """
     try:
-        return run(sys.argv[1:] if argv is None else argv)
+        return evaluate_and_export(sys.argv[1:] if argv is None else argv)
     except UserError as e:  # checkpoint.CheckpointError included
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
@@ -580,11 +503,12 @@ def main(argv=None):
         return EXIT_FAILED
 
 
-def run(argv):
+def evaluate_and_export(argv):
+    """The script: flags, checkpoint, evaluation, report, export; returns 0."""
     # 1. Flags, checked before any slow work.
     args = build_parser().parse_args(argv)
     suffix = check_args(args)
-    device = resolve_device(args.device)
+    device = runtime.parse_device(args.device)
     check_outputs(args)
 
     # 2. The checkpoint and the training run's config.

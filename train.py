@@ -28,6 +28,7 @@ if __name__ == "__main__":  # Ctrl-C while torch loads: exit quietly with 130
 
 import contextlib
 import dataclasses
+import enum
 import functools
 import os
 import shlex
@@ -41,6 +42,7 @@ import engine
 import ops
 import runlog
 import runtime
+from checkpoint import Kind
 from config import check_config, merge_resumed_config, parse_config
 from losses import build_criterion
 from networks import build_network
@@ -171,10 +173,12 @@ def fit(config, argv, resume_path, saved, directory, stop):
     return 0
 
 
-class Ended:
+class Ended(enum.Enum):
     """How ``run_epochs`` ended."""
 
-    ALL_EPOCHS, MAX_STEPS, SIGNAL = "all epochs", "--max-steps", "signal"
+    ALL_EPOCHS = "all epochs"
+    MAX_STEPS = "--max-steps"
+    SIGNAL = "a signal"
 
 
 def run_epochs(t, train_loader, criterion, stop):
@@ -187,7 +191,7 @@ def run_epochs(t, train_loader, criterion, stop):
     final, ended = {}, Ended.ALL_EPOCHS
     for epoch in range(state.epoch, config["epochs"]):
         if stop.agreed(t.procs):  # a signal that came between steps (set-up, validation)
-            save(t, "stop")
+            save(t, Kind.STOP)
             return Ended.SIGNAL, final
         if (epoch, state.epoch_samples) == unfreeze_point(config):
             names = unfreeze_into(t.net, t.optimizer, config)
@@ -211,10 +215,10 @@ def run_epochs(t, train_loader, criterion, stop):
                     show(t, bar)  # at most twice a second (no collectives: one process)
                 epoch_done = state.epoch_samples >= sampler.size  # finish_epoch saves then
                 if ended is Ended.SIGNAL:
-                    save(t, "stop")
+                    save(t, Kind.STOP)
                 elif config["ckpt_every_steps"] and step % config["ckpt_every_steps"] == 0 \
                         and not epoch_done:
-                    save(t, "step")
+                    save(t, Kind.STEP)
                 if ended is not Ended.ALL_EPOCHS:
                     break
             if t.meter.pending():  # every epoch ends its loss curve, however short
@@ -225,7 +229,7 @@ def run_epochs(t, train_loader, criterion, stop):
             break
     if ended is Ended.MAX_STEPS and state.epoch_samples:  # stopped inside an epoch
         final = validate(t)
-        save(t, "stop")
+        save(t, Kind.STOP)
         runtime.main_print(f"--max-steps {config['max_steps']} reached at step {state.step}: "
                            f"val_acc {final['val_acc']:.4f}")
     return ended, final
@@ -287,13 +291,11 @@ def finish_epoch(t, epoch):
     config, state = t.config, t.state
     data_t, compute_t, wall = t.loop.timer.totals()
     unreadable = sum(dataset.unreadable_count() for dataset in t.datasets)  # skipped
-    sums = torch.tensor([state.loss_sum, state.loss_count, unreadable], dtype=torch.float64,
-                        device=t.loop.device)
-    if t.procs.world_size > 1:
-        dist.all_reduce(sums)
+    loss_sum, loss_count, unreadable = ops.sum_over_processes(
+        [state.loss_sum, state.loss_count, unreadable], t.loop.device, t.procs.world_size)
     state.epoch += 1
     record = {"epoch": state.epoch, "step": state.step,
-              "train_loss": float(sums[0] / sums[1]) if sums[1] > 0 else float("nan"),
+              "train_loss": loss_sum / loss_count if loss_count else float("nan"),
               "lr": t.optimizer.param_groups[0]["lr"],
               "compute_efficiency": engine.efficiency(data_t, compute_t),
               "data_time": data_t, "compute_time": compute_t, "epoch_time": wall,
@@ -301,8 +303,8 @@ def finish_epoch(t, epoch):
     record["tflops"] = t.loop.flops_per_sample * record["samples_per_sec"] / 1e12
     if t.loop.peak_tflops:
         record["mfu"] = record["tflops"] / t.loop.peak_tflops
-    if sums[2] > 0:
-        record["unreadable_images"] = int(sums[2])
+    if unreadable:
+        record["unreadable_images"] = int(unreadable)
     best = False
     if state.epoch % config["eval_every"] == 0 or state.epoch == config["epochs"]:
         record.update(validate(t))
@@ -310,7 +312,7 @@ def finish_epoch(t, epoch):
         state.best_val_acc = max(state.best_val_acc, record["val_acc"])
     state.epoch_samples, state.loss_sum, state.loss_count = 0, 0.0, 0
     t.run_log.epoch(record)
-    save(t, "epoch", best)
+    save(t, Kind.EPOCH, best)
     runtime.main_print(runlog.epoch_line(record, config))
     return {k: record[k] for k in ("train_loss", "val_loss", "val_acc") if k in record}
 
@@ -379,7 +381,7 @@ def build_loaders(config, procs, train_set, val_set, sampler):
 def build_loop(config, procs, net, train_set, sampler):
     """The loop's fixed settings: accumulation, precision, LR schedule, timers, FLOPs."""
     device = procs.device
-    dtype = runtime.amp_dtype(config, device)
+    dtype = runtime.amp_dtype(config["amp"], device)
     accum = (config["virtual_batch_size"] or config["batch_size"]) // config["batch_size"]
     steps_per_epoch = -(-len(sampler) // accum)
     total_steps = steps_per_epoch * config["epochs"]

@@ -90,21 +90,21 @@ def amp_problem(device, dtype):
     return None if enabled else f"autocast on {device.type} cannot do {dtype}"
 
 
-def make_run(device, dtype, net):
+def make_loop(device, dtype, net):
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     optimizer = torch.optim.SGD([{"params": list(net.parameters()), "base_lr": 0.01}],
                                 lr=0.01, momentum=0.9)
-    run = engine.RunSettings(device=device, amp_dtype=dtype, scaler=scaler,
-                             counters=engine.Counters(device), show_progress=False)
-    return run, optimizer
+    loop = engine.LoopSettings(device=device, amp_dtype=dtype, scaler=scaler,
+                               counters=engine.Counters(device), show_progress=False)
+    return loop, optimizer
 
 
-def train_steps(model, run, optimizer, x, y, steps):
+def train_steps(model, loop, optimizer, x, y, steps):
     for _ in range(steps):
-        with run.autocast():
+        with loop.autocast():
             loss = F.cross_entropy(model(x), y)
-        run.scaler.scale(loss).backward()
-        engine._optimizer_step(model, optimizer, run)
+        loop.scaler.scale(loss).backward()
+        engine._optimizer_step(model, optimizer, loop)
 
 
 def build(args, device, channels_last):
@@ -124,7 +124,7 @@ def throughput(args, device, amp, channels_last, compiled):
     if compiled:
         torch._dynamo.reset()  # each configuration compiles afresh, within the cache limit
     model = torch.compile(net) if compiled else net
-    run, optimizer = make_run(device, dtype, net)
+    loop, optimizer = make_loop(device, dtype, net)
     g = torch.Generator().manual_seed(1)
     side = args.image_size
     x = torch.randn(args.batch_size, 3, side, side, generator=g)
@@ -132,14 +132,14 @@ def throughput(args, device, amp, channels_last, compiled):
     y = torch.randint(0, 10, (args.batch_size,), generator=g).to(device)
     net.train()
     try:
-        train_steps(model, run, optimizer, x, y, args.warmup)
+        train_steps(model, loop, optimizer, x, y, args.warmup)
     except Exception as e:  # noqa: BLE001 - report and go on to the next configuration
         return f"failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:80]}"
     rates = []
     for _ in range(args.repeats):
         sync(device)
         start = time.perf_counter()
-        train_steps(model, run, optimizer, x, y, args.steps)
+        train_steps(model, loop, optimizer, x, y, args.steps)
         sync(device)
         rates.append(args.batch_size * args.steps / (time.perf_counter() - start))
     return statistics.mean(rates), (statistics.stdev(rates) if len(rates) > 1 else 0.0)
@@ -150,12 +150,12 @@ def checkpointing_memory(args, device, checkpointing):
     net, _ = build(args, device, channels_last=False)
     net.set_grad_checkpointing(checkpointing)
     net.train()
-    run, optimizer = make_run(device, None, net)
+    loop, optimizer = make_loop(device, None, net)
     g = torch.Generator().manual_seed(1)
     side = args.image_size
     x = torch.randn(args.batch_size, 3, side, side, generator=g).to(device)
     y = torch.randint(0, 10, (args.batch_size,), generator=g).to(device)
-    train_steps(net, run, optimizer, x, y, max(args.warmup, 1))  # optimizer state exists
+    train_steps(net, loop, optimizer, x, y, max(args.warmup, 1))  # optimizer state exists
     saved = ops.saved_tensor_bytes(net, x) / 2**20
     peak = None
     if device.type == "cuda":
@@ -168,7 +168,7 @@ def checkpointing_memory(args, device, checkpointing):
         net.zero_grad(set_to_none=True)
     sync(device)
     start = time.perf_counter()
-    train_steps(net, run, optimizer, x, y, args.steps)
+    train_steps(net, loop, optimizer, x, y, args.steps)
     sync(device)
     rate = args.batch_size * args.steps / (time.perf_counter() - start)
     return saved, peak, rate

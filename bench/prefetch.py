@@ -3,7 +3,8 @@
     python bench/prefetch.py                         # simple_cnn, augmented, batch 128
     python bench/prefetch.py --workers 0,2,4 --prefetch 0,2,8 --device cuda --steps 100
 
-A realistic loop: ``engine.train_one_epoch`` as train.py runs it (one process, tqdm bar
+A realistic loop: ``engine.train_one_epoch`` (engine.steps to the end of an epoch; one
+process, a tqdm bar
 to os.devnull, no per-step logging besides the engine's own counters), simple_cnn on the
 synthetic 32x32 set with train.py's augmentation (random crop with padding, horizontal
 flip, seeded per sample), batch 128. One DataLoader per --workers value (data.build_loader,
@@ -100,7 +101,7 @@ class Config:
         group = {"params": list(net.parameters()), "base_lr": 0.1}
         self.optimizer = torch.optim.SGD([group], lr=0.1, momentum=0.9, nesterov=True,
                                          weight_decay=5e-4)
-        self.run = engine.RunSettings(
+        self.loop = engine.LoopSettings(
             device=device, scaler=torch.amp.GradScaler(device.type, enabled=False),
             prefetch=depth, show_progress=True, timer=engine.StepTimer(device),
             counters=engine.Counters(device))
@@ -113,13 +114,12 @@ class Config:
         return f"workers {self.workers}, prefetch {self.depth}"
 
     def epoch(self, criterion, epoch):
-        self.run.epoch = epoch
-        self.run.timer.reset()
+        self.loop.timer.reset()
         self.progress["epoch_samples"] = 0
         with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
             engine.train_one_epoch(self.net, self.loader, self.optimizer, criterion,
-                                   self.run, self.progress, lambda bar: False)
-        self.run.counters.read()  # the one sync train.py's logging would do
+                                   self.loop, self.progress)
+        self.loop.counters.read()  # the one sync train.py's logging would do
 
 
 def main(argv=None):
@@ -170,7 +170,7 @@ def main(argv=None):
             c.epoch(criterion, r + 1)
             sync(device)
             c.times.append(time.perf_counter() - start)
-            data_t, compute_t, _ = c.run.timer.totals()
+            data_t, compute_t, _ = c.loop.timer.totals()
             c.efficiency.append(engine.efficiency(data_t, compute_t))
             peaks = {pid: _status_kib(pid, "VmHWM") for pid in pids}
             if can_reset and None not in peaks.values() and None not in start_rss.values():

@@ -146,7 +146,7 @@ def test_a_set_without_any_readable_image_is_a_user_error(tmp_path):
 def test_tensor_sets_count_no_unreadable_files():
     train_set, val_set = data.build_datasets(
         {"dataset": "synthetic", "data_dir": "x", "seed": 0, "image_size": 8,
-         "synthetic_size": 8, "num_classes": 2})
+         "augment": False, "synthetic_size": 8, "num_classes": 2})
     assert train_set.unreadable_count() == val_set.unreadable_count() == 0
 
 

@@ -1,6 +1,6 @@
 """Scale out: DistributedDataParallel under torchrun (gloo on the CPU) and DataParallel.
 
-The promises (DESIGN.md): P processes of --batch-size B train like one process of P*B,
+The promises (docs/design.md): P processes of --batch-size B train like one process of P*B,
 also with gradient accumulation and when the last global batch is short or leaves a
 process with no sample; evaluation over P processes equals one process's; only rank 0
 writes files; a signal to one process stops all of them with one checkpoint; checkpoints
