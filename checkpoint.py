@@ -947,6 +947,11 @@ class Saver:
             for name in os.listdir(self.dir):
                 if name.startswith(".tmp-"):
                     os.unlink(os.path.join(self.dir, name))
+        for name in ("last.pt", "best.pt"):  # found now, not at the first save
+            path = os.path.join(self.dir, name)
+            if os.path.isdir(path):
+                raise UserError(f"{path!r} is a directory: a checkpoint cannot be written "
+                                f"there; move it away")
 
     def save(self, kind, best=False):
         """Saves the state as of the last optimizer step (all processes call this).

@@ -1,4 +1,4 @@
-"""The per-epoch loops: ``train_one_epoch`` and ``evaluate``, and their timing.
+"""The training step as a generator (``steps``), ``evaluate``, the run state and timing.
 
 Compute efficiency = compute_time / (compute_time + data_time). On the CPU both are
 measured with a wall clock: data_time is the wait for the next batch (copy to the device
@@ -403,4 +403,3 @@ def per_class_accuracy(confusion):
     totals = confusion.sum(dim=1)
     return [float(c) / float(t) if t > 0 else math.nan
             for c, t in zip(confusion.diag(), totals)]
-RunSettings = LoopSettings  # old name, until the tests and benches move

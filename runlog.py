@@ -7,6 +7,7 @@ the hparams. ``Progress`` is the epoch's progress bar, or plain lines in a log f
 Only the main process writes.
 """
 
+import contextlib
 import datetime
 import json
 import math
@@ -26,7 +27,7 @@ import checkpoint
 import ops
 import runtime
 from config import NOT_SAVED_IN_CONFIG
-from ops import UserError
+from ops import RunFailed, UserError
 
 
 def default_run_dir(config):
@@ -181,8 +182,19 @@ class RunLog:
 
     def scalars(self, values, step):
         if self.enabled:
-            for tag, value in values.items():
-                self.writer.add_scalar(tag, value, step)
+            with self._failing("TensorBoard"):
+                for tag, value in values.items():
+                    self.writer.add_scalar(tag, value, step)
+
+    @contextlib.contextmanager
+    def _failing(self, what):
+        """A write that the file system refused stops the run with one line (exit 1)."""
+        try:
+            yield
+        except OSError as e:
+            raise RunFailed(f"writing {what} into {self.run_dir!r} failed "
+                            f"({e.strerror or e}); the checkpoints are intact: continue "
+                            f"with --resume auto once there is room") from None
 
     def epoch(self, record):
         """Appends one finished epoch to metrics.jsonl (flushed and fsynced)."""
@@ -192,7 +204,7 @@ class RunLog:
                     "perf/mfu": "mfu"}
             self.scalars({tag: record[key] for tag, key in perf.items() if key in record},
                          record["step"])
-            with open(self.path, "a") as f:
+            with self._failing("metrics.jsonl"), open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
@@ -235,12 +247,17 @@ class RunLog:
 
     def flush(self):
         if self.enabled:
-            self.writer.flush()
+            with self._failing("TensorBoard"):
+                self.writer.flush()
 
     def close(self, config, final, step=0):
         """Writes the hparams with the final metrics (when the run finished) and closes."""
         if not self.enabled:
             return
+        with self._failing("TensorBoard"):
+            self._close(config, final, step)
+
+    def _close(self, config, final, step):
         if final:
             from torch.utils.tensorboard.summary import hparams
 

@@ -10,6 +10,7 @@ import random
 import re
 import signal
 import sys
+import threading
 import warnings
 from typing import NamedTuple
 
@@ -227,3 +228,23 @@ def _silence(stream):
         os.close(devnull)
     except (OSError, ValueError):
         pass
+
+
+def quiet_writer_threads():
+    """Drops the traceback that TensorBoard's writer thread prints when a write fails (a
+    full disk): TensorBoard raises the same error in the training thread at its next
+    write, where train.py turns it into one ``error:`` line."""
+    if threading.excepthook is not _quiet_writer_hook:
+        global _previous_hook
+        _previous_hook = threading.excepthook
+        threading.excepthook = _quiet_writer_hook
+
+
+_previous_hook = threading.excepthook
+
+
+def _quiet_writer_hook(args):
+    if isinstance(args.exc_value, OSError) and \
+            type(args.thread).__name__ == "_AsyncWriterThread":
+        return
+    _previous_hook(args)

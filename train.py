@@ -62,6 +62,7 @@ def main(argv=None):
         128 + the signal's number when stopped by SIGINT/SIGTERM/SIGHUP after saving.
     """
     stop = runtime.StopRequest()
+    runtime.quiet_writer_threads()
     try:
         return train(sys.argv[1:] if argv is None else argv, stop)
     except UserError as e:
@@ -154,11 +155,13 @@ def fit(config, argv, resume_path, saved, directory, stop):
         f"{procs.world_size} process(es), {procs.device}) into {directory.path}")
     try:
         ended, final = run_epochs(t, train_loader, criterion, stop)
-    finally:
-        run_log.flush()  # keep what was logged, also when the run fails
-        saver.wait()  # the checkpoint being written in the background
+    finally:  # also when the run fails
         data.shutdown_loader(train_loader)
         data.shutdown_loader(val_loader)
+        try:
+            saver.wait()  # the checkpoint being written in the background
+        finally:
+            run_log.flush()  # keep what was logged
     if ended is Ended.SIGNAL:
         run_log.close(config, None)
         if procs.world_size > 1:  # no process exits (and makes torchrun kill the rest)
@@ -344,7 +347,7 @@ def choose_run_dir(config, explicit, resume_path, saved):
             os.path.dirname(os.path.abspath(resume_path)), ckpt_dir)):
         raise UserError(f"{resume_path!r} is not in the run directory it records "
                         f"({recorded!r}); pass --run-dir to say where this run goes on")
-    _, newest = checkpoint.find_latest(recorded, warn=lambda message: None)
+    _, newest = checkpoint.find_latest(recorded, warn=_quiet)  # skipped files: said later
     if newest is not None and newest["step"] > saved["step"]:
         raise UserError(f"{resume_path!r} (step {saved['step']}) is not the newest "
                         f"checkpoint of {recorded!r} (step {newest['step']}): continuing "
@@ -352,6 +355,10 @@ def choose_run_dir(config, explicit, resume_path, saved):
                         f"--run-dir {recorded}, or start a new run from this checkpoint "
                         f"with --run-dir NEW_DIR")
     return recorded
+
+
+def _quiet(message):
+    """Drops a message."""
 
 
 # --------------------------------------------------------------------- data, network

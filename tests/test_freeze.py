@@ -1,5 +1,6 @@
 """Freezing and fine-tuning: --freeze, --unfreeze-at, --pretrained (issue 6, items 1-4)."""
 
+import math
 import os
 import shutil
 import urllib.request
@@ -8,13 +9,14 @@ import pytest
 import torch
 import torch.nn as nn
 from conftest import assert_states_equal, final_state, tiny_args
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import data
 import ops
 import train
 from networks import build_network
 
-LR, SCALE = 0.05, 0.2  # tiny_args' --lr, and the --unfreeze-lr-scale used below
+SCALE = 0.2  # the --unfreeze-lr-scale used below (tiny_args' --lr is 0.05)
 
 
 def cnn_args(run_dir, *extra, epochs=1, classes=10):
@@ -261,13 +263,31 @@ UNFREEZE = ("--freeze", "features.*", "--unfreeze-at", "2", "--unfreeze-lr-scale
 
 
 @pytest.fixture(scope="module")
-def unfreeze_run(tmp_path_factory, pretrained):
-    """3 epochs (12 steps, cosine) unfreezing ``features`` at epoch 2, every step saved."""
+def unfreeze_recorded(tmp_path_factory, pretrained):
+    """3 epochs (12 steps, cosine) unfreezing ``features`` at epoch 2, every step saved.
+
+    Returns the run directory and, for each optimizer step, the ``(lr, base_lr)`` of each
+    param group as the step ran.
+    """
     run_dir = tmp_path_factory.mktemp("unfreeze") / "run"
-    assert train.main(cnn_args(run_dir, "--pretrained", pretrained, *UNFREEZE,
-                               "--ckpt-every-steps", "1", "--keep-last", "50",
-                               epochs=3)) == 0
-    return run_dir
+    used = []
+
+    def record(optimizer, args, kwargs):
+        used.append([(g["lr"], g["base_lr"]) for g in optimizer.param_groups])
+
+    handle = register_optimizer_step_pre_hook(record)
+    try:
+        assert train.main(cnn_args(run_dir, "--pretrained", pretrained, *UNFREEZE,
+                                   "--ckpt-every-steps", "1", "--keep-last", "50",
+                                   epochs=3)) == 0
+    finally:
+        handle.remove()
+    return run_dir, used
+
+
+@pytest.fixture(scope="module")
+def unfreeze_run(unfreeze_recorded):
+    return unfreeze_recorded[0]
 
 
 def test_unfreeze_at_epoch_2(unfreeze_run, pretrained):
@@ -279,16 +299,43 @@ def test_unfreeze_at_epoch_2(unfreeze_run, pretrained):
     assert len(after_1["optimizer"]["param_groups"]) == 1
 
 
-def test_unfrozen_group_lr_is_scaled_and_follows_the_schedule(unfreeze_run):
-    state = load(unfreeze_run, "epoch-0002.pt")
-    assert state["step"] == 8
-    factor = ops.lr_factor(8, 12, "cosine", 0)
-    assert 0 < factor < 1
-    main, unfrozen = state["optimizer"]["param_groups"]
+# The run's cosine over 12 steps, no warmup: after step k the rate is
+# base * (1 + cos(pi * k / 12)) / 2, worked out by hand here.
+COSINE_12 = {4: 0.75, 6: 0.5, 8: 0.25, 12: 0.0}
+
+
+def test_every_step_ran_at_the_hand_computed_rates(unfreeze_recorded):
+    # Step k (1..12) runs at the rate set after step k - 1: 0.05 (--lr) for fc.1 and
+    # 0.05 * 0.2 (--unfreeze-lr-scale) for features, both times (1 + cos(pi (k-1) / 12)) / 2.
+    _, used = unfreeze_recorded
+    assert len(used) == 12
+    for k, groups in enumerate(used, start=1):
+        factor = (1 + math.cos(math.pi * (k - 1) / 12)) / 2
+        expected = [(0.05 * factor, 0.05)] + ([(0.01 * factor, 0.01)] if k > 4 else [])
+        assert len(groups) == len(expected), k
+        for (lr, base), (want_lr, want_base) in zip(groups, expected):
+            assert lr == pytest.approx(want_lr, rel=1e-12, abs=1e-15), (k, groups)
+            assert base == pytest.approx(want_base, rel=1e-12), (k, groups)
+    # the unfrozen group's first step (5) ran at 0.01 * 0.75, not at its base rate
+    assert used[4][1][0] == pytest.approx(0.0075)
+
+
+@pytest.mark.parametrize("name, step", [("epoch-0001.pt", 4), ("step-00000006.pt", 6),
+                                        ("epoch-0002.pt", 8), ("last.pt", 12)])
+def test_unfrozen_group_lr_is_scaled_and_follows_the_schedule(unfreeze_run, name, step):
+    state = load(unfreeze_run, name)
+    assert state["step"] == step
+    factor = COSINE_12[step]
+    groups = state["optimizer"]["param_groups"]
+    assert groups[0]["base_lr"] == pytest.approx(0.05)
+    assert groups[0]["lr"] == pytest.approx(0.05 * factor, abs=1e-12)
+    if step == 4:  # epoch 1: features still frozen, one group
+        assert len(groups) == 1 and len(groups[0]["params"]) == 2
+        return
+    main, unfrozen = groups
     assert len(main["params"]) == 2 and len(unfrozen["params"]) == 9  # fc.1; features
-    torch.testing.assert_close(unfrozen["base_lr"], LR * SCALE)
-    torch.testing.assert_close(main["lr"], LR * factor)
-    torch.testing.assert_close(unfrozen["lr"], LR * SCALE * factor)
+    assert unfrozen["base_lr"] == pytest.approx(0.01)  # 0.05 * --unfreeze-lr-scale 0.2
+    assert unfrozen["lr"] == pytest.approx(0.01 * factor, abs=1e-12)
 
 
 @pytest.mark.parametrize("name", ["epoch-0001.pt", "step-00000006.pt"])

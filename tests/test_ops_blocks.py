@@ -89,11 +89,41 @@ def test_init_weights_rejects_an_unknown_type():
     ("none", [0.25, 0.5, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]),
     ("step", [0.25, 0.5, 0.75, 1.0, 1.0, 1.0, 1.0, 0.1, 0.1, 0.01]),
     ("onecycle", [0.25, 0.5, 0.75, 1.0, 1.0, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6]),
+    # 0.5 * (1 + cos(pi * k / 6)) for the k-th step after the warmup
+    ("cosine", [0.25, 0.5, 0.75, 1.0, 1.0, 0.5 + 3 ** 0.5 / 4, 0.75, 0.5, 0.25,
+                0.5 - 3 ** 0.5 / 4]),
 ])
 def test_lr_factor_is_a_pure_function_of_the_step(schedule, expected):
     # 10 steps, 4 of them warmup: linear up to 1, then the schedule over the other 6
     got = [ops.lr_factor(step, 10, schedule, warmup_steps=4) for step in range(10)]
     assert got == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("warmup, total", [(4, 12), (10, 110), (1, 5)])
+def test_cosine_decays_from_the_end_of_the_warmup(warmup, total):
+    # The cosine spans the steps after the warmup: 1 where the warmup ends, 0.5 half way
+    # through the decay, 0 at the end (not a cosine of the whole run, cut by the warmup).
+    decay = total - warmup
+    assert decay % 4 == 0
+    assert ops.lr_factor(warmup - 1, total, "cosine", warmup) == 1.0  # warmup's last step
+    assert ops.lr_factor(warmup, total, "cosine", warmup) == 1.0
+    assert ops.lr_factor(warmup + decay // 2, total, "cosine", warmup) == pytest.approx(0.5)
+    assert ops.lr_factor(warmup + decay // 4, total, "cosine", warmup) == pytest.approx(
+        0.5 + 2 ** 0.5 / 4)  # (1 + cos(pi / 4)) / 2
+    assert ops.lr_factor(total, total, "cosine", warmup) == pytest.approx(0.0, abs=1e-12)
+    assert ops.lr_factor(total + 5, total, "cosine", warmup) == pytest.approx(0.0, abs=1e-12)
+
+
+@pytest.mark.parametrize("warmup, total, ramp", [(4, 12, 4), (10, 110, 10), (0, 200, 60)])
+def test_onecycle_falls_linearly_from_the_end_of_the_warmup(warmup, total, ramp):
+    # warmup 0: onecycle's own warmup, 30% of the run (60 of 200 steps)
+    decay = total - ramp
+    assert decay % 4 == 0
+    assert ops.lr_factor(ramp - 1, total, "onecycle", warmup) == 1.0
+    assert ops.lr_factor(ramp, total, "onecycle", warmup) == 1.0
+    assert ops.lr_factor(ramp + decay // 2, total, "onecycle", warmup) == pytest.approx(0.5)
+    assert ops.lr_factor(ramp + decay // 4, total, "onecycle", warmup) == pytest.approx(0.75)
+    assert ops.lr_factor(total, total, "onecycle", warmup) == pytest.approx(0.0, abs=1e-12)
 
 
 def test_lr_factor_cosine_and_onecycle_default_warmup():

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_states_equal, final_state, tiny_args
 
+import checkpoint
 import data
 import engine
 import layers
@@ -43,9 +44,9 @@ def _synthetic(size, image=8, augment=True):
 
 def _run_settings(accum=1, **kwargs):
     kwargs.setdefault("scaler", torch.amp.GradScaler("cpu", enabled=False))
-    return engine.RunSettings(device=CPU, accum=accum, show_progress=False,
-                              timer=engine.StepTimer(CPU), counters=engine.Counters(CPU),
-                              **kwargs)
+    return engine.LoopSettings(device=CPU, accum=accum, show_progress=False,
+                               timer=engine.StepTimer(CPU), counters=engine.Counters(CPU),
+                               **kwargs)
 
 
 def _train_epoch(net, train_set, batch, run, optimizer):
@@ -157,26 +158,43 @@ def test_fp16_trains_and_its_grad_scaler_survives_a_resume(tmp_path):
     def args(run_dir):
         return tiny_args(run_dir, "--amp", "fp16", "--keep-last", "5", epochs=2)
 
+    def scaler_of(run_dir):
+        saved = final_state(run_dir)["scaler"]
+        return saved["scale"], saved["_growth_tracker"]
+
     assert train.main(args(tmp_path / "whole")) == 0
     whole = final_state(tmp_path / "whole")
     saved = whole["scaler"]
-    assert saved["scale"] > 0 and saved["_growth_tracker"] > 0  # a used, enabled scaler
+    # GradScaler's initial scale 2^16; 8 steps, none skipped, and no growth before 2000
+    assert scaler_of(tmp_path / "whole") == (2.0 ** 16, 8)
+    assert whole["progress"]["scaler_skips"] == 0
     fresh = torch.amp.GradScaler("cpu")
     fresh.load_state_dict(saved)
     assert_states_equal(fresh.state_dict(), saved)
+    events = EventAccumulator(str(tmp_path / "whole")).Reload()
+    skips = events.Scalars("train/scaler_skips")
+    assert skips[-1].value == whole["progress"]["scaler_skips"]
 
     # Resumed from the first epoch's checkpoint, the scaler continues (growth tracker and
     # scale), so the run ends exactly where the uninterrupted one did.
-    mid = torch.load(tmp_path / "whole" / "checkpoints" / "epoch-0001.pt", weights_only=True)
-    assert mid["scaler"]["_growth_tracker"] > 0
+    mid_path = tmp_path / "whole" / "checkpoints" / "epoch-0001.pt"
+    mid = checkpoint.load_checkpoint(mid_path)
+    assert mid["step"] == 4 and mid["scaler"]["_growth_tracker"] > 0
     assert _resume_from(tmp_path / "whole", "epoch-0001.pt", tmp_path / "resumed", args) == 0
+    assert scaler_of(tmp_path / "resumed") == scaler_of(tmp_path / "whole")
     resumed = final_state(tmp_path / "resumed")
     for key in ("model", "optimizer", "scaler", "step"):
         assert_states_equal(resumed[key], whole[key])
 
-    events = EventAccumulator(str(tmp_path / "whole")).Reload()
-    skips = events.Scalars("train/scaler_skips")
-    assert skips[-1].value == whole["progress"]["scaler_skips"]
+    # The resumed run takes its scaler from the checkpoint: the same checkpoint with another
+    # scale and growth tracker ends with those, moved on by epoch 2's 4 steps (no overflow
+    # at a scale of 2^10; growth only every 2000 steps).
+    mid["scaler"].update(scale=2.0 ** 10, _growth_tracker=1000)
+    checkpoint.save_checkpoint(mid, tmp_path / "edited.pt")
+    assert train.main(args(tmp_path / "edited") + ["--resume", str(tmp_path / "edited.pt")]) == 0
+    assert final_state(tmp_path / "edited")["progress"]["scaler_skips"] == \
+        mid["progress"]["scaler_skips"]
+    assert scaler_of(tmp_path / "edited") == (2.0 ** 10, 1004)
 
 
 def test_grad_clipping_sees_unscaled_gradients(monkeypatch):
@@ -348,22 +366,32 @@ def test_build_model_puts_conv_weights_in_channels_last(tmp_path):
 def test_channels_last_run_feeds_channels_last_batches(tmp_path, monkeypatch):
     seen = {"train": [], "weights": [], "eval": []}  # channels_last or not, per forward
 
-    def watch(kind, real):
-        def wrapped(model, *args, **kwargs):
-            def hook(module, inputs):
-                seen[kind].append(inputs[0].is_contiguous(memory_format=CHANNELS_LAST))
-                if kind == "train":
-                    seen["weights"].append(all(p.is_contiguous(memory_format=CHANNELS_LAST)
-                                               for p in module.parameters() if p.dim() == 4))
-            handle = model.register_forward_pre_hook(hook)
-            try:
-                return real(model, *args, **kwargs)
-            finally:
-                handle.remove()
-        return wrapped
+    def hook_for(kind):
+        def hook(module, inputs):
+            seen[kind].append(inputs[0].is_contiguous(memory_format=CHANNELS_LAST))
+            if kind == "train":
+                seen["weights"].append(all(p.is_contiguous(memory_format=CHANNELS_LAST)
+                                           for p in module.parameters() if p.dim() == 4))
+        return hook
 
-    monkeypatch.setattr(engine, "train_one_epoch", watch("train", engine.train_one_epoch))
-    monkeypatch.setattr(engine, "evaluate", watch("eval", engine.evaluate))
+    real_steps, real_evaluate = engine.steps, engine.evaluate
+
+    def steps(model, *args, **kwargs):  # a generator: the hook stays while it runs
+        handle = model.register_forward_pre_hook(hook_for("train"))
+        try:
+            yield from real_steps(model, *args, **kwargs)
+        finally:
+            handle.remove()
+
+    def evaluate(model, *args, **kwargs):
+        handle = model.register_forward_pre_hook(hook_for("eval"))
+        try:
+            return real_evaluate(model, *args, **kwargs)
+        finally:
+            handle.remove()
+
+    monkeypatch.setattr(engine, "steps", steps)
+    monkeypatch.setattr(engine, "evaluate", evaluate)
 
     def args(run_dir, *extra):  # 2 epochs of 4 batches, one validation batch each
         return tiny_args(run_dir, *extra, network="simple_cnn", epochs=2)

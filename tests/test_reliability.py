@@ -359,3 +359,34 @@ def test_unreadable_images_are_counted_in_the_epoch_summary(tmp_path, capsys):
     assert str(bad) in captured.err
     assert "1 unreadable image(s) skipped so far" in captured.out
     assert [r.get("unreadable_images") for r in metrics(tmp_path / "run")] == [1, 1]
+
+
+def test_a_directory_named_last_pt_is_found_before_training(tmp_path, capsys):
+    assert train.main(tiny_args(tmp_path, epochs=1)) == 0
+    os.replace(tmp_path / "checkpoints" / "last.pt", tmp_path / "checkpoints" / "old.pt")
+    (tmp_path / "checkpoints" / "last.pt").mkdir()
+    capsys.readouterr()
+    assert train.main(tiny_args(tmp_path, "--resume", "auto", epochs=2)) == 2
+    captured = capsys.readouterr()
+    assert "is a directory" in one_error_line(captured.err)
+    assert "training mlp" not in captured.out  # before a step was lost
+
+
+def test_a_tensorboard_write_the_disk_refuses_is_one_error_line(tmp_path, monkeypatch, capsys):
+    from tensorboard.summary.writer import record_writer
+
+    real_write, calls = record_writer.RecordWriter.write, []
+
+    def write(self, data):
+        calls.append(1)
+        if len(calls) > 20:  # in the second epoch
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, data)
+
+    monkeypatch.setattr(record_writer.RecordWriter, "write", write)
+    code = train.main(tiny_args(tmp_path, epochs=3))
+    err = capsys.readouterr().err
+    assert code == 1
+    line = one_error_line(err)
+    assert "TensorBoard" in line and "No space left" in line and str(tmp_path) in line
+    assert finite(ckpt(tmp_path))  # what was saved stays usable

@@ -1,5 +1,6 @@
 """Checkpoints you can trust: exact resume, atomic saves, pre-emption (issue 3)."""
 
+import contextlib
 import json
 import os
 import random
@@ -11,9 +12,10 @@ import time
 import pytest
 import torch
 from conftest import ROOT, assert_states_equal, final_state, tiny_args
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import checkpoint
-import engine
+import networks
 import train
 
 # simple_cnn (BatchNorm) with augmentation: 96 samples, 6 steps an epoch, 2 epochs.
@@ -32,18 +34,26 @@ def assert_same_training_state(a, b):
     assert (a["epoch"], a["step"]) == (b["epoch"], b["step"])
 
 
-def stop_at_step(monkeypatch, step, signum=signal.SIGTERM):
-    """Delivers a real signal to this process right after optimizer step ``step``."""
-    original = engine.train_one_epoch
+@contextlib.contextmanager
+def stop_at_step(step, signum=signal.SIGTERM):
+    """Delivers a real signal to this process right after optimizer step ``step``.
 
-    def train_one_epoch(model, loader, optimizer, criterion, run, progress, after_step):
-        def after(bar):
-            if progress["step"] == step:
-                os.kill(os.getpid(), signum)
-            return after_step(bar)
-        return original(model, loader, optimizer, criterion, run, progress, after)
+    A global optimizer hook counts the steps of the run started inside the block, so it
+    holds however the training loop is written.
+    """
+    taken = 0
 
-    monkeypatch.setattr(engine, "train_one_epoch", train_one_epoch)
+    def after_optimizer_step(optimizer, args, kwargs):
+        nonlocal taken
+        taken += 1
+        if taken == step:
+            os.kill(os.getpid(), signum)
+
+    handle = register_optimizer_step_post_hook(after_optimizer_step)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +64,10 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.parametrize("stop_step, workers", [(3, 0), (6, 0), (8, 2)])
-def test_stopped_and_resumed_equals_uninterrupted(tmp_path, monkeypatch, capsys,
-                                                  uninterrupted, stop_step, workers):
+def test_stopped_and_resumed_equals_uninterrupted(tmp_path, capsys, uninterrupted,
+                                                  stop_step, workers):
     # step 3: mid-epoch; 6: the last step of epoch 1; 8: mid-epoch 2 with 2 workers
-    with monkeypatch.context() as m:
-        stop_at_step(m, stop_step)
+    with stop_at_step(stop_step):
         assert train.main(cnn_args(tmp_path, workers=workers)) == 143
     out = capsys.readouterr()
     assert "Traceback" not in out.err
@@ -71,9 +80,44 @@ def test_stopped_and_resumed_equals_uninterrupted(tmp_path, monkeypatch, capsys,
         assert [json.loads(line)["epoch"] for line in f] == [1, 2]
 
 
+class DropoutCNN(torch.nn.Module):
+    """A small CNN with dropout: its training steps draw from the global RNG."""
+
+    def __init__(self, num_classes, in_channels, image_size):
+        super().__init__()
+        self.features = torch.nn.Sequential(
+            torch.nn.Conv2d(in_channels, 8, 3, stride=2, padding=1), torch.nn.ReLU(),
+            torch.nn.Flatten(), torch.nn.Dropout(0.5))
+        self.fc = torch.nn.Linear(8 * ((image_size + 1) // 2) ** 2, num_classes)
+
+    def forward(self, x):
+        return self.fc(self.features(x))
+
+
+@pytest.fixture
+def dropout_network(monkeypatch):
+    monkeypatch.setitem(networks.NETWORKS, "dropout_cnn", DropoutCNN)
+    return "dropout_cnn"
+
+
+def test_resume_with_dropout_is_exact(tmp_path, dropout_network):
+    # Dropout draws its masks from the global RNG, which the checkpoint restores: whatever
+    # runs between the restore and the first step (e.g. the FLOP count's forward) must not
+    # draw from it, or the resumed run drops other units than the uninterrupted one.
+    def args(run_dir, *extra):
+        return cnn_args(run_dir, "--network", dropout_network, *extra)
+
+    assert train.main(args(tmp_path / "whole")) == 0
+    with stop_at_step(3):  # mid-epoch 1
+        assert train.main(args(tmp_path / "run")) == 143
+    stopped = final_state(tmp_path / "run")
+    assert (stopped["step"], stopped["progress"]["epoch_samples"]) == (3, 48)
+    assert train.main(args(tmp_path / "run", "--resume", "auto")) == 0
+    assert_same_training_state(final_state(tmp_path / "run"), final_state(tmp_path / "whole"))
+
+
 def test_mid_epoch_resume_loads_only_unseen_samples(tmp_path, monkeypatch):
-    with monkeypatch.context() as m:
-        stop_at_step(m, 4)
+    with stop_at_step(4):
         assert train.main(cnn_args(tmp_path, epochs=1)) == 143
     seen = []
     original = train.data.SeededDataset.__getitem__
@@ -88,11 +132,10 @@ def test_mid_epoch_resume_loads_only_unseen_samples(tmp_path, monkeypatch):
     assert len(seen) == 96 - 4 * 16  # the 64 samples before the stop are never loaded
 
 
-def test_tensorboard_after_resume_has_no_duplicated_steps(tmp_path, monkeypatch):
+def test_tensorboard_after_resume_has_no_duplicated_steps(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    with monkeypatch.context() as m:
-        stop_at_step(m, 4)
+    with stop_at_step(4):
         assert train.main(cnn_args(tmp_path, "--log-every", "1")) == 143
     # Event files are read in name order: a name holds the second it was made, then the
     # pid and a per-process counter. Two runs of one process in one second would sort
@@ -222,10 +265,10 @@ def launch(run_dir, *extra, workers=0):
                             text=True, start_new_session=True, env=env)
 
 
-def wait_for(path, proc, timeout=120):
+def wait_for(path, proc, timeout=120, output=None):
     deadline = time.time() + timeout
     while not os.path.exists(path):
-        assert proc.poll() is None, proc.communicate()
+        assert proc.poll() is None, output() if output else proc.communicate()
         assert time.time() < deadline, f"{path} never appeared"
         time.sleep(0.02)
 
@@ -240,20 +283,68 @@ def slow_uninterrupted(tmp_path_factory):
     return final_state(run_dir)
 
 
+# train.py's own __main__, with an optimizer hook that stops after step ``at``: it writes
+# the file ``ready`` and waits until the file ``go`` exists. The test signals the process
+# group in between, so the signal arrives at a known step, mid-epoch, in a real process.
+PAUSED_AT_STEP = """
+import os, runpy, sys, time
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+ready, go, at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+taken = 0
+
+def pause(optimizer, args, kwargs):
+    global taken
+    taken += 1
+    if taken == at:
+        open(ready, "w").close()
+        deadline = time.monotonic() + 300
+        while not os.path.exists(go) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # the signal handler has run by now
+
+register_optimizer_step_post_hook(pause)
+sys.argv = ["train.py", *sys.argv[4:]]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_to_the_process_group_saves_and_resumes_exactly(tmp_path, signum, code,
-                                                               slow_uninterrupted):
-    proc = launch(tmp_path, *SLOW, workers=2)
-    wait_for(tmp_path / "checkpoints" / "step-00000003.pt", proc)
-    os.killpg(proc.pid, signum)  # the workers get it too, as with Ctrl-C
-    out, err = proc.communicate(timeout=120)
+                                                               uninterrupted):
+    run_dir, ready, go = tmp_path / "run", tmp_path / "ready", tmp_path / "go"
+    # No --ckpt-every-steps: a checkpoint inside an epoch can only be the signal's.
+    argv = [sys.executable, "-c", PAUSED_AT_STEP, str(ready), str(go), "3",
+            *cnn_args(run_dir, workers=2)]
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=err, text=True,
+                                start_new_session=True,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        try:
+            wait_for(ready, proc, timeout=300, output=(tmp_path / "err").read_text)
+            assert not os.path.exists(run_dir / "checkpoints" / "last.pt")
+            os.killpg(proc.pid, signum)  # the workers get it too, as with Ctrl-C
+            go.touch()
+            proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    out, err = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
+    name = signal.Signals(signum).name
     assert proc.returncode == code, err
-    assert "Traceback" not in err and "Error" not in err
-    assert "Resume with:" in out and "--resume auto" in out
-    stopped = final_state(tmp_path)
-    assert 3 <= stopped["step"] < 60
-    assert train.main(cnn_args(tmp_path, *SLOW, "--resume", "auto", workers=2)) == 0
-    assert_same_training_state(final_state(tmp_path), slow_uninterrupted)
+    assert "Traceback" not in err and "Error" not in err, err
+    assert f"{name}: stopping after this step" in err
+    assert f"{name}: saved " in out
+    assert f"Resume with:\n  python train.py --resume auto --run-dir {run_dir}" in out
+    names = os.listdir(run_dir / "checkpoints")
+    assert "last.pt" in names
+    assert not [n for n in names if n.startswith(("step-", "epoch-", "best", ".tmp"))], names
+    stopped = final_state(run_dir)
+    assert (stopped["epoch"], stopped["step"]) == (0, 3)
+    assert stopped["progress"]["epoch_samples"] == 3 * 16  # half of epoch 1's 96 samples
+    assert train.main(cnn_args(run_dir, "--resume", "auto", workers=2)) == 0
+    assert_same_training_state(final_state(run_dir), uninterrupted)
 
 
 def test_sigkill_at_random_moments_then_resume_auto(tmp_path, slow_uninterrupted):
@@ -301,7 +392,8 @@ def test_a_failed_checkpoint_write_is_one_error_line(tmp_path, monkeypatch, caps
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", full)
-    assert train.main(tiny_args(tmp_path, "--resume", "auto", epochs=2)) == 2
+    # exit 1: the run failed (a disk that refused a write), not a user error
+    assert train.main(tiny_args(tmp_path, "--resume", "auto", epochs=2)) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: writing a checkpoint") and "No space left" in err[-1]
     assert (tmp_path / "checkpoints" / "last.pt").read_bytes() == before

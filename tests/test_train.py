@@ -17,6 +17,7 @@ from PIL import Image
 
 import data
 import engine
+import runlog
 import train
 from config import build_parser, check_config, parse_config
 
@@ -61,11 +62,20 @@ def test_metrics_jsonl_has_every_contract_key(synthetic_run):
     records = read_metrics(synthetic_run)
     for r in records:
         assert METRIC_KEYS | {"val_loss", "val_acc", "tflops"} <= set(r)
-        assert 0 <= r["compute_efficiency"] <= 1
-        assert r["data_time"] >= 0 and r["compute_time"] > 0
-        assert r["samples_per_sec"] > 0 and 0 <= r["val_acc"] <= 1
+        # Every batch is waited for and computed, inside the epoch's wall time.
+        assert r["data_time"] > 0 and r["compute_time"] > 0
+        assert r["data_time"] + r["compute_time"] <= r["epoch_time"]
+        assert 0 < r["compute_efficiency"] < 1
+        assert r["compute_efficiency"] == pytest.approx(
+            r["compute_time"] / (r["compute_time"] + r["data_time"]))
+        assert r["samples_per_sec"] == pytest.approx(2000 / r["epoch_time"])
+        assert r["train_loss"] > 0 and r["val_loss"] > 0 and 0 <= r["val_acc"] <= 1
     steps_per_epoch = -(-2000 // 64)
+    assert [r["epoch"] for r in records] == [1, 2, 3]
     assert [r["step"] for r in records] == [steps_per_epoch * e for e in (1, 2, 3)]
+    # --lr 1e-3 after each epoch's last step: the 1-epoch warmup has just ended, then a
+    # cosine over the other 2 epochs is half way, then at its end
+    assert [r["lr"] for r in records] == pytest.approx([1e-3, 5e-4, 0.0], abs=1e-12)
 
 
 def test_tensorboard_scalars_read_back(synthetic_run):
@@ -363,24 +373,33 @@ class SleepyModel(torch.nn.Module):
 
 
 def test_efficiency_measures_data_and_compute_time():
-    data_delay, compute_delay, batch = 0.01, 0.06, 2  # 0.02 s of data per 0.06 s of compute
-    loader = data.build_loader(SleepyDataset(data_delay),
-                               batch_sampler=data.EpochBatchSampler(8, batch, seed=0))
+    # 3 steps of 2 samples: 0.4 s of loading then 0.2 s of compute each, 1.2 s and 0.6 s in
+    # all. Sleeps last at least that long; a busy machine only adds time, so each bound
+    # below is a floor, or a ceiling with half of the other phase's time as slack: a timer
+    # that put the data wait into compute time (or compute into data time) exceeds it.
+    data_delay, compute_delay, batch, steps = 0.2, 0.2, 2, 3
+    data_wait, compute = steps * batch * data_delay, steps * compute_delay
+    loader = data.build_loader(SleepyDataset(data_delay, size=steps * batch),
+                               batch_sampler=data.EpochBatchSampler(steps * batch, batch,
+                                                                    seed=0))
     model = SleepyModel(compute_delay)
     optimizer = torch.optim.SGD([{"params": model.parameters(), "base_lr": 0.1}], lr=0.1)
     device = torch.device("cpu")
-    run = engine.RunSettings(device=device, scaler=torch.amp.GradScaler("cpu", enabled=False),
-                             timer=engine.StepTimer(device), counters=engine.Counters(device),
-                             show_progress=False)
+    run = engine.LoopSettings(device=device,
+                              scaler=torch.amp.GradScaler("cpu", enabled=False),
+                              timer=engine.StepTimer(device),
+                              counters=engine.Counters(device), show_progress=False)
     progress = {"step": 0, "epoch_samples": 0}
     engine.train_one_epoch(model, loader, optimizer, torch.nn.CrossEntropyLoss(), run,
                            progress, lambda bar: False)
     data_t, compute_t, wall = run.timer.totals()
-    assert progress["step"] == 4
-    assert 4 * batch * data_delay <= data_t < 4 * batch * data_delay + 0.05
-    assert 4 * compute_delay <= compute_t < 4 * compute_delay + 0.1
-    assert engine.efficiency(data_t, compute_t) == pytest.approx(0.75, abs=0.06)
+    assert progress["step"] == steps
+    assert data_wait <= data_t < data_wait + compute / 2, (data_t, compute_t)
+    assert compute <= compute_t < compute + data_wait / 2, (data_t, compute_t)
     assert data_t + compute_t <= wall
+    assert engine.efficiency(data_t, compute_t) == pytest.approx(
+        compute_t / (compute_t + data_t))
+    assert engine.efficiency(data_t, compute_t) < 0.5  # compute took less than the wait
 
 
 def test_tensorboard_server_shows_the_run(synthetic_run):
@@ -450,7 +469,8 @@ def test_deterministic_flag_is_set_for_its_run_only(tmp_path):
                                final_state(tmp_path / "b")["model"], rtol=0, atol=0)
 
 
-def test_progress_bar_shows_loss_throughput_and_efficiency(tmp_path, capsys):
+def test_progress_bar_shows_loss_throughput_and_efficiency(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(runlog, "_isatty", lambda stream: True)  # as in a terminal
     assert train.main(tiny_args(tmp_path, epochs=1)) == 0
     bar = capsys.readouterr().err
     assert "epoch 1/1" in bar
