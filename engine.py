@@ -227,9 +227,10 @@ class LossMeter:
         self.shown = 0.0
         self.restart()
 
-    def restart(self):
+    def restart(self, step=0):
+        """Begins a new window after optimizer step ``step``."""
         self.loss_sum, self.loss_count, self.samples = 0.0, 0, 0
-        self.since = time.perf_counter()
+        self.since, self.step = time.perf_counter(), step
 
     def collect(self, state):
         """Reads the counters (one sync) into ``state`` and the window.
@@ -252,9 +253,10 @@ class LossMeter:
         self.samples += values["samples"]
         return streaks
 
-    def pending(self):
-        """Samples trained since the window began (also those not collected yet)."""
-        return self.samples + self.counters.samples
+    def pending(self, state):
+        """Whether optimizer steps were taken since the window began (the same answer on
+        every process, so they all log, and all-reduce, together)."""
+        return state.step > self.step
 
     def mean(self):
         return self.loss_sum / self.loss_count if self.loss_count else math.nan

@@ -146,8 +146,8 @@ def fit(config, argv, resume_path, saved, directory, stop):
     run_log.summary(net, train_set, procs.device)
     if state.step == 0:
         run_log.first_batch(train_set, sampler)
-    saver = checkpoint.Saver(directory.path, config, net, optimizer, loop.scaler, state, procs,
-                  last_saved=resume_path)
+    saver = checkpoint.Saver(directory.path, config, net, optimizer, loop.scaler, state,
+                             procs, last_saved=resume_path)
     t = Training(config, procs, net, model, optimizer, loop, state,
                  engine.LossMeter(loop.counters, procs.world_size), saver, run_log,
                  val_loader, (train_set, val_set))
@@ -202,7 +202,7 @@ def run_epochs(t, train_loader, criterion, stop):
             runtime.main_print(f"epoch {epoch + 1}: unfroze {len(names)} parameter tensors")
         sampler.set_epoch(epoch, state.epoch_samples)
         t.loop.timer.reset()
-        t.meter.restart()
+        t.meter.restart(state.step)
         with t.run_log.progress(epoch, config["epochs"], len(sampler)) as bar, \
                 contextlib.closing(engine.steps(t.model, train_loader, t.optimizer, criterion,
                                                 t.loop, state, bar)) as steps:
@@ -224,7 +224,7 @@ def run_epochs(t, train_loader, criterion, stop):
                     save(t, Kind.STEP)
                 if ended is not Ended.ALL_EPOCHS:
                     break
-            if t.meter.pending():  # every epoch ends its loss curve, however short
+            if t.meter.pending(state):  # every epoch ends its loss curve, however short
                 log_train(t, bar)
         if state.epoch_samples >= sampler.size:  # the epoch is complete
             final = finish_epoch(t, epoch)
@@ -269,7 +269,7 @@ def log_train(t, bar):
     if t.loop.scaler.is_enabled():
         scalars["train/scaler_skips"] = t.state.scaler_skips
     t.run_log.scalars(scalars, t.state.step)
-    t.meter.restart()
+    t.meter.restart(t.state.step)
 
 
 def save(t, kind, best=False):

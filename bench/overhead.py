@@ -142,7 +142,7 @@ class EngineLoop:
         t = self.t
         t.state.epoch_samples = 0
         t.loop.timer.reset()
-        t.meter.restart()
+        t.meter.restart(t.state.step)
         with contextlib.ExitStack() as stack:
             if self.bar == "null":  # the bar takes sys.stderr when it is made
                 null = stack.enter_context(open(os.devnull, "w"))
