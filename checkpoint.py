@@ -893,7 +893,7 @@ class Kind(enum.Enum):
     STOP = "stop"    # a signal or --max-steps inside an epoch: last.pt
 
 
-def training_state(net, optimizer, scaler, progress, rngs, config):
+def training_state(net, optimizer, scaler, progress, rngs, config, ema=None):
     """The checkpoint dict of a training run: what exact resumption needs.
 
     Args:
@@ -903,11 +903,12 @@ def training_state(net, optimizer, scaler, progress, rngs, config):
         progress: ``TrainState.state_dict()``, loss sums summed over processes.
         rngs: ``rng_state()`` of every process, by rank.
         config: the resolved config.
+        ema: the ``recipes.EMA`` of the weights, or None.
 
     Returns:
         A dict of tensors and plain values (``weights_only``-loadable once saved).
     """
-    return {
+    state = {
         "model": unwrap_state_dict(net.state_dict()),
         "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict(),
@@ -919,6 +920,9 @@ def training_state(net, optimizer, scaler, progress, rngs, config):
         "rng_per_rank": rngs,
         "config": {k: v for k, v in config.items() if k not in ("resume",)},
     }
+    if ema is not None:
+        state["ema"] = ema.state_dict()  # the model's keys
+    return state
 
 
 class Saver:
@@ -932,15 +936,17 @@ class Saver:
         run_dir: the run directory (checkpoints go into its ``checkpoints/``).
         config: the resolved config (saved in every checkpoint).
         net, optimizer, scaler: what is saved.
+        ema: the ``recipes.EMA`` (saved under ``ema``), or None.
         state: the run's ``engine.TrainState``.
         procs: ``runtime.Processes``.
         last_saved: the checkpoint resumed from, if any.
     """
 
-    def __init__(self, run_dir, config, net, optimizer, scaler, state, procs, last_saved):
+    def __init__(self, run_dir, config, net, optimizer, scaler, state, procs, last_saved,
+                 ema=None):
         self.dir = os.path.join(run_dir, "checkpoints")
         self.config, self.net, self.optimizer, self.scaler = config, net, optimizer, scaler
-        self.state, self.procs = state, procs
+        self.state, self.procs, self.ema = state, procs, ema
         self.last_saved = last_saved
         self.writer = BackgroundWriter()
         if procs.is_main:  # temporary files of a save that was killed half-way
@@ -976,7 +982,7 @@ class Saver:
             self.last_saved = path  # what the main process writes
             return
         state = training_state(self.net, self.optimizer, self.scaler, progress, rngs,
-                               self.config)
+                               self.config, self.ema)
         also = [os.path.join(self.dir, "best.pt")] if best else []
         if self.config["keep_last"] > 0 and kind is not Kind.STOP:
             name = f"epoch-{progress['epoch']:04d}.pt" if kind is Kind.EPOCH \
@@ -991,6 +997,8 @@ class Saver:
         """Stops the run when a weight or buffer is NaN or infinite: such a state is never
         saved (the loss is computed before the update, so it may still look fine)."""
         tensors = [t for t in self.net.state_dict().values() if t.is_floating_point()]
+        if self.ema is not None:
+            tensors += [t for t in self.ema.state_dict().values() if t.is_floating_point()]
         if not torch.stack([torch.isfinite(t).all() for t in tensors]).all():
             raise RunFailed(
                 f"the weights are not finite at step {self.state.step}; lower --lr or add "

@@ -54,6 +54,24 @@ def build_parser():
     g.add_argument("--prefetch", type=int, default=0, help="BackgroundGenerator queue depth "
                    "in front of the loader (0 = off; see README for when it helps)")
 
+    g.add_argument("--data-on-device", default="auto", choices=["auto", "on", "off"],
+                   help="hold the sets as uint8 tensors on the training device and augment "
+                   "whole batches there (no DataLoader workers); auto: on for CUDA when "
+                   "the sets fit and every augmentation can run there (see README)")
+    g.add_argument("--auto-augment", default="none",
+                   choices=["none", "trivialaugment", "randaugment", "autoaugment"],
+                   help="torchvision's augmentation policy, per sample, after crop and flip")
+    g.add_argument("--randaugment-magnitude", type=int, default=9,
+                   help="RandAugment's magnitude (0-30)")
+    g.add_argument("--random-erase", type=float, default=0.0, metavar="P",
+                   help="probability of torchvision's RandomErasing, after normalisation")
+    g.add_argument("--mixup-alpha", type=float, default=0.0, help="MixUp's Beta(a, a) "
+                   "(0 = off); the training loss is then the soft-target loss")
+    g.add_argument("--cutmix-alpha", type=float, default=0.0, help="CutMix's Beta(a, a) "
+                   "(0 = off); with --mixup-alpha too, one of the two per batch")
+    g.add_argument("--mix-prob", type=float, default=1.0,
+                   help="probability that a batch is mixed (MixUp/CutMix)")
+
     g = p.add_argument_group("network")
     g.add_argument("--network", default=None, help="simple_cnn, resnet18, mlp, or "
                    "torchvision/<name>; default: resnet18, or simple_cnn for --dataset "
@@ -61,6 +79,9 @@ def build_parser():
     g.add_argument("--pretrained", default=None, help="start from the weights in this file "
                    "(a checkpoint of this project or a plain state_dict; default: the "
                    "network's own initialisation)")
+    g.add_argument("--pretrained-weights", default="ema", choices=["ema", "raw"],
+                   help="from a --pretrained checkpoint with a moving average (--ema-decay), "
+                   "take the average (ema) or the trained weights (raw)")
     g.add_argument("--freeze", nargs="+", default=[], metavar="PATTERN",
                    help="freeze parameters whose names match these fnmatch patterns")
     g.add_argument("--unfreeze-at", type=int, default=0, metavar="EPOCH",
@@ -90,6 +111,11 @@ def build_parser():
                    help="linear warmup from 0, in epochs")
     g.add_argument("--grad-clip", type=float, default=0.0,
                    help="clip the gradient norm to this (0 = off)")
+    g.add_argument("--ema-decay", type=float, default=0.0, help="keep an exponential "
+                   "moving average of the weights with this decay, e.g. 0.999 (0 = off); "
+                   "it is validated too, and best.pt follows its accuracy")
+    g.add_argument("--ema-warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="ramp the EMA decay up over the first steps (as timm does)")
     g.add_argument("--label-smoothing", type=float, default=0.1,
                    help="label smoothing of the cross-entropy")
     g.add_argument("--max-nonfinite", type=int, default=10, help="stop after this many "
@@ -113,6 +139,10 @@ def build_parser():
                    "initialisation")
     g.add_argument("--deterministic", action="store_true",
                    help="deterministic algorithms (slower on CUDA)")
+
+    g.add_argument("--tta", default="none", choices=["none", "flip"],
+                   help="test-time augmentation for validation: flip averages the logits of "
+                   "each image and its mirror (not for digits)")
 
     g = p.add_argument_group("run directory, checkpoints and logging")
     g.add_argument("--run-dir", default=None,
@@ -339,6 +369,12 @@ RANGES = {  # every numeric flag's allowed values
     "keep_last": _at_least(0),
     "eval_every": _at_least(1),
     "log_every": _at_least(1),
+    "randaugment_magnitude": _within(0, 30),
+    "random_erase": _within(0, 1),
+    "mixup_alpha": _at_least(0),
+    "cutmix_alpha": _at_least(0),
+    "mix_prob": _within(0, 1),
+    "ema_decay": _within(0, 1, high_open=True),
 }
 
 _warned = set()  # warnings already shown for this run (check_config runs twice on resume)
@@ -375,6 +411,14 @@ def check_config(c):
                         f"of --batch-size {c['batch_size']}")
     if c["unfreeze_at"] and not c["freeze"]:
         raise UserError("--unfreeze-at needs --freeze")
+    if not c["augment"] and (c["auto_augment"] != "none" or c["random_erase"]):
+        raise UserError("--auto-augment and --random-erase are training augmentations: "
+                        "they need --augment")
+    if c["prefetch"] and not c["num_workers"] and c["augment"] \
+            and c["data_on_device"] != "on":
+        raise UserError("--prefetch with --num-workers 0 would augment in a thread that "
+                        "shares torch's random generator with the training thread (dropout "
+                        "would not be reproducible); use --num-workers 1 or more")
     if c["resume"] == "auto" and not c["run_dir"]:
         raise UserError("--resume auto needs --run-dir (the run to continue)")
     _check_device(c["device"])

@@ -2,23 +2,48 @@
 
 Determinism promise (docs/design.md): the order of samples in an epoch depends only on the
 seed and the epoch, and a sample's random augmentation only on (seed, epoch, index).
-``EpochBatchSampler`` yields keys ``(index, epoch)``; ``SeededDataset`` seeds the
-transform of each sample from its key. So results do not depend on the batch size, the
-number of DataLoader workers, the number of processes, or where a run was resumed.
+``EpochBatchSampler`` yields keys ``(index, epoch)``. A sample's crop offset and flip are
+drawn from a counter-based integer hash of (seed, epoch, index) (``crop_flip_draws``);
+any other random transform draws from torch's generator, which ``SeededDataset`` seeds
+from the same key. So results do not depend on the batch size, the number of DataLoader
+workers, the number of processes, or where a run was resumed.
+
+Two data paths give the same samples, bit for bit on the CPU:
+
+- the per-sample path: ``SeededDataset`` in a DataLoader (``build_loader``), one PIL
+  image or tensor at a time, in worker processes;
+- the device path: ``DeviceLoader`` holds a whole set as a uint8 (synthetic: float)
+  tensor on the training device and gathers, crops, flips and normalises each batch
+  there, with the same draws and the same arithmetic (``crop_flip_batch``,
+  ``normalise``). ``device_data_decision`` says which path a run takes and why;
+  ``build_device_loaders`` builds it. Image folders reach it through a decoded cache
+  (``decoded_folder``): every image decoded and resized once into a memory-mapped
+  uint8 array file under ``<data-dir>/.cache``.
 """
 
+import contextlib
+import functools
+import glob
+import hashlib
+import json
 import os
 import signal
 import socket
 import sys
+import threading
+import time
 import warnings
 
+import numpy as np
 import torch
 import torch.utils.data
+import torchvision
 from PIL import Image
 from torchvision import datasets as tv_datasets
+from torchvision import tv_tensors
 from torchvision.transforms import v2
 
+import recipes
 from ops import UserError
 
 # Per-channel mean and std of the training split, for normalisation.
@@ -38,8 +63,159 @@ IMAGE_FORMATS = ("JPEG", "PNG", "BMP", "GIF", "TIFF", "WEBP", "PPM")
 
 
 def sample_seed(seed, epoch, index):
-    """The seed of one sample's augmentation: a function of (seed, epoch, index) only."""
+    """The seed of torch's generator for one sample's random transforms other than crop and
+    flip (those use ``crop_flip_draws``): a function of (seed, epoch, index) only."""
     return ((seed * 1_000_003 + epoch) * 1_000_000_007 + index) % (2**63 - 1)
+
+
+# ------------------------------------------------------------ the counter-based hash
+#
+# Crop offsets and flips come from a hash of (seed, epoch, index), not from an RNG state:
+# the same integer arithmetic on Python ints (one sample, per-sample path) and on int64
+# tensors (a whole epoch at once, device path) gives the same draws on any device. Every
+# intermediate value stays below 2**49, so int64 tensors never overflow.
+
+_MASK32 = 0xFFFFFFFF
+STREAM_TOP, STREAM_LEFT, STREAM_FLIP = 1, 2, 3  # one independent draw per stream
+
+
+def _mul32(x, c):
+    """``x * c mod 2**32`` for ``0 <= x < 2**32``, in 16-bit halves of ``c`` (exact in int64)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def mix32(x):
+    """A bijection of 32-bit integers with strong avalanche: ``lowbias32`` from Chris
+    Wellons' hash prospector. Works on Python ints and on int64 tensors alike."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def sample_hash(seed, epoch, index, stream):
+    """A 32-bit hash of (seed, epoch, index) for one ``stream`` of draws.
+
+    ``index`` may be an int or an int64 tensor of indices (``seed``, ``epoch`` and
+    ``stream`` are ints); the result has its type. Distinct indices of one (seed, epoch,
+    stream) always give distinct hashes (each step is a bijection).
+    """
+    return mix32(_stream_key(seed, epoch, stream) ^ (index & _MASK32))
+
+
+@functools.lru_cache(maxsize=64)
+def _stream_key(seed, epoch, stream):
+    """The part of ``sample_hash`` shared by an epoch's samples (computed once)."""
+    return mix32(mix32(mix32(stream) ^ (seed & _MASK32)) ^ (epoch & _MASK32))
+
+
+def crop_offsets(seed, epoch, index, padding):
+    """``(top, left)``: a sample's crop offsets into its image padded by ``padding`` on each
+    side, each in ``[0, 2 * padding]``; ints, or int64 tensors when ``index`` is one."""
+    span = 2 * padding + 1
+    return (sample_hash(seed, epoch, index, STREAM_TOP) % span,
+            sample_hash(seed, epoch, index, STREAM_LEFT) % span)
+
+
+def flip_draw(seed, epoch, index):
+    """1 where a sample is flipped horizontally, else 0 (an int, or an int64 tensor)."""
+    return sample_hash(seed, epoch, index, STREAM_FLIP) >> 31
+
+
+def crop_flip_draws(seed, epoch, index, padding):
+    """The crop offset and flip of samples: ``(top, left, flip)``.
+
+    Args:
+        seed: the run's seed.
+        epoch: the epoch.
+        index: a sample's index (int), or an int64 tensor of indices.
+        padding: the crop's zero padding on each side; offsets lie in ``[0, 2 * padding]``.
+
+    Returns:
+        ``top`` and ``left`` offsets into the padded image and ``flip`` (1: flip
+        horizontally, 0: not), ints or int64 tensors like ``index``.
+    """
+    return (*crop_offsets(seed, epoch, index, padding), flip_draw(seed, epoch, index))
+
+
+_SAMPLE = threading.local()  # (seed, epoch, index) of the sample being transformed
+
+
+def current_sample():
+    """``(seed, epoch, index)`` of the sample ``SeededDataset`` is transforming now."""
+    key = getattr(_SAMPLE, "key", None)
+    if key is None:
+        raise RuntimeError("SampleCrop and SampleFlip draw from the sample's (seed, epoch, "
+                           "index): call the transform through SeededDataset")
+    return key
+
+
+def _like(out, image):
+    """``out`` as the same tv_tensors type as ``image`` (torch ops return plain tensors)."""
+    return tv_tensors.wrap(out, like=image) if isinstance(image, tv_tensors.TVTensor) else out
+
+
+class SampleCrop:
+    """Random crop with zero padding, as ``v2.RandomCrop(size, padding)``, whose offset is
+    ``crop_flip_draws`` of the sample being transformed (not torch's RNG). Takes (C, H, W)
+    tensors, uint8 or float; the output has the input's side."""
+
+    def __init__(self, padding):
+        self.padding = padding
+
+    def __call__(self, image):
+        top, left = crop_offsets(*current_sample(), self.padding)
+        h, w = image.shape[-2:]
+        padded = torch.nn.functional.pad(image.as_subclass(torch.Tensor), [self.padding] * 4)
+        return _like(padded[..., top:top + h, left:left + w], image)
+
+    def __repr__(self):
+        return f"SampleCrop(padding={self.padding})"
+
+
+class SampleFlip:
+    """Horizontal flip of half the samples, as ``v2.RandomHorizontalFlip()``, decided by
+    ``crop_flip_draws`` of the sample being transformed."""
+
+    def __call__(self, image):
+        if not flip_draw(*current_sample()):
+            return image
+        return _like(image.as_subclass(torch.Tensor).flip(-1), image)
+
+    def __repr__(self):
+        return "SampleFlip()"
+
+
+def normalise(images, mean, std):
+    """uint8 images scaled to [0, 1] floats (as ``v2.ToDtype(float32, scale=True)``), then
+    ``(x - mean) / std`` per channel (as ``v2.Normalize``); float images only the latter.
+
+    The per-sample path (one (C, H, W) image) and the device path (a (N, C, H, W) batch)
+    both call this: elementwise, in the same order, so the results are the same bits.
+    ``mean`` and ``std`` are sequences or float32 tensors of shape (C, 1, 1).
+    """
+    x = images.as_subclass(torch.Tensor)
+    mean = torch.as_tensor(mean, dtype=torch.float32, device=x.device).view(-1, 1, 1)
+    std = torch.as_tensor(std, dtype=torch.float32, device=x.device).view(-1, 1, 1)
+    if x.is_floating_point():
+        x = x.to(torch.float32).sub(mean)
+    else:
+        x = x.to(torch.float32).mul_(1.0 / 255).sub_(mean)
+    return x.div_(std)
+
+
+class Normalise:
+    """``normalise`` as a transform (uint8 or float image in, normalised float32 out)."""
+
+    def __init__(self, mean, std):
+        self.mean, self.std = tuple(mean), tuple(std)
+
+    def __call__(self, image):
+        return normalise(image, self.mean, self.std)
+
+    def __repr__(self):
+        return f"Normalise(mean={self.mean}, std={self.std})"
 
 
 class SeededDataset(torch.utils.data.Dataset):
@@ -83,14 +259,17 @@ class SeededDataset(torch.utils.data.Dataset):
         image, label = self.base[index]
         if not self.random:
             return self.transform(image), label
-        # Seed torch's CPU generator for this sample and restore it afterwards
+        # Crop and flip read the key (current_sample); any other random transform draws
+        # from torch's CPU generator, seeded for this sample and restored afterwards
         # (torch.random.fork_rng does the same but costs 50x more per sample).
         generator = torch.default_generator
         state = generator.get_state()
         generator.manual_seed(sample_seed(self.seed, epoch, index))
+        _SAMPLE.key = (self.seed, epoch, index)
         try:
             return self.transform(image), label
         finally:
+            _SAMPLE.key = None
             generator.set_state(state)
 
 
@@ -225,23 +404,30 @@ class SafeImageFolder(tv_datasets.ImageFolder):
         return int(self.unreadable.sum())
 
 
-def _transforms(name, image_size, augment, from_pil=True):
+def _transforms(name, image_size, augment, from_pil=True, policy=((), ())):
     """The train (maybe augmented) and eval transforms of a dataset.
 
     Images are cropped and flipped as uint8 (cheaper), then scaled to [0, 1] floats and
-    normalised with the dataset's statistics.
+    normalised with the dataset's statistics. Crop and flip draw from (seed, epoch,
+    index) (``SampleCrop``, ``SampleFlip``); the device path does the same to whole
+    batches (``device_pipeline`` reads these lists: a transform it does not know keeps
+    a run on the per-sample path). ``policy`` is ``recipes.policy_transforms``'s pair:
+    an AutoAugment-family policy after crop and flip, random erasing after normalising.
     """
     front = [v2.ToImage()] if from_pil else []
     if name == "imagefolder":
         front.append(v2.Resize((image_size, image_size), antialias=True))
-    back = [v2.ToDtype(torch.float32, scale=True)] if from_pil else []
-    back += [v2.Normalize(*STATS[name])] if name in STATS else []
+    back = [Normalise(*STATS[name])] if name in STATS else []  # every PIL set has STATS
     aug = []
     if augment:
-        aug = [v2.RandomCrop(image_size, padding=max(image_size // 8, 1))]
+        aug = [SampleCrop(padding=max(image_size // 8, 1))]
         if name not in ("mnist", "fashion_mnist"):  # flipped digits are other digits
-            aug.append(v2.RandomHorizontalFlip())
-    train, evaluation = front + aug + back, front + back
+            aug.append(SampleFlip())
+    if augment:
+        aug, back_train = aug + list(policy[0]), back + list(policy[1])
+    else:
+        back_train = back
+    train, evaluation = front + aug + back_train, front + back
     return (v2.Compose(train) if train else v2.Identity(),
             v2.Compose(evaluation) if evaluation else v2.Identity())
 
@@ -266,7 +452,7 @@ def _torchvision_split(name, data_dir, train):
         socket.setdefaulttimeout(old_timeout)
 
 
-def _imagefolder_splits(data_dir, image_size, augment, seed):
+def _imagefolder_splits(data_dir, image_size, augment, seed, policy):
     train_dir = os.path.join(data_dir, "train")
     val_dir = next((os.path.join(data_dir, s) for s in ("val", "test")
                     if os.path.isdir(os.path.join(data_dir, s))), None)
@@ -287,7 +473,7 @@ def _imagefolder_splits(data_dir, image_size, augment, seed):
     if len(train.classes) == 1:
         print(f"warning: {train_dir!r} has a single class folder ({train.classes[0]!r}): "
               f"every label is the same, so there is nothing to learn", file=sys.stderr)
-    t_train, t_eval = _transforms("imagefolder", image_size, augment)
+    t_train, t_eval = _transforms("imagefolder", image_size, augment, policy=policy)
     return (SeededDataset(train, t_train, seed, augment, train.classes, 3, image_size),
             SeededDataset(val, t_eval, seed, False, val.classes, 3, image_size))
 
@@ -315,6 +501,9 @@ def build_datasets(config):
     """
     name, data_dir, seed = config["dataset"], config["data_dir"], config["seed"]
     augment, image_size = config["augment"], config["image_size"]
+    policy = recipes.policy_transforms(  # --auto-augment, --random-erase
+        config.get("auto_augment", "none"), config.get("randaugment_magnitude", 9),
+        config.get("random_erase", 0.0), name)
     if name == "synthetic":
         size, classes, channels = (config["synthetic_size"], config["num_classes"],
                                    config.get("in_channels", 3))
@@ -322,18 +511,19 @@ def build_datasets(config):
             raise UserError("--synthetic-size must be at least 1 and --num-classes at least 2")
         train = SyntheticImages(size, classes, channels, image_size, seed, "train")
         val = SyntheticImages(max(size // 5, 1), classes, channels, image_size, seed, "val")
-        t_train, t_eval = _transforms(name, image_size, augment, from_pil=False)
+        t_train, t_eval = _transforms(name, image_size, augment, from_pil=False,
+                                      policy=policy)
         return (SeededDataset(train, t_train, seed, augment, train.classes, channels, image_size),
                 SeededDataset(val, t_eval, seed, False, val.classes, channels, image_size))
     if name == "imagefolder":
         if not os.path.isdir(data_dir):
             raise UserError(f"--data-dir {data_dir!r} does not exist")
-        return _imagefolder_splits(data_dir, image_size, augment, seed)
+        return _imagefolder_splits(data_dir, image_size, augment, seed, policy)
     if name not in TORCHVISION_SETS:
         raise UserError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
     train, val = (_torchvision_split(name, data_dir, split) for split in (True, False))
     side, channels = (28, 1) if "mnist" in name else (32, 3)
-    t_train, t_eval = _transforms(name, side, augment)
+    t_train, t_eval = _transforms(name, side, augment, policy=policy)
     return (SeededDataset(train, t_train, seed, augment, train.classes, channels, side),
             SeededDataset(val, t_eval, seed, False, val.classes, channels, side))
 
@@ -391,10 +581,15 @@ class EpochBatchSampler:
     def __len__(self):
         return -(-(self.size - self.start) // (self.batch_size * self.world_size))
 
-    def __iter__(self):
+    def index_batches(self):
+        """This process's remaining batches of the epoch as int64 tensors of indices (the
+        keys of ``__iter__`` without the epoch, which is ``self.epoch``)."""
         for chunk, local in self._chunks():
-            if len(local) == 0:
-                local = chunk[-1:]  # stand-in: weighted 0, keeps collectives in step
+            yield local if len(local) else chunk[-1:]  # stand-in: weighted 0, keeps
+            #                                             collectives in step
+
+    def __iter__(self):
+        for local in self.index_batches():
             yield [(i, self.epoch) for i in local.tolist()]
 
 
@@ -444,3 +639,499 @@ def shutdown_loader(loader):
     if iterator is not None and hasattr(iterator, "_shutdown_workers"):
         iterator._shutdown_workers()
     loader._iterator = None
+
+
+# ------------------------------------------------------------------ the device path
+#
+# A whole set held as one tensor on the training device; each batch gathered by index,
+# cropped, flipped and normalised there (``DeviceLoader``). The same draws
+# (``crop_flip_draws``) and the same arithmetic (zero padding, indexing, ``normalise``)
+# as the per-sample path, so both give the same samples, bit for bit on the CPU.
+
+DEVICE_SHARE = 0.25  # --data-on-device auto: the sets may take this share of free memory
+CACHE_VERSION = 1    # of the decoded image-folder cache's layout
+
+
+class UnsupportedOnDevice(Exception):
+    """Something the device path cannot do for a set; the message says what."""
+
+
+class DevicePipeline:
+    """What the device path applies to a set's batches, read from its transform.
+
+    Attributes:
+        front: the decoding steps (``v2.ToImage``, ``v2.Resize``) the source tensors
+            already went through (for image folders: the decoded cache applies them).
+        padding: the crop's zero padding (0: no crop).
+        flip: whether half the samples are flipped horizontally.
+        mean, std: the normalisation (None: the images are used as they are).
+        random: whether crop and flip apply (the training set with augmentation).
+    """
+
+    def __init__(self, dataset):
+        transform = dataset.transform
+        steps = list(getattr(transform, "transforms", [transform]))
+        steps = [s for s in steps if not isinstance(s, v2.Identity)]
+        i = 0
+        while i < len(steps) and isinstance(steps[i], (v2.ToImage, v2.Resize)):
+            i += 1
+        self.front = tuple(steps[:i])
+        if any(isinstance(s, v2.Resize) for s in self.front) and not isinstance(
+                dataset.base, SafeImageFolder):
+            raise UnsupportedOnDevice("resizes only image folders (through their cache)")
+        self.padding, self.flip, self.mean, self.std = 0, False, None, None
+        if i < len(steps) and isinstance(steps[i], SampleCrop):
+            self.padding, i = steps[i].padding, i + 1
+        if i < len(steps) and isinstance(steps[i], SampleFlip):
+            self.flip, i = True, i + 1
+        if i < len(steps) and isinstance(steps[i], Normalise):
+            self.mean, self.std, i = steps[i].mean, steps[i].std, i + 1
+        if i < len(steps):
+            raise UnsupportedOnDevice(f"cannot apply {steps[i]!r} to whole batches (it does "
+                                      f"crop, flip and normalisation only)")
+        self.random = dataset.random and (self.padding > 0 or self.flip)
+
+
+def device_pipeline(dataset):
+    """The ``DevicePipeline`` of a SeededDataset; raises UnsupportedOnDevice."""
+    _source_kind(dataset)
+    return DevicePipeline(dataset)
+
+
+def _source_kind(dataset):
+    base = dataset.base
+    if isinstance(base, SyntheticImages):
+        return "synthetic"
+    if getattr(base, "transform", None) is not None or \
+            getattr(base, "target_transform", None) is not None:
+        raise UnsupportedOnDevice(f"cannot apply the transform of {type(base).__name__}")
+    if isinstance(base, tv_datasets.CIFAR10):  # and CIFAR100
+        return "cifar"
+    if isinstance(base, tv_datasets.MNIST):  # and FashionMNIST
+        return "mnist"
+    if isinstance(base, SafeImageFolder):
+        return "folder"
+    raise UnsupportedOnDevice(f"has no tensor source for {type(base).__name__}")
+
+
+def source_nbytes(dataset):
+    """Bytes a set takes on the device path (uint8 images; float32 for synthetic)."""
+    base = dataset.base
+    kind = _source_kind(dataset)
+    if kind == "synthetic":
+        return base.images.numel() * base.images.element_size()
+    if kind == "cifar":
+        return int(base.data.nbytes)
+    if kind == "mnist":
+        return base.data.numel()
+    return len(base) * 3 * dataset.image_size ** 2
+
+
+def source_tensors(dataset, cache_dir=None, num_workers=0, log=print):
+    """A set's images and labels as CPU tensors: ``(images (N, C, H, W), labels (N,))``.
+
+    uint8 images for CIFAR (``.data``), MNIST (``.data``) and image folders (the decoded
+    cache, ``decoded_folder``: memory-mapped); float32 for the synthetic set. The values
+    are those the per-sample path sees before its crop, flip and normalisation.
+
+    Args:
+        dataset: a SeededDataset from ``build_datasets``.
+        cache_dir: where image folders' decoded caches live (default:
+            ``<folder's parent>/.cache``, i.e. ``<data-dir>/.cache``).
+        num_workers: processes that decode images when a cache is built.
+        log: prints where the cache is and how big.
+
+    Raises:
+        UnsupportedOnDevice: a set of another kind.
+    """
+    base, kind = dataset.base, _source_kind(dataset)
+    if kind == "synthetic":
+        return base.images, base.labels.long()
+    if kind == "cifar":
+        images = torch.from_numpy(np.ascontiguousarray(base.data.transpose(0, 3, 1, 2)))
+        return images, torch.as_tensor(base.targets, dtype=torch.long)
+    if kind == "mnist":
+        return base.data.unsqueeze(1).contiguous(), torch.as_tensor(base.targets).long()
+    front = v2.Compose(list(DevicePipeline(dataset).front))
+    if cache_dir is None:
+        cache_dir = default_cache_dir(os.path.dirname(os.path.normpath(base.root)))
+    return decoded_folder(base, front, dataset.image_size, cache_dir, num_workers, log)
+
+
+def crop_flip_batch(images, top, left, flip, padding):
+    """Crops and flips a batch as ``SampleCrop`` and ``SampleFlip`` do each sample.
+
+    Args:
+        images: (N, C, H, W), any dtype, contiguous.
+        top, left: int64 (N,) offsets into the images padded with zeros by ``padding``.
+        flip: int64 (N,), 1 where the sample is flipped horizontally.
+        padding: the zero padding on each side.
+
+    Returns:
+        (N, C, H, W): one gather from the padded batch (no per-sample Python).
+    """
+    n, c, h, w = images.shape
+    padded = torch.nn.functional.pad(images, [padding] * 4) if padding else images
+    rows = top[:, None] + torch.arange(h, device=images.device)                 # (N, H)
+    cols = torch.arange(w, device=images.device).expand(n, w)
+    cols = left[:, None] + torch.where(flip[:, None].bool(), w - 1 - cols, cols)  # (N, W)
+    where = rows[:, :, None] * (w + 2 * padding) + cols[:, None, :]               # (N, H, W)
+    where = where.view(n, 1, h * w).expand(n, c, h * w)
+    return padded.reshape(n, c, -1).gather(2, where).view(n, c, h, w)
+
+
+class DeviceLoader:
+    """Batches gathered from a set held as one tensor on the device: the DataLoader of the
+    device path.
+
+    Iterating yields ``(x, y)`` already on ``device``: ``x`` float32 (N, C, H, W) in
+    ``memory_format``, cropped and flipped (training with augmentation) with the draws of
+    (seed, epoch, index) and normalised exactly as the per-sample path does; ``y`` int64.
+    Each iteration starts afresh from the sampler's ``set_epoch(epoch, start)``, as a
+    DataLoader's does: the epoch's indices and draws are computed at once and copied to
+    the device in one transfer. No worker processes, no per-sample Python.
+
+    Args:
+        dataset: the SeededDataset (its transform says what to apply, its seed the draws).
+        images: its images, (N, C, H, W) uint8 (float32 for synthetic), any device.
+        labels: (N,) labels.
+        device: where the set is held and batches are made.
+        batch_sampler: an EpochBatchSampler (training): batches of its keys, this
+            process's share of each global batch.
+        indices: instead of a sampler, the indices to go through in order (validation:
+            this process's shard) in batches of ``batch_size``.
+        batch_size: with ``indices``.
+        memory_format: of the batches (``torch.channels_last`` or contiguous).
+
+    Raises:
+        UnsupportedOnDevice: the set's transform has a step the device path cannot do.
+    """
+
+    def __init__(self, dataset, images, labels, device, batch_sampler=None, indices=None,
+                 batch_size=None, memory_format=torch.contiguous_format):
+        if (batch_sampler is None) == (indices is None):
+            raise ValueError("DeviceLoader takes a batch_sampler or indices, not both")
+        if len(images) != len(dataset) or len(labels) != len(dataset):
+            raise ValueError(f"{len(images)} images and {len(labels)} labels for a set of "
+                             f"{len(dataset)}")
+        self.dataset = dataset
+        self.pipeline = device_pipeline(dataset)
+        self.device = torch.device(device)
+        self.images = images.to(self.device)  # a CPU tensor (maybe memory-mapped) stays
+        self.labels = labels.to(self.device, torch.long)
+        self.batch_sampler, self.batch_size = batch_sampler, batch_size
+        self.indices = None if indices is None else torch.as_tensor(indices, dtype=torch.long)
+        self.memory_format = memory_format
+        p = self.pipeline
+        self._stats = None
+        if p.mean is not None:
+            self._stats = tuple(torch.tensor(s, dtype=torch.float32, device=self.device)
+                                .view(-1, 1, 1) for s in (p.mean, p.std))
+
+    def __len__(self):
+        if self.batch_sampler is not None:
+            return len(self.batch_sampler)
+        return -(-len(self.indices) // self.batch_size)
+
+    def nbytes(self):
+        """Bytes the set takes where it is held."""
+        return self.images.numel() * self.images.element_size()
+
+    def __iter__(self):
+        if self.batch_sampler is not None:
+            batches = list(self.batch_sampler.index_batches())
+            epoch = self.batch_sampler.epoch
+        else:
+            batches, epoch = list(self.indices.split(self.batch_size)), 0
+        if not batches:
+            return
+        index = torch.cat(batches)
+        columns = [index]
+        p = self.pipeline
+        if p.random:
+            zero = torch.zeros_like(index)
+            top, left = crop_offsets(self.dataset.seed, epoch, index, p.padding) \
+                if p.padding else (zero, zero)
+            flip = flip_draw(self.dataset.seed, epoch, index) if p.flip else zero
+            columns += [top, left, flip]
+        packed = torch.stack(columns).to(self.device)  # one copy for the whole epoch
+        for part in packed.split([len(b) for b in batches], dim=1):
+            yield self._batch(part)
+
+    def _batch(self, part):
+        x = self.images.index_select(0, part[0])
+        if self.pipeline.random:
+            x = crop_flip_batch(x, part[1], part[2], part[3], self.pipeline.padding)
+        x = x.contiguous(memory_format=self.memory_format)
+        if self._stats is not None:
+            x = normalise(x, *self._stats)
+        return x, self.labels.index_select(0, part[0])
+
+
+def device_data_decision(config, train_set, val_set, device):
+    """Whether a run takes the device path (``--data-on-device``), and one line saying why.
+
+    ``off``: never. ``on``: always, or a UserError when it cannot (a transform or a set it
+    cannot do; on CUDA, sets larger than the free memory). ``auto``: on CUDA devices when
+    both sets take at most ``DEVICE_SHARE`` (a quarter) of the free device memory and
+    every transform is one the device path does; never on other devices. A config
+    without ``data_on_device`` means ``off``.
+
+    Args:
+        config: with ``data_on_device`` (auto, on, off; missing = off), ``dataset``,
+            ``num_workers``.
+        train_set, val_set: SeededDatasets from ``build_datasets``.
+        device: the training device.
+
+    Returns:
+        ``(use, reason)``: a bool and a line to print (``data path: ...``).
+
+    Raises:
+        UserError: ``on`` with something the device path cannot do.
+    """
+    mode, device = config.get("data_on_device", "off"), torch.device(device)
+    workers = config.get("num_workers", 0)
+    loader = f"data path: per-sample DataLoader, {workers} worker{'s' * (workers != 1)}"
+    if mode == "off":
+        return False, f"{loader} (--data-on-device off)"
+    try:
+        for dataset in (train_set, val_set):
+            device_pipeline(dataset)
+    except UnsupportedOnDevice as e:
+        if mode == "on":
+            raise UserError(f"--data-on-device on: the device path {e}; use "
+                            f"--data-on-device off") from None
+        return False, f"{loader} (the device path {e})"
+    need = source_nbytes(train_set) + source_nbytes(val_set)
+    kind = "float32" if isinstance(train_set.base, SyntheticImages) else "uint8"
+    what = f"{config['dataset']} as {kind} tensors ({_mib(need)})"
+    if isinstance(train_set.base, SafeImageFolder):
+        cache = config.get("cache_dir") or default_cache_dir(config["data_dir"])
+        what += f" decoded once into {cache}"
+    how = "each batch gathered, augmented and normalised there, no DataLoader workers"
+    if device.type != "cuda":
+        if mode == "auto":
+            return False, f"{loader} (--data-on-device auto holds data on CUDA devices " \
+                          f"only; this run is on {device})"
+        return True, f"data path: on {device}: {what} in memory; {how}"
+    free, _ = torch.cuda.mem_get_info(device)
+    share = need / max(free, 1)
+    if mode == "auto" and share > DEVICE_SHARE:
+        return False, f"{loader} ({what} would take {share:.0%} of the {_mib(free)} free " \
+                      f"on {device}; auto allows {DEVICE_SHARE:.0%})"
+    if share > 1:
+        raise UserError(f"--data-on-device on: {what} do not fit in the {_mib(free)} free "
+                        f"on {device}; use --data-on-device off")
+    return True, f"data path: on {device}: {what}, {share:.1%} of its free memory; {how}"
+
+
+def build_device_loaders(config, train_set, val_set, sampler, device, rank=0, world_size=1,
+                         memory_format=torch.contiguous_format, log=print):
+    """The device path's loaders: ``(train_loader, val_loader)``, two DeviceLoader.
+
+    The training loader gathers this process's share of each global batch of
+    ``sampler`` (an EpochBatchSampler); the validation loader this process's shard
+    (``shard_indices``) in batches of ``config["batch_size"]``. Image folders are read
+    through their decoded cache (built here the first time: decoded with
+    ``config["num_workers"]`` processes; under DDP let one process build it first).
+
+    Args:
+        config: with ``data_dir``, ``batch_size``, ``num_workers`` and optionally
+            ``cache_dir`` (default ``<data-dir>/.cache``).
+        train_set, val_set: SeededDatasets from ``build_datasets``.
+        sampler: the training EpochBatchSampler.
+        device: the training device.
+        rank, world_size: this process and the number of processes.
+        memory_format: of the batches.
+        log: prints the cache's place and size.
+
+    Raises:
+        UserError: a set or transform the device path cannot do.
+    """
+    try:
+        for dataset in (train_set, val_set):
+            device_pipeline(dataset)
+    except UnsupportedOnDevice as e:
+        raise UserError(f"--data-on-device: the device path {e}") from None
+    cache_dir = config.get("cache_dir") or default_cache_dir(config["data_dir"])
+    workers = config.get("num_workers", 0)
+    train_loader = DeviceLoader(train_set, *source_tensors(train_set, cache_dir, workers, log),
+                                device, batch_sampler=sampler, memory_format=memory_format)
+    val_loader = DeviceLoader(val_set, *source_tensors(val_set, cache_dir, workers, log),
+                              device, indices=shard_indices(len(val_set), rank, world_size),
+                              batch_size=config["batch_size"], memory_format=memory_format)
+    return train_loader, val_loader
+
+
+def _mib(nbytes):
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+# ------------------------------------------------------ the image folders' decoded cache
+
+def default_cache_dir(data_dir):
+    """Where decoded caches live by default: ``<data-dir>/.cache``."""
+    return os.path.join(data_dir, ".cache")
+
+
+def folder_fingerprint(folder, front):
+    """A hash of what a decoded cache depends on: every image's relative path, label,
+    size and modification time, the decoding steps (the image size among them) and the
+    versions of the decoders (torch, torchvision, PIL)."""
+    import PIL
+
+    h = hashlib.sha256()
+    h.update(json.dumps({"version": CACHE_VERSION, "front": repr(front),
+                         "classes": folder.classes, "torch": torch.__version__,
+                         "torchvision": torchvision.__version__,
+                         "PIL": PIL.__version__}).encode())
+    for path, label in folder.samples:
+        try:
+            st = os.stat(path)
+            size, mtime = st.st_size, st.st_mtime_ns
+        except OSError:
+            size = mtime = -1
+        h.update(json.dumps([os.path.relpath(path, folder.root), label, size, mtime])
+                 .encode() + b"\n")
+    return h.hexdigest()
+
+
+class _Decoded(torch.utils.data.Dataset):
+    """A folder's images through the decoding steps (what the cache holds)."""
+
+    def __init__(self, folder, front):
+        self.folder, self.front = folder, front
+
+    def __len__(self):
+        return len(self.folder)
+
+    def __getitem__(self, index):
+        image, label = self.folder[index]  # an unreadable image: the next readable one
+        return self.front(image).as_subclass(torch.Tensor), label
+
+
+def _decode_into(out, folder, front, num_workers):
+    """Decodes every image of ``folder`` into ``out`` (N, 3, S, S); returns the labels."""
+    loader = torch.utils.data.DataLoader(
+        _Decoded(folder, front), batch_size=64, num_workers=num_workers,
+        worker_init_fn=_ignore_stop_signals, generator=torch.Generator().manual_seed(0))
+    labels = np.empty(len(folder), dtype=np.int64)
+    pos = 0
+    for x, y in loader:
+        if tuple(x.shape[1:]) != tuple(out.shape[1:]):
+            raise ValueError(f"decoded images of shape {tuple(x.shape[1:])}, expected "
+                             f"{tuple(out.shape[1:])}")
+        out[pos:pos + len(x)] = x.numpy()
+        labels[pos:pos + len(x)] = y.numpy()
+        pos += len(x)
+    return labels
+
+
+def _unreadable_reason(path):
+    """Why ``load_image`` refuses a file (read again: the build's workers said it once)."""
+    try:
+        load_image(path)
+    except UnreadableImage as e:
+        return str(e)
+    return "unreadable while the cache was built"
+
+
+def _open_cache(base, fingerprint, shape):
+    """The cache ``base``.npy (memory-mapped) and its record, or None if not trusted."""
+    try:
+        with open(base + ".json", encoding="utf-8") as f:
+            meta = json.load(f)
+        if not isinstance(meta, dict) or meta.get("fingerprint") != fingerprint \
+                or meta.get("shape") != list(shape) or len(meta.get("labels", ())) != shape[0] \
+                or not isinstance(meta.get("unreadable", {}), dict):
+            return None
+        images = np.load(base + ".npy", mmap_mode="c")  # copy-on-write: torch can wrap it
+    except (OSError, ValueError):
+        return None
+    if images.shape != shape or images.dtype != np.uint8:
+        return None
+    return images, meta
+
+
+def decoded_folder(folder, front, image_size, cache_dir, num_workers=0, log=print):
+    """A SafeImageFolder decoded once into a uint8 array file, memory-mapped after.
+
+    The file ``<cache_dir>/decoded-<split>-<size>px-<folder>-<fingerprint>.npy`` holds
+    every image after ``front`` (decoded, resized: exactly what the per-sample path
+    crops), with a record ``.json`` beside it (fingerprint, shape, labels, unreadable
+    files). It is used only when its record matches ``folder_fingerprint`` now: an image
+    added, removed, replaced or touched, another image size or another torch /
+    torchvision / PIL version builds a new one (and removes the one it replaces). Both
+    files are written with ``checkpoint.atomic_write``, the record last: a build that
+    was interrupted leaves no cache that a later run trusts (at worst a ``.tmp-*`` file).
+
+    Unreadable images are replaced by the next readable one and counted, as on the
+    per-sample path (``SafeImageFolder``); a reused cache marks them again in
+    ``folder.unreadable`` and warns about each. A cache directory that cannot be written
+    (read-only, full) gets a warning, and the images are decoded into memory instead.
+
+    Returns:
+        ``(images, labels)``: uint8 (N, 3, S, S) and int64 (N,) CPU tensors.
+    """
+    from checkpoint import atomic_write  # checkpoint does not import data
+
+    n = len(folder.samples)
+    shape = (n, 3, image_size, image_size)
+    split = os.path.basename(os.path.normpath(folder.root))
+    place = hashlib.sha256(os.path.abspath(folder.root).encode()).hexdigest()[:8]
+    prefix = os.path.join(cache_dir, f"decoded-{split}-{image_size}px-{place}-")
+    fingerprint = folder_fingerprint(folder, front)
+    base = prefix + fingerprint[:16]
+    about = f"{n} images of 3x{image_size}x{image_size}, {_mib(n * 3 * image_size ** 2)}"
+    opened = _open_cache(base, fingerprint, shape)
+    if opened is not None:
+        images, meta = opened
+        where = {os.path.relpath(p, folder.root): i for i, (p, _) in enumerate(folder.samples)}
+        for rel, reason in meta.get("unreadable", {}).items():
+            folder.unreadable[where[rel]] = 1
+            print(f"warning: skipping unreadable image {os.path.join(folder.root, rel)} "
+                  f"({reason}; as found when the decoded cache was built); the next "
+                  f"readable image of the set stands in for it", file=sys.stderr, flush=True)
+        log(f"decoded cache: {base}.npy ({about}), reused")
+        return torch.from_numpy(images), torch.as_tensor(meta["labels"], dtype=torch.long)
+    start = time.perf_counter()
+    labels = None
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+
+        def write(tmp):
+            nonlocal labels
+            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=shape)
+            labels = _decode_into(out, folder, front, num_workers)
+            out.flush()
+            del out
+
+        atomic_write(base + ".npy", write, mode=None)
+    except OSError as e:
+        print(f"warning: cannot write the decoded cache in {cache_dir} "
+              f"({e.strerror or e}); decoding {folder.root} into memory for this run only",
+              file=sys.stderr, flush=True)
+        images = np.empty(shape, dtype=np.uint8)
+        labels = _decode_into(images, folder, front, num_workers)
+        return torch.from_numpy(images), torch.from_numpy(labels)
+    unreadable = {os.path.relpath(p, folder.root): _unreadable_reason(p)
+                  for (p, _), bad in zip(folder.samples, folder.unreadable.tolist()) if bad}
+    if folder_fingerprint(folder, front) != fingerprint:
+        print(f"warning: {folder.root} changed while it was decoded; its cache will be "
+              f"rebuilt by the next run", file=sys.stderr, flush=True)
+    else:
+        record = {"fingerprint": fingerprint, "shape": list(shape), "root": folder.root,
+                  "labels": labels.tolist(), "unreadable": unreadable}
+        try:
+            atomic_write(base + ".json", lambda f: json.dump(record, f))
+        except OSError as e:  # the images are whole: use them, the next run rebuilds
+            print(f"warning: cannot write {base}.json ({e.strerror or e}); the decoded "
+                  f"cache will be rebuilt by the next run", file=sys.stderr, flush=True)
+        else:
+            for old in glob.glob(glob.escape(prefix) + "*"):  # caches of older contents
+                if not old.startswith(base + "."):
+                    with contextlib.suppress(OSError):
+                        os.remove(old)
+    log(f"decoded cache: {base}.npy ({about}), built in {time.perf_counter() - start:.1f} s")
+    return (torch.from_numpy(np.load(base + ".npy", mmap_mode="c")),
+            torch.from_numpy(labels))

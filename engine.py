@@ -156,6 +156,7 @@ class LoopSettings:
     counters: "Counters" = None
     flops_per_sample: int = 0           # forward + backward, from ops.train_flops_per_sample
     peak_tflops: float = None           # the GPU's datasheet peak, when known
+    mix: object = None                  # mix(x, y, epoch, batch) -> (x, soft targets), or None
 
     def autocast(self):
         if self.amp_dtype is None:
@@ -291,7 +292,9 @@ def steps(model, loader, optimizer, criterion, loop, state, bar):
         The number of optimizer steps taken so far (``state.step``).
     """
     device, accum, world, timer = loop.device, loop.accum, loop.world_size, loop.timer
-    plan = loader.batch_sampler.plan()  # (global, local) sample counts of each batch
+    sampler = loader.batch_sampler
+    plan = sampler.plan()  # (global, local) sample counts of each batch
+    first_batch = sampler.start // (sampler.batch_size * sampler.world_size)  # of the epoch
     model.train()
     keep_frozen_norms_eval(model)
     batches = _Prefetcher(loader, loop.prefetch)
@@ -304,6 +307,8 @@ def steps(model, loader, optimizer, criterion, loop, state, bar):
             last_micro_batch = k + 1 == min(first + accum, len(plan))
             x = x.to(device, non_blocking=True, memory_format=loop.memory_format)
             y = y.to(device, non_blocking=True)
+            if loop.mix is not None:  # MixUp/CutMix, drawn from (seed, epoch, batch)
+                x, y = loop.mix(x, y, state.epoch, first_batch + k)
             timer.start_compute()
             no_sync = world > 1 and not last_micro_batch
             with model.no_sync() if no_sync else contextlib.nullcontext():
@@ -365,7 +370,7 @@ def _optimizer_step(model, optimizer, loop):
 
 
 @torch.no_grad()
-def evaluate(model, loader, loop, num_classes):
+def evaluate(model, loader, loop, num_classes, tta=False):
     """Evaluates on ``loader`` (this process's shard), summed over all processes.
 
     Args:
@@ -373,6 +378,7 @@ def evaluate(model, loader, loop, num_classes):
         loader: batches of (images, labels).
         loop: the LoopSettings (device, autocast, memory format, world size).
         num_classes: number of classes, for the confusion matrix.
+        tta: average the logits of each image and its horizontal mirror.
 
     Returns:
         A dict with ``loss`` (mean cross-entropy), ``acc`` (0..1), ``count`` and
@@ -387,6 +393,8 @@ def evaluate(model, loader, loop, num_classes):
         y = y.to(device, non_blocking=True)
         with loop.autocast():
             logits = model(x)
+            if tta:
+                logits = (logits + model(x.flip(-1))) / 2
         loss_sum += torch.nn.functional.cross_entropy(logits.float(), y, reduction="sum")
         pred = logits.argmax(dim=1)
         confusion += torch.bincount(y * num_classes + pred, minlength=num_classes ** 2)

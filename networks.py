@@ -1,5 +1,9 @@
 """Whole networks, built from the blocks in layers.py, and ``build_network``.
 
+``simple_cnn`` (the styleguide's example), ``resnet18`` (CIFAR variant), ``resnet9`` (the
+DAWNBench fast recipe's network), ``mlp``; ``torchvision/<name>`` for any torchvision
+classifier.
+
 Add a network: write an ``nn.Module`` here and register its builder with
 ``@register("name")``; ``--network name`` then trains it.
 """
@@ -89,6 +93,54 @@ class ResNet18(GradCheckpointing, nn.Module):
         return self.fc(x)
 
 
+class Residual(nn.Module):
+    """``x + block(x)`` where the block is two conv-BN-ReLU ConvBlocks of the same width
+    (ResNet-9's residual branch: ReLU after each BatchNorm, none after the sum)."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.block = nn.Sequential(ConvBlock(channels, channels, 3),
+                                   ConvBlock(channels, channels, 3))
+
+    def forward(self, x):
+        return x + self.block(x)
+
+
+class ResNet9(GradCheckpointing, nn.Module):
+    """ResNet-9, the DAWNBench CIFAR-10 network (Page, "How to train your ResNet", 2018;
+    Myrtle.ai's 94% in 79 s entry).
+
+    A conv-BN-ReLU prep layer (64 channels) at full resolution; three stages, each a
+    conv-BN-ReLU that doubles the width (128, 256, 512) and a 2x2 max-pool, the first and
+    the third followed by a residual block of two conv-BN-ReLU; a global max-pool and a
+    bias-free Linear whose outputs are scaled by ``scale`` (0.125: small logits early in
+    training, which lets the fast schedule use a high learning rate). 6.57 M parameters
+    for 10 classes. Max-pools round up, so any image side works (32 -> 16 -> 8 -> 4).
+    """
+
+    def __init__(self, num_classes=10, in_channels=3, image_size=32, scale=0.125):
+        super().__init__()
+        self.prep = ConvBlock(in_channels, 64, 3)  # (N, 64, H, W)
+
+        def stage(cin, cout, residual):
+            layers = [ConvBlock(cin, cout, 3), nn.MaxPool2d(2, ceil_mode=True)]
+            return nn.Sequential(*layers, *([Residual(cout)] if residual else []))
+
+        self.stages = nn.Sequential(stage(64, 128, True),    # (N, 128, H/2, W/2)
+                                    stage(128, 256, False),  # (N, 256, H/4, W/4)
+                                    stage(256, 512, True))   # (N, 512, H/8, W/8)
+        self.pool = nn.AdaptiveMaxPool2d(1)
+        self.fc = nn.Linear(512, num_classes, bias=False)
+        self.scale = scale
+
+    def forward(self, x):
+        x = self.prep(x)
+        for stage in self.stages:
+            x = self.run_block(stage, x)
+        x = self.pool(x).flatten(1)  # (N, 512)
+        return self.fc(x) * self.scale
+
+
 class MLP(GradCheckpointing, nn.Module):
     """Flatten, Linear, ReLU, Linear: no BatchNorm, no dropout, so every sample is independent."""
 
@@ -115,6 +167,11 @@ def resnet18(num_classes, in_channels, image_size):
     return ResNet18(num_classes, in_channels, image_size)
 
 
+@register("resnet9")
+def resnet9(num_classes, in_channels, image_size):
+    return ResNet9(num_classes, in_channels, image_size)
+
+
 @register("mlp")
 def mlp(num_classes, in_channels, image_size):
     return MLP(num_classes, in_channels, image_size)
@@ -139,7 +196,7 @@ def build_network(name, num_classes=10, in_channels=3, image_size=32):
     """Builds a network by registry name.
 
     Args:
-        name: a key of NETWORKS (``simple_cnn``, ``resnet18``, ``mlp``, ...) or
+        name: a key of NETWORKS (``simple_cnn``, ``resnet18``, ``resnet9``, ``mlp``...) or
             ``torchvision/<name>`` for any torchvision classifier (random weights).
         num_classes: outputs of the classifier.
         in_channels: channels of the input images.

@@ -275,6 +275,8 @@ def epoch_line(record, config):
     """The line printed when an epoch ends (and hints when the data path is slow)."""
     val = f"  val_loss {record['val_loss']:.4f}  val_acc {record['val_acc']:.4f}" \
         if "val_acc" in record else ""
+    if "val_acc_ema" in record:
+        val += f"  val_acc_ema {record['val_acc_ema']:.4f}"
     lines = [f"epoch {record['epoch']}/{config['epochs']}  step {record['step']}  "
              f"train_loss {record['train_loss']:.4f}{val}  "
              f"{record['samples_per_sec']:.0f} samples/s  efficiency "

@@ -94,6 +94,18 @@ def parse_device(text):
     return device
 
 
+def main_process_first(procs, build, *args, **kwargs):
+    """``build(*args, **kwargs)`` on the main process, then, after a barrier, on the others:
+    the main one downloads a dataset or writes a cache that the others then read."""
+    if procs.is_main:
+        result = build(*args, **kwargs)
+    if procs.world_size > 1:
+        dist.barrier()
+    if not procs.is_main:
+        result = build(*args, **kwargs)
+    return result
+
+
 def check_same_resume_point(saved, procs):
     """Each process read the checkpoint from its own disk: they must have found the same."""
     step = torch.tensor([-1 if saved is None else saved["step"]], device=procs.device)

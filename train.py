@@ -40,6 +40,7 @@ import checkpoint
 import data
 import engine
 import ops
+import recipes
 import runlog
 import runtime
 from checkpoint import Kind
@@ -106,6 +107,7 @@ class Training:
     net: torch.nn.Module          # the plain network (saved in checkpoints)
     model: torch.nn.Module        # what is called: maybe DDP / DataParallel / compiled
     optimizer: torch.optim.Optimizer
+    ema: recipes.EMA              # the moving average of the weights, or None
     loop: engine.LoopSettings
     state: engine.TrainState
     meter: engine.LossMeter
@@ -128,7 +130,7 @@ def fit(config, argv, resume_path, saved, directory, stop):
     elif config["resume"] == "auto":
         log(f"no valid checkpoint in {directory.path}: starting fresh")
 
-    train_set, val_set = build_datasets(config, procs)
+    train_set, val_set = runtime.main_process_first(procs, data.build_datasets, config)
     sampler = data.EpochBatchSampler(len(train_set), config["batch_size"], config["seed"],
                                      rank=procs.rank, world_size=procs.world_size)
     train_loader, val_loader = build_loaders(config, procs, train_set, val_set, sampler)
@@ -136,19 +138,20 @@ def fit(config, argv, resume_path, saved, directory, stop):
                              resuming=saved is not None)
     criterion = build_criterion(config)
     optimizer = build_optimizer(net, config)
+    ema = recipes.build_ema(config, net)  # --ema-decay: None when off
     loop = build_loop(config, procs, net, train_set, sampler)
 
     state = engine.TrainState()
-    if saved is not None:  # weights, optimizer, scaler, position and RNG of the saved step
-        restore(saved, resume_path, net, optimizer, loop.scaler, state, config, procs)
+    if saved is not None:  # weights, EMA, optimizer, scaler, position, RNG of the saved step
+        restore(saved, resume_path, net, ema, optimizer, loop.scaler, state, config, procs)
     engine.set_lr(optimizer, loop.lr_factor(state.step))
     run_log = runlog.RunLog(directory.path, state.step, state.epoch, procs.is_main)
     run_log.summary(net, train_set, procs.device)
     if state.step == 0:
         run_log.first_batch(train_set, sampler)
     saver = checkpoint.Saver(directory.path, config, net, optimizer, loop.scaler, state,
-                             procs, last_saved=resume_path)
-    t = Training(config, procs, net, model, optimizer, loop, state,
+                             procs, last_saved=resume_path, ema=ema)
+    t = Training(config, procs, net, model, optimizer, ema, loop, state,
                  engine.LossMeter(loop.counters, procs.world_size), saver, run_log,
                  val_loader, (train_set, val_set))
     log(f"training {config['network']} on {config['dataset']} ({len(train_set)} samples, "
@@ -207,6 +210,8 @@ def run_epochs(t, train_loader, criterion, stop):
                 contextlib.closing(engine.steps(t.model, train_loader, t.optimizer, criterion,
                                                 t.loop, state, bar)) as steps:
             for step in steps:
+                if t.ema is not None:
+                    t.ema.update(t.net, step)  # the moving average, after every step
                 t.saver.poll()  # a checkpoint write that failed in the background
                 if stop.agreed(t.procs):
                     ended = Ended.SIGNAL
@@ -283,10 +288,24 @@ def save(t, kind, best=False):
 
 
 def validate(t):
-    """Evaluates on the validation set and logs ``val/loss`` and ``val/acc``."""
-    result = engine.evaluate(t.model, t.val_loader, t.loop, t.datasets[0].num_classes)
-    t.run_log.scalars({"val/loss": result["loss"], "val/acc": result["acc"]}, t.state.step)
-    return {"val_loss": result["loss"], "val_acc": result["acc"]}
+    """Evaluates on the validation set and logs ``val/loss`` and ``val/acc``; with
+    --ema-decay, the moving average too (``val_ema/loss``, ``val_ema/acc``)."""
+    classes, tta = t.datasets[0].num_classes, use_tta(t.config)
+    result = engine.evaluate(t.model, t.val_loader, t.loop, classes, tta=tta)
+    scalars = {"val/loss": result["loss"], "val/acc": result["acc"]}
+    figures = {"val_loss": result["loss"], "val_acc": result["acc"]}
+    if t.ema is not None:
+        t.ema.sync_buffers()  # BatchNorm statistics differ between DDP processes: rank 0's
+        ema = engine.evaluate(t.ema.module, t.val_loader, t.loop, classes, tta=tta)
+        scalars.update({"val_ema/loss": ema["loss"], "val_ema/acc": ema["acc"]})
+        figures.update(val_loss_ema=ema["loss"], val_acc_ema=ema["acc"])
+    t.run_log.scalars(scalars, t.state.step)
+    return figures
+
+
+def use_tta(config):
+    """--tta flip, except where a mirror image is another class (digits)."""
+    return config["tta"] == "flip" and config["dataset"] not in ("mnist", "fashion_mnist")
 
 
 def finish_epoch(t, epoch):
@@ -311,13 +330,15 @@ def finish_epoch(t, epoch):
     best = False
     if state.epoch % config["eval_every"] == 0 or state.epoch == config["epochs"]:
         record.update(validate(t))
-        best = record["val_acc"] > state.best_val_acc
-        state.best_val_acc = max(state.best_val_acc, record["val_acc"])
+        acc = record["val_acc_ema" if t.ema is not None else "val_acc"]  # best.pt follows it
+        best = acc > state.best_val_acc
+        state.best_val_acc = max(state.best_val_acc, acc)
     state.epoch_samples, state.loss_sum, state.loss_count = 0, 0.0, 0
     t.run_log.epoch(record)
     save(t, Kind.EPOCH, best)
     runtime.main_print(runlog.epoch_line(record, config))
-    return {k: record[k] for k in ("train_loss", "val_loss", "val_acc") if k in record}
+    return {k: record[k] for k in ("train_loss", "val_loss", "val_acc", "val_loss_ema",
+                                   "val_acc_ema") if k in record}
 
 
 # ------------------------------------------------------------------ config, run dir
@@ -363,19 +384,25 @@ def _quiet(message):
 
 # --------------------------------------------------------------------- data, network
 
-def build_datasets(config, procs):
-    """The training and validation sets; the first process downloads, the others wait."""
-    if procs.is_main:
-        train_set, val_set = data.build_datasets(config)
-    if procs.world_size > 1:
-        dist.barrier()
-    if not procs.is_main:
-        train_set, val_set = data.build_datasets(config)
-    return train_set, val_set
-
-
 def build_loaders(config, procs, train_set, val_set, sampler):
-    """Loaders: training batches from the seeded sampler, this process's validation shard."""
+    """Loaders: training batches from the seeded sampler, this process's validation shard.
+
+    With --data-on-device (auto decides, and says why), both sets live on the device as
+    tensors and whole batches are augmented there; otherwise DataLoader workers augment
+    each sample. Both paths give the same batches.
+    """
+    use, why = data.device_data_decision(config, train_set, val_set, procs.device)
+    if procs.world_size > 1:  # auto may differ between GPUs: one path for every process
+        use = ops.sum_over_processes([int(use)], procs.device,
+                                     procs.world_size)[0] == procs.world_size
+    runtime.main_print(why)
+    if use:
+        memory_format = torch.channels_last if config["channels_last"] \
+            else torch.contiguous_format
+        return runtime.main_process_first(  # it builds an image folder's decoded cache
+            procs, data.build_device_loaders, config, train_set, val_set, sampler,
+            procs.device, procs.rank, procs.world_size, memory_format,
+            log=runtime.main_print)
     pin = procs.device.type == "cuda"
     train_loader = data.build_loader(train_set, batch_sampler=sampler,
                                      num_workers=config["num_workers"], pin_memory=pin)
@@ -409,6 +436,7 @@ def build_loop(config, procs, net, train_set, sampler):
                                     schedule=config["scheduler"],
                                     warmup_steps=int(config["warmup_epochs"] * steps_per_epoch)),
         timer=engine.StepTimer(device), counters=engine.Counters(device),
+        mix=recipes.build_batch_mix(config, train_set.num_classes),
         flops_per_sample=ops.train_flops_per_sample(
             net, (train_set.in_channels, train_set.image_size, train_set.image_size), device),
         peak_tflops=peak)
@@ -430,14 +458,14 @@ def build_model(config, train_set, device, world_size, log, resuming=False):
     except ValueError as e:
         raise UserError(str(e)) from None
     if config["pretrained"] and not resuming:
-        load_pretrained(net, config["pretrained"], log)
+        load_pretrained(net, config["pretrained"], log, config["pretrained_weights"])
     if config["freeze"]:
         frozen = ops.freeze(net, config["freeze"])
         log(f"frozen: {len(frozen)} parameter tensors matching {' '.join(config['freeze'])}")
     if config["grad_checkpointing"]:
         if not hasattr(net, "set_grad_checkpointing"):
             raise UserError(f"--grad-checkpointing: {config['network']} has no "
-                            f"set_grad_checkpointing; use simple_cnn, resnet18 or mlp")
+                            f"set_grad_checkpointing; use simple_cnn, resnet18, resnet9 or mlp")
         net.set_grad_checkpointing(True)
     if config["sync_bn"] and world_size > 1:
         if device.type != "cuda":  # DDP and SyncBatchNorm refuse CPU modules
@@ -457,14 +485,18 @@ def build_model(config, train_set, device, world_size, log, resuming=False):
     return net, model
 
 
-def load_pretrained(net, path, log):
+def load_pretrained(net, path, log, which="ema"):
     """Initialises ``net`` from a checkpoint of this project or a plain state_dict.
 
-    A classifier head of another size (another number of classes) keeps its fresh
-    initialisation and is listed; any other mismatch is a UserError listing the keys.
+    From a checkpoint with a moving average of the weights, ``which="ema"`` takes the
+    average. A classifier head of another size (another number of classes) keeps its
+    fresh initialisation and is listed; any other mismatch is a UserError listing the keys.
     """
     state = checkpoint.load_checkpoint(path)
     weights = state["model"] if "model" in state else state
+    if which == "ema" and "model" in state and "ema" in state:
+        weights = state["ema"]
+        log(f"pretrained: taking the moving average (ema) of {path}")
     if not isinstance(weights, dict) or not weights or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()):
         raise UserError(f"--pretrained {path!r} holds no weights: expected a checkpoint of "
@@ -527,11 +559,17 @@ def unfreeze_into(net, optimizer, config):
 
 # ---------------------------------------------------------------------- resume
 
-def restore(saved, path, net, optimizer, scaler, state, config, procs):
+def restore(saved, path, net, ema, optimizer, scaler, state, config, procs):
     """Loads a checkpoint's state into the freshly built objects."""
     weights = checkpoint.unwrap_state_dict(saved["model"])
     checkpoint.check_compatible(net, weights, path)
     net.load_state_dict(weights)
+    if ema is not None and "ema" in saved:
+        ema.load_state_dict(saved["ema"], path)
+    elif ema is not None:  # EMA turned on for a run that had none: start from the weights
+        ema.load_state_dict(net.state_dict(), path)
+        runtime.main_print(f"note: {path!r} has no moving average; it starts from the "
+                           f"restored weights")
     state.load_state_dict(saved["progress"])
     if procs.rank != 0:  # the epoch's partial loss sums are global; count them once
         state.loss_sum, state.loss_count = 0.0, 0
