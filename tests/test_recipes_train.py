@@ -131,3 +131,37 @@ def test_under_ddp_each_process_mixes_its_own_share_with_the_same_draw(tmp_path)
     assert sorted(draws) == [("0", "0"), ("0", "1")]  # 64 samples, global batches of 32
     assert all(len(d) == 1 for d in draws.values())  # one draw, the same on both ranks
     assert all(r == {"0", "1"} for r in ranks.values())
+
+
+def test_test_py_evaluates_the_moving_average_as_training_logged_it(whole, capsys):
+    from conftest import load_test_py
+
+    best = str(whole / "checkpoints" / "best.pt")
+    records = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
+    best_record = max(records, key=lambda r: r["val_acc_ema"])
+    out = whole / "ema.json"
+    assert load_test_py().main(["--checkpoint", best, "--device", "cpu", "--num-workers", "0",
+                                "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["weights"] == "ema" and "moving average" in capsys.readouterr().out
+    assert report["accuracy"] == best_record["val_acc_ema"]
+    assert abs(report["loss"] - best_record["val_loss_ema"]) < 1e-6
+    assert load_test_py().main(["--checkpoint", best, "--device", "cpu", "--num-workers", "0",
+                                "--weights", "raw", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["weights"] == "raw" and report["accuracy"] == best_record["val_acc"]
+
+
+def test_test_py_flips_as_training_did(tmp_path):
+    from conftest import load_test_py
+
+    assert train.main(tiny_args(tmp_path, "--tta", "flip")) == 0
+    logged = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    out = tmp_path / "r.json"
+    argv = ["--checkpoint", str(tmp_path / "checkpoints" / "last.pt"), "--device", "cpu",
+            "--num-workers", "0", "--json", str(out)]
+    assert load_test_py().main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["tta"] == "flip" and abs(report["loss"] - logged["val_loss"]) < 1e-6
+    assert load_test_py().main([*argv, "--tta", "none"]) == 0
+    assert json.loads(out.read_text())["loss"] != report["loss"]
