@@ -687,8 +687,9 @@ class DevicePipeline:
         if i < len(steps) and isinstance(steps[i], Normalise):
             self.mean, self.std, i = steps[i].mean, steps[i].std, i + 1
         if i < len(steps):
-            raise UnsupportedOnDevice(f"cannot apply {steps[i]!r} to whole batches (it does "
-                                      f"crop, flip and normalisation only)")
+            step = getattr(steps[i], "policy", steps[i])  # recipes wraps float-image policies
+            raise UnsupportedOnDevice(f"cannot apply {type(step).__name__} to whole batches "
+                                      f"(it does crop, flip and normalisation only)")
         self.random = dataset.random and (self.padding > 0 or self.flip)
 
 
