@@ -810,16 +810,7 @@ def quantize(fp32_path, out_path, kind, calibration, num_workers, metadata):
         OutputError: writing failed (a full disk); a previous file at ``out_path`` is kept.
     """
     import onnx
-    from onnxruntime import quantization as ortq
     from onnxruntime.quantization.shape_inference import quant_pre_process
-
-    class Reader(ortq.CalibrationDataReader):
-        def __init__(self, loader):
-            self.batches = iter(loader)
-
-        def get_next(self):
-            batch = next(self.batches, None)
-            return None if batch is None else {INPUT_NAME: batch[0].contiguous().numpy()}
 
     flag = f"--quantize {kind}"
     if kind == "int8":
@@ -843,43 +834,70 @@ def quantize(fp32_path, out_path, kind, calibration, num_workers, metadata):
                       f"quantizing the exported file as it is", file=sys.stderr)
                 source = fp32_path
             quantized = os.path.join(work, "int8.onnx")
-            loader = None
-            try:
-                if kind == "int8":
-                    loader = data.build_loader(calibration, batch_size=CALIBRATION_BATCH,
-                                               num_workers=num_workers)
-                    ortq.quantize_static(source, quantized, Reader(loader),
-                                         quant_format=ortq.QuantFormat.QDQ, per_channel=True,
-                                         activation_type=ortq.QuantType.QUInt8,
-                                         weight_type=ortq.QuantType.QInt8,
-                                         calibrate_method=ortq.CalibrationMethod.MinMax)
-                else:
-                    ortq.quantize_dynamic(source, quantized, per_channel=True,
-                                          weight_type=ortq.QuantType.QInt8)
-            except (OSError, UserError):
-                raise
-            except Exception as e:
-                remedy = "; try --quantize int8-dynamic" if kind == "int8" else ""
-                raise QuantizationError(f"{flag}: onnxruntime could not quantize "
-                                        f"{fp32_path} ({_one_line(e)}){remedy}; "
-                                        f"{fp32_path} is written") from None
-            finally:
-                if loader is not None:
-                    data.shutdown_loader(loader)
+            _run_quantizer(source, quantized, kind, calibration, num_workers, fp32_path)
             model = onnx.load(quantized)
             seconds = time.perf_counter() - start
-            for prop in model.metadata_props:
-                if prop.key in metadata:
-                    prop.value = metadata[prop.key]
-            known = {prop.key for prop in model.metadata_props}
-            for key, value in metadata.items():
-                if key not in known:
-                    model.metadata_props.add(key=key, value=value)
+            _set_metadata(model, metadata)
             checkpoint.atomic_write(out_path, lambda tmp: _save_and_try(model, tmp, flag),
                                     mode=None)
     except OSError as e:
         raise _write_failed(flag, out_path, e) from None
     return seconds, metadata
+
+
+def _calibration_reader(loader):
+    """onnxruntime's CalibrationDataReader over a loader's images."""
+    from onnxruntime import quantization as ortq
+
+    class Reader(ortq.CalibrationDataReader):
+        def __init__(self):
+            self.batches = iter(loader)
+
+        def get_next(self):
+            batch = next(self.batches, None)
+            return None if batch is None else {INPUT_NAME: batch[0].contiguous().numpy()}
+
+    return Reader()
+
+
+def _run_quantizer(source, quantized, kind, calibration, num_workers, fp32_path):
+    """onnxruntime's static (calibrated) or dynamic quantization of ``source``."""
+    from onnxruntime import quantization as ortq
+
+    loader = None
+    try:
+        if kind == "int8":
+            loader = data.build_loader(calibration, batch_size=CALIBRATION_BATCH,
+                                       num_workers=num_workers)
+            ortq.quantize_static(source, quantized, _calibration_reader(loader),
+                                 quant_format=ortq.QuantFormat.QDQ, per_channel=True,
+                                 activation_type=ortq.QuantType.QUInt8,
+                                 weight_type=ortq.QuantType.QInt8,
+                                 calibrate_method=ortq.CalibrationMethod.MinMax)
+        else:
+            ortq.quantize_dynamic(source, quantized, per_channel=True,
+                                  weight_type=ortq.QuantType.QInt8)
+    except (OSError, UserError):
+        raise
+    except Exception as e:
+        remedy = "; try --quantize int8-dynamic" if kind == "int8" else ""
+        raise QuantizationError(f"--quantize {kind}: onnxruntime could not quantize "
+                                f"{fp32_path} ({_one_line(e)}){remedy}; {fp32_path} is "
+                                f"written") from None
+    finally:
+        if loader is not None:
+            data.shutdown_loader(loader)
+
+
+def _set_metadata(model, metadata):
+    """Puts ``metadata`` into an ONNX model's metadata_props (replacing equal keys)."""
+    for prop in model.metadata_props:
+        if prop.key in metadata:
+            prop.value = metadata[prop.key]
+    known = {prop.key for prop in model.metadata_props}
+    for key, value in metadata.items():
+        if key not in known:
+            model.metadata_props.add(key=key, value=value)
 
 
 def _save_and_try(model, path, flag):
