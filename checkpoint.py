@@ -109,6 +109,15 @@ def _remove_quietly(path):
         pass
 
 
+def probe_writable(directory):
+    """Makes and removes a temporary file in ``directory``; raises OSError where that
+    fails. Mode bits alone mislead root, and a read-only mount or a full disk show only
+    when a write is tried."""
+    fd, probe = tempfile.mkstemp(prefix=".tmp-probe-", dir=directory)
+    os.close(fd)
+    os.unlink(probe)
+
+
 def atomic_write(path, write_fn, mode="w", also=()):
     """Replaces ``path`` with what ``write_fn`` writes, all at once or not at all.
 

@@ -9,13 +9,13 @@ import argparse
 import difflib
 import math
 import os
-import re
 import sys
 
 import torch
 import yaml
 
 import data
+import runtime
 from networks import NETWORKS
 from ops import UserError
 
@@ -343,7 +343,6 @@ def _within(low, high, high_open=False):
 
 MAX_SEED = 2**31 - 1  # numpy seeds must be below 2**32, and train.py seeds with seed + rank
 MAX_SYNTHETIC_BYTES = 8 * 2**30  # the synthetic set lives in memory as float32
-DEVICES = re.compile(r"auto|cpu|cuda(:(0|[1-9][0-9]*))?")
 
 RANGES = {  # every numeric flag's allowed values
     "synthetic_size": _at_least(1),
@@ -431,7 +430,7 @@ def check_config(c):
 
 def _check_device(device):
     mps = torch.backends.mps.is_available()
-    if DEVICES.fullmatch(device) or (device == "mps" and mps):
+    if runtime.DEVICE_NAMES.fullmatch(device) and (device != "mps" or mps):
         return
     raise UserError(f"--device must be auto, cpu, cuda or cuda:N{', or mps' if mps else ''} "
                     f"(got {device!r})")

@@ -404,6 +404,12 @@ class SafeImageFolder(tv_datasets.ImageFolder):
         return int(self.unreadable.sum())
 
 
+def mirror_keeps_class(name):
+    """Whether a mirrored image of dataset ``name`` is still of its class (a mirrored digit
+    is another digit): training flips and --tta flip apply only where it is."""
+    return name not in recipes.DIGITS
+
+
 def _transforms(name, image_size, augment, from_pil=True, policy=((), ())):
     """The train (maybe augmented) and eval transforms of a dataset.
 
@@ -421,7 +427,7 @@ def _transforms(name, image_size, augment, from_pil=True, policy=((), ())):
     aug = []
     if augment:
         aug = [SampleCrop(padding=max(image_size // 8, 1))]
-        if name not in ("mnist", "fashion_mnist"):  # flipped digits are other digits
+        if mirror_keeps_class(name):
             aug.append(SampleFlip())
     if augment:
         aug, back_train = aug + list(policy[0]), back + list(policy[1])

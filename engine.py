@@ -225,7 +225,6 @@ class LossMeter:
 
     def __init__(self, counters, world_size=1):
         self.counters, self.world_size = counters, world_size
-        self.shown = 0.0
         self.restart()
 
     def restart(self, step=0):

@@ -64,10 +64,7 @@ class RunDirectory:
             raise UserError(f"--run-dir {self.path!r} is a file, not a directory")
         try:
             os.makedirs(ckpt_dir, exist_ok=True)
-            probe = os.path.join(ckpt_dir, f".tmp-probe-{os.getpid()}")
-            with open(probe, "w"):
-                pass
-            os.unlink(probe)
+            checkpoint.probe_writable(ckpt_dir)
         except OSError as e:
             self._remove_if_created()
             raise UserError(f"--run-dir {self.path!r} cannot be written "

@@ -238,9 +238,8 @@ def _check_onnx_installed(what):
 def check_output(flag, path, checkpoint_path):
     """Rejects an output that could not be written, before any slow work.
 
-    The nearest existing directory above ``path`` must take a new file: a temporary file
-    is made there and removed (the mode bits alone would mislead root, and a read-only
-    mount or a full inode table are only seen by trying).
+    The nearest existing directory above ``path`` must take a new file
+    (``checkpoint.probe_writable``).
 
     Args:
         flag: ``--json`` or ``--export``, for the message.
@@ -262,9 +261,7 @@ def check_output(flag, path, checkpoint_path):
     if not os.path.isdir(existing):
         raise UserError(f"{flag} {path!r}: {existing!r} is a file, not a directory")
     try:
-        fd, probe = tempfile.mkstemp(prefix=".tmp-", dir=existing)
-        os.close(fd)
-        os.unlink(probe)
+        checkpoint.probe_writable(existing)
     except OSError as e:
         raise UserError(f"{flag} {path!r}: cannot write in {existing!r} "
                         f"({e.strerror or e})") from None
@@ -1186,7 +1183,7 @@ def evaluate_and_export(argv):
     train_set, val_set = data.build_datasets(dict(config, augment=False))
     weights = choose_weights(state, args.weights, args.checkpoint)
     tta = (args.tta or config.get("tta", "none")) == "flip" and \
-        config["dataset"] not in ("mnist", "fashion_mnist")  # a mirrored digit is another
+        data.mirror_keeps_class(config["dataset"])
     net = load_network(state, config, val_set, args.checkpoint, weights)
     result = evaluate(net, val_set, config, device, batch_size, args.num_workers, tta)
     report = make_report(args.checkpoint, result, val_set.classes)

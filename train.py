@@ -279,12 +279,11 @@ def log_train(t, bar):
 
 def save(t, kind, best=False):
     """Checkpoints the state after the last optimizer step, unless its loss was not finite."""
-    streak = collect(t)
-    t.saver.check_weights()
-    if streak:
+    if collect(t):
+        t.saver.check_weights()  # non-finite weights stop the run even when no save is due
         runtime.main_print(f"not saving at step {t.state.step}: the last loss was not finite")
         return
-    t.saver.save(kind, best)
+    t.saver.save(kind, best)  # checks the weights first
 
 
 def validate(t):
@@ -305,7 +304,7 @@ def validate(t):
 
 def use_tta(config):
     """--tta flip, except where a mirror image is another class (digits)."""
-    return config["tta"] == "flip" and config["dataset"] not in ("mnist", "fashion_mnist")
+    return config["tta"] == "flip" and data.mirror_keeps_class(config["dataset"])
 
 
 def finish_epoch(t, epoch):

@@ -60,6 +60,8 @@ CLI_ERRORS = [
     (["--epochs", "-1"], "--epochs must be at least 1 (got -1)"),
     (["--num-workers", "-1"], "--num-workers must not be negative (got -1)"),
     (["--prefetch", "-1"], "--prefetch must not be negative"),
+    (["--prefetch", "2"], "--prefetch with --num-workers 0 would augment in a thread"),
+    (["--no-augment", "--random-erase", "0.5"], "they need --augment"),
     (["--max-steps", "-1"], "--max-steps must not be negative"),
     (["--ckpt-every-steps", "-1"], "--ckpt-every-steps must not be negative"),
     (["--keep-last", "-1"], "--keep-last must not be negative"),

@@ -13,7 +13,7 @@ import onnxruntime
 import pytest
 import torch
 from conftest import load_test_py, tiny_args
-from PIL import Image
+from test_train import write_image_folder
 
 import checkpoint
 import data
@@ -44,25 +44,9 @@ def cnn_run(tmp_path_factory):
     return _train(tmp_path_factory, "cnn", network="simple_cnn", image=16)
 
 
-def _write_image_folder(root, classes=("cat", "dog", "emu"), per_class=6):
-    """A tiny ImageFolder tree: noisy images of one colour per class."""
-    colours = {"cat": (200, 30, 30), "dog": (30, 200, 30), "emu": (30, 30, 200),
-               "fox": (200, 200, 30)}
-    g = torch.Generator().manual_seed(0)
-    for split in ("train", "val"):
-        for name in classes:
-            folder = root / split / name
-            folder.mkdir(parents=True)
-            for i in range(per_class):
-                noise = torch.randint(0, 60, (20, 24, 3), generator=g, dtype=torch.uint8)
-                pixels = torch.tensor(colours[name], dtype=torch.uint8) + noise
-                Image.fromarray(pixels.numpy()).save(folder / f"{i}.png")
-    return root
-
-
 @pytest.fixture(scope="module")
 def folder_run(tmp_path_factory):
-    images = _write_image_folder(tmp_path_factory.mktemp("images"))
+    images = write_image_folder(tmp_path_factory.mktemp("images"))
     return _train(tmp_path_factory, "folder", "--dataset", "imagefolder", "--data-dir",
                   str(images), network="simple_cnn", image=16, batch=6, epochs=2)
 
@@ -420,7 +404,7 @@ def test_model_flag_evaluates_a_file_without_the_checkpoint(cnn_int8, tmp_path, 
 
 def test_model_flag_refuses_data_the_file_was_not_made_for(folder_int8, cnn_int8, tmp_path,
                                                            capsys):
-    other = _write_image_folder(tmp_path / "other", classes=("cat", "dog", "fox"))
+    other = write_image_folder(tmp_path / "other", classes=("cat", "dog", "fox"))
     path = str(cnn_int8 / "model.int8.onnx")
     code = _test_py().main(["--model", path, "--dataset", "imagefolder", "--data-dir",
                             str(other), "--num-workers", "0"])

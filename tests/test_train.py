@@ -281,6 +281,7 @@ def write_image_folder(root, splits=("train", "val"), classes=("cat", "dog", "em
                 noise = torch.randint(0, 40, (20, 24, 3), generator=g, dtype=torch.uint8)
                 pixels = torch.tensor(colours[name], dtype=torch.uint8) + noise
                 Image.fromarray(pixels.numpy()).save(folder / f"{i}.png")
+    return root
 
 
 def test_imagefolder_end_to_end(tmp_path):
