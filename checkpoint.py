@@ -1,11 +1,9 @@
-"""Saving and loading run state: atomic, checksummed, rotated, safe to load.
+"""Saving and loading run state: checksummed, rotated, written in the background, safe to load.
 
 A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts, saved with
-``torch.save`` and loaded with ``torch.load(weights_only=True)``: loading never runs
-code from the file. Writes go to a temporary file in the target directory, are flushed
-and fsynced, then renamed over the final name, and the directory is fsynced, so a crash
-at any instant leaves every final-named file either the old complete one or the new
-complete one (``atomic_write``).
+``torch.save`` through ``files.atomic_write`` (a crash at any instant leaves every
+final-named file either the old complete one or the new complete one) and loaded with
+``torch.load(weights_only=True)``: loading never runs code from the file.
 
 Each saved dict carries one extra entry, ``"checksum"``: a CRC-32 over every tensor's
 bytes and every plain value, in a fixed order (``state_checksum``). ``load_checkpoint``
@@ -14,22 +12,17 @@ of a model that silently trains on from corrupted weights; ``find_latest`` skips
 files as it skips truncated ones. Files written before the checksum existed load without
 verification.
 
-``RunLock`` keeps two runs from sharing one run directory.
+``training_state`` builds the dict of a training run and ``Saver`` writes it: last.pt,
+best.pt and the rotating epoch-/step- files.
 """
 
-import datetime
 import enum
-import errno
 import glob
-import json
 import os
 import random
 import re
-import socket
 import stat
-import tempfile
 import threading
-import time
 import zlib
 from collections.abc import Mapping
 
@@ -38,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 import ops
+from files import atomic_write, remove_quietly
 from ops import RunFailed, UserError
 
 ROTATING = re.compile(r"^(epoch-\d{4,}|step-\d{8,})\.pt$")
@@ -49,143 +43,6 @@ CHECKSUM_ALGORITHM = "crc32-v1"  # the encoding of state_checksum; change the na
 class CheckpointError(UserError):
     """A checkpoint file that is missing, truncated, corrupted, unreadable or of the
     wrong kind."""
-
-
-# ------------------------------------------------------------------------ atomic writes
-
-def _umask():
-    """The process umask, read without changing it (``os.umask`` sets it, and another
-    thread creating a file meanwhile would get the temporary value)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return _UMASK_AT_IMPORT
-
-
-def _read_umask_at_import():
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return umask
-
-
-_UMASK_AT_IMPORT = _read_umask_at_import()
-
-
-def _fsync_dir(directory):
-    """Makes the names in ``directory`` (a rename done there) durable.
-
-    Platforms and file systems that cannot fsync a directory are skipped; a real I/O
-    error (EIO, ENOSPC) is raised.
-    """
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return  # platforms without directory fds
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)
-
-
-def _fsync_path(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _remove_quietly(path):
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def probe_writable(directory):
-    """Makes and removes a temporary file in ``directory``; raises OSError where that
-    fails. Mode bits alone mislead root, and a read-only mount or a full disk show only
-    when a write is tried."""
-    fd, probe = tempfile.mkstemp(prefix=".tmp-probe-", dir=directory)
-    os.close(fd)
-    os.unlink(probe)
-
-
-def atomic_write(path, write_fn, mode="w", also=()):
-    """Replaces ``path`` with what ``write_fn`` writes, all at once or not at all.
-
-    The steps: a temporary file ``.tmp-*`` in the same directory; ``write_fn``; flush;
-    ``fsync(file)``; ``os.replace`` onto each name; ``fsync(directory)``. A reader sees
-    either the old complete file or the new complete one, also after a crash or power
-    loss. On any failure (a full disk: ``OSError(ENOSPC)`` from a write or the fsync, an
-    exception in ``write_fn``) the temporary files are removed, every final name keeps
-    its old file, and the error is re-raised.
-
-    Args:
-        path: the final file name. Its directory must exist.
-        write_fn: called with the open temporary file (``mode="w"``: text, UTF-8;
-            ``"wb"``: binary); or, with ``mode=None``, with the temporary file's path,
-            for writers that need a file name (exporters). Its return value is ignored.
-        mode: ``"w"``, ``"wb"`` or ``None`` (see ``write_fn``).
-        also: more final names that get the same file: hard links to it (copies where
-            the file system has none), each put in place by an atomic rename before
-            ``path`` itself.
-
-    Returns:
-        ``path``.
-    """
-    if mode not in ("w", "wb", None):
-        raise ValueError(f"atomic_write: mode must be 'w', 'wb' or None, not {mode!r}")
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    suffix = os.path.splitext(path)[1]
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=suffix, dir=directory)
-    temporaries = [tmp]
-    try:
-        try:
-            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private; ours are not
-        except BaseException:
-            os.close(fd)
-            raise
-        if mode is None:
-            os.close(fd)
-            write_fn(tmp)
-            _fsync_path(tmp)
-        else:
-            encoding = "utf-8" if mode == "w" else None
-            with os.fdopen(fd, mode, encoding=encoding) as f:
-                write_fn(f)
-                f.flush()
-                os.fsync(f.fileno())
-        directories = {directory}
-        for other in also:
-            other = os.fspath(other)
-            other_dir = os.path.dirname(os.path.abspath(other))
-            other_tmp = os.path.join(other_dir, os.path.basename(tmp) + ".link")
-            temporaries.append(other_tmp)
-            try:
-                os.link(tmp, other_tmp)
-            except OSError:
-                import shutil
-                shutil.copyfile(tmp, other_tmp)
-                _fsync_path(other_tmp)
-            os.replace(other_tmp, other)
-            directories.add(other_dir)
-        os.replace(tmp, path)
-    except BaseException:
-        for name in temporaries:
-            _remove_quietly(name)
-        raise
-    for name in sorted(directories):
-        _fsync_dir(name)
-    return path
 
 
 # ---------------------------------------------------------------------------- checksum
@@ -606,7 +463,7 @@ def rotate(directory, keep_last):
     files.sort()
     doomed = [path for _, path in files[:max(len(files) - max(keep_last, 1), 0)]]
     for path in doomed:
-        _remove_quietly(path)
+        remove_quietly(path)
     return doomed
 
 
@@ -670,226 +527,6 @@ def set_rng_state(state):
     if "cuda" in state and torch.cuda.is_available():
         devices = min(len(state["cuda"]), torch.cuda.device_count())
         torch.cuda.set_rng_state_all(state["cuda"][:devices])
-
-
-# --------------------------------------------------------------------------- run lock
-
-def _process_start(pid):
-    """A Linux process's start time (clock ticks since boot), or None where unknown."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _process_alive(pid, start=None):
-    """Whether process ``pid`` of this host runs (and is the one that started at
-    ``start``, when known: pids are reused). A zombie counts as gone."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # it exists, under another user
-    except OSError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                return False
-    except (OSError, IndexError):
-        pass
-    if start is not None:
-        now = _process_start(pid)
-        if now is not None and now != start:
-            return False  # the pid belongs to a newer process
-    return True
-
-
-class RunLock:
-    """One run per run directory: an exclusive ``<run_dir>/.lock`` file.
-
-    The file holds JSON ``{"pid", "host", "started", "proc_start"}`` and is created
-    atomically with its content: written to a temporary file that is then hard-linked
-    to ``.lock`` (link(2) fails if ``.lock`` exists, as ``O_CREAT|O_EXCL`` would, but
-    no other run can see it empty); where the file system has no hard links, it is
-    created with ``O_CREAT|O_EXCL`` and then written.
-
-    If ``.lock`` exists:
-
-    * its holder runs on this host (``os.kill(pid, 0)`` succeeds and the process is the
-      one that started then): ``UserError`` naming pid, host and start time;
-    * its holder has exited (or the file is empty or unreadable: a crash while creating
-      it): the lock is taken over with a ``warning:``, by an atomic ``os.replace`` of a
-      new file, then re-read to check that no other run took it at the same moment;
-    * it was taken on another host: ``UserError``, since that process cannot be checked
-      from here; delete the file if that run is gone.
-
-    Use ``with RunLock(run_dir):`` or ``acquire()``/``release()``. Only one process of
-    a distributed run (rank 0) takes it. A run killed with SIGKILL leaves the file; the
-    next run takes it over. Hosts sharing a hostname and file system but not a pid
-    namespace (containers) cannot tell each other's runs apart.
-    """
-
-    NAME = ".lock"
-
-    def __init__(self, run_dir, warn=print):
-        """
-        Args:
-            run_dir: the run directory (created by ``acquire`` if missing).
-            warn: called with the ``warning:`` line when a stale lock is taken over.
-        """
-        self.run_dir = os.fspath(run_dir)
-        self.path = os.path.join(self.run_dir, self.NAME)
-        self.warn = warn
-        self._record = None
-
-    @property
-    def held(self):
-        """Whether this object holds the lock."""
-        return self._record is not None
-
-    def __enter__(self):
-        return self.acquire()
-
-    def __exit__(self, *exc):
-        self.release()
-        return False
-
-    def _new_record(self):
-        return {"pid": os.getpid(), "host": socket.gethostname(),
-                "started": datetime.datetime.now().isoformat(timespec="seconds"),
-                "proc_start": _process_start(os.getpid())}
-
-    def _read(self):
-        """``(raw bytes, parsed record or None)``; raw is None if there is no file."""
-        try:
-            with open(self.path, "rb") as f:
-                raw = f.read()
-        except FileNotFoundError:
-            return None, None
-        except OSError:
-            return b"", None
-        try:
-            record = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
-            return raw, None
-        if not (isinstance(record, dict) and isinstance(record.get("pid"), int)
-                and record["pid"] > 0 and isinstance(record.get("host"), str)):
-            return raw, None
-        return raw, record
-
-    def _write_temp(self, record):
-        fd, tmp = tempfile.mkstemp(prefix=".lock.tmp-", dir=self.run_dir)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(record, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o666 & ~_umask())
-        except BaseException:
-            _remove_quietly(tmp)
-            raise
-        return tmp
-
-    def _create(self, record):
-        """Creates ``.lock`` holding ``record``; False if it exists."""
-        tmp = self._write_temp(record)
-        try:
-            os.link(tmp, self.path)
-            return True
-        except FileExistsError:
-            return False
-        except OSError:
-            pass  # no hard links here: O_EXCL, then write
-        finally:
-            _remove_quietly(tmp)
-        try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        except FileExistsError:
-            return False
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(record, f)
-                f.flush()
-                os.fsync(f.fileno())
-        except BaseException:
-            _remove_quietly(self.path)
-            raise
-        return True
-
-    def _describe(self, holder):
-        return (f"pid {holder['pid']} on host {holder['host']}, "
-                f"started {holder.get('started', '?')}")
-
-    def _check_stale(self, raw, holder):
-        """The warning for taking over a stale lock; raises UserError for a live one."""
-        if holder is None:
-            return (f"warning: taking over {self.path!r}, which is empty or unreadable "
-                    f"(a run that crashed while creating it)")
-        if holder["host"] != socket.gethostname():
-            raise UserError(
-                f"run directory {self.run_dir!r} is locked by a run on another host "
-                f"({self._describe(holder)}), which cannot be checked from here; if that "
-                f"run is gone, delete {self.path!r}, or choose another --run-dir")
-        if _process_alive(holder["pid"], holder.get("proc_start")):
-            raise UserError(
-                f"run directory {self.run_dir!r} is used by another run "
-                f"({self._describe(holder)}); wait for it or choose another --run-dir")
-        return (f"warning: taking over {self.path!r} from a run that is gone "
-                f"({self._describe(holder)})")
-
-    def acquire(self):
-        """Takes the lock (see the class); returns ``self``.
-
-        Raises:
-            UserError: another run holds it.
-        """
-        if self.held:
-            return self
-        os.makedirs(self.run_dir, exist_ok=True)
-        for _ in range(10):
-            record = self._new_record()
-            if self._create(record):
-                self._record = record
-                return self
-            raw, holder = self._read()
-            if raw is None:
-                continue  # released meanwhile: try again
-            if holder is None and raw.strip() == b"":
-                time.sleep(0.2)  # O_EXCL creation without hard links: being written?
-                again, holder = self._read()
-                if again != raw:
-                    continue
-            message = self._check_stale(raw, holder)
-            current, _ = self._read()
-            if current != raw:
-                continue  # another run acted meanwhile: judge again
-            tmp = self._write_temp(record)
-            try:
-                os.replace(tmp, self.path)
-            except BaseException:
-                _remove_quietly(tmp)
-                raise
-            _fsync_dir(self.run_dir)
-            _, now = self._read()
-            if now == record:
-                self.warn(message)
-                self._record = record
-                return self
-            # another run took it over at the same moment: judge its lock
-        raise UserError(f"could not lock run directory {self.run_dir!r}: other runs keep "
-                        f"taking {self.path!r}; choose another --run-dir")
-
-    def release(self):
-        """Removes the lock file if it still holds this lock; harmless if not held."""
-        if not self.held:
-            return
-        record, self._record = self._record, None
-        _, current = self._read()
-        if current == record:
-            _remove_quietly(self.path)
 
 
 # ------------------------------------------------------------ the training checkpoint

@@ -18,23 +18,29 @@ import data
 import runtime
 from networks import NETWORKS
 from ops import UserError
+from runtime import say, shown
 
 NOT_SAVED_IN_CONFIG = ("config", "resume", "run_dir")  # per invocation, not per recipe
+
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action):  # "(default: None)" says nothing: leave it out
         return action.help if action.default is None else super()._get_help_string(action)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit code 2 (argparse would print usage too)
-        raise UserError(f"{message} (see python train.py --help)")
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are a UserError: one ``error:`` line and exit code 2
+    from the script's main (argparse would print the usage and exit itself). train.py's
+    and test.py's parsers are both one."""
+
+    def error(self, message):
+        raise UserError(f"{message} (see python {self.prog} --help)")
 
 
 def build_parser():
     """The command-line flags; YAML recipes use the same names with underscores."""
-    p = _Parser(description="Train an image classifier.",
-                formatter_class=_HelpFormatter)
+    p = OneLineParser(prog="train.py", description="Train an image classifier.",
+                      formatter_class=_HelpFormatter)
     add = p.add_argument
     add("--config", default=None, help="YAML recipe; its keys are these flags' names "
         "with underscores; flags given here override it (default: none)")
@@ -73,7 +79,7 @@ def build_parser():
                    help="probability that a batch is mixed (MixUp/CutMix)")
 
     g = p.add_argument_group("network")
-    g.add_argument("--network", default=None, help="simple_cnn, resnet18, mlp, or "
+    g.add_argument("--network", default=None, help="simple_cnn, resnet18, resnet9, mlp, or "
                    "torchvision/<name>; default: resnet18, or simple_cnn for --dataset "
                    "synthetic (a smoke test that finishes in seconds on a CPU)")
     g.add_argument("--pretrained", default=None, help="start from the weights in this file "
@@ -224,18 +230,13 @@ def _typed(key, value, action, from_yaml=False):
                 return number if from_yaml else value
     elif isinstance(value, str) or (from_yaml and isinstance(value, int)):
         return str(value)
-    raise UserError(f"{_flag(key)} must be {_KIND_NAMES[kind]}, not {_shown(value)}")
-
-
-def _shown(value, width=60):
-    text = repr(value)
-    return text if len(text) <= width else text[:width - 3] + "..."
+    raise UserError(f"{_flag(key)} must be {_KIND_NAMES[kind]}, not {shown(value)}")
 
 
 def _check_choice(key, value, action):
     if action.choices and value not in action.choices:
         raise UserError(f"{_flag(key)} must be one of {list(action.choices)}, "
-                        f"not {_shown(value)}")
+                        f"not {shown(value)}")
 
 
 class _NoAliasLoader(yaml.SafeLoader):
@@ -312,20 +313,43 @@ def parse_config(argv):
     """
     _warned.clear()  # a new run: its warnings are shown once each
     parser = build_parser()
-    pre = _Parser(add_help=False)
+    pre = OneLineParser(prog="train.py", add_help=False)
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)
     from_yaml = _read_yaml(known.config, parser) if known.config else {}
     parser.set_defaults(**from_yaml)
     config = vars(parser.parse_args(argv))
     if config["network"] is None:
-        config["network"] = "simple_cnn" if config["dataset"] == "synthetic" else "resnet18"
+        config["network"] = default_network(config["dataset"])
     # The same parser with no defaults tells which flags were given on the command line.
     bare = build_parser()
     for action in bare._actions:  # no public way: set_defaults would type-convert SUPPRESS
         action.default = argparse.SUPPRESS
     explicit = set(vars(bare.parse_args(argv))) | set(from_yaml)
     return config, explicit - {"config"}
+
+
+def default_network(dataset):
+    """The network a run gets without --network: resnet18, or simple_cnn for the synthetic
+    set (the README's smoke run takes seconds)."""
+    return "simple_cnn" if dataset == "synthetic" else "resnet18"
+
+
+def with_defaults(stored):
+    """A stored config (a checkpoint's, an export's) with every flag it lacks set to the
+    flag's default: the one place where an older run's config meets flags added since.
+
+    Args:
+        stored: a config dict, maybe of an older version of this project.
+
+    Returns:
+        A new dict: the flags' defaults, then ``stored``'s values (keys that are not flags,
+        e.g. ``in_channels`` of an export, are kept).
+    """
+    config = {**vars(build_parser().parse_args([])), **stored}
+    if config["network"] is None:
+        config["network"] = default_network(config["dataset"])
+    return config
 
 
 # Ranges: each helper gives (test, the rule as the error message says it).
@@ -381,7 +405,7 @@ _warned = set()  # warnings already shown for this run (check_config runs twice 
 
 def _warn(message):
     if message not in _warned and int(os.environ.get("RANK", "0")) == 0:  # once, not per process
-        print(f"warning: {message}", file=sys.stderr, flush=True)
+        say(f"warning: {message}", file=sys.stderr)
     _warned.add(message)
 
 
@@ -456,7 +480,7 @@ def merge_resumed_config(saved, config, explicit):
     for key in sorted(explicit):
         if key in saved and saved[key] != config[key] and key not in ("resume", "run_dir") \
                 and int(os.environ.get("RANK", "0")) == 0:  # once, not once per process
-            print(f"override: {key} = {config[key]!r} (checkpoint had {saved[key]!r})")
+            say(f"override: {key} = {config[key]!r} (checkpoint had {saved[key]!r})")
     if not config["run_dir"] or "run_dir" not in explicit:
         merged["run_dir"] = saved.get("run_dir") or config["run_dir"]
     return merged

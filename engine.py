@@ -142,7 +142,6 @@ class LoopSettings:
     """What the loops need to know beyond the model and the data; fixed for the run."""
 
     device: torch.device
-    epochs: int = 1
     accum: int = 1                      # micro-batches per optimizer step
     world_size: int = 1
     amp_dtype: torch.dtype = None       # None: full precision
@@ -154,8 +153,6 @@ class LoopSettings:
     lr_factor: object = lambda step: 1.0
     timer: StepTimer = None
     counters: "Counters" = None
-    flops_per_sample: int = 0           # forward + backward, from ops.train_flops_per_sample
-    peak_tflops: float = None           # the GPU's datasheet peak, when known
     mix: object = None                  # mix(x, y, epoch, batch) -> (x, soft targets), or None
 
     def autocast(self):

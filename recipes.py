@@ -164,9 +164,9 @@ class EMA:
 
 def build_ema(config, net):
     """The EMA that ``config`` asks for (``ema_decay``, ``ema_warmup``), or None (decay 0)."""
-    if not config.get("ema_decay"):
+    if not config["ema_decay"]:
         return None
-    return EMA(net, config["ema_decay"], config.get("ema_warmup", True))
+    return EMA(net, config["ema_decay"], config["ema_warmup"])
 
 
 # ---------------------------------------------------------------------- MixUp, CutMix
@@ -293,8 +293,7 @@ class BatchMix:
 def build_batch_mix(config, num_classes):
     """The BatchMix that ``config`` asks for (``mixup_alpha``, ``cutmix_alpha``,
     ``mix_prob``, ``seed``), or None when nothing would ever be mixed."""
-    mixup, cutmix = config.get("mixup_alpha", 0.0), config.get("cutmix_alpha", 0.0)
-    prob = config.get("mix_prob", 1.0)
+    mixup, cutmix, prob = config["mixup_alpha"], config["cutmix_alpha"], config["mix_prob"]
     if not (mixup or cutmix) or prob == 0:
         return None
     return BatchMix(mixup, cutmix, prob, num_classes, config["seed"])

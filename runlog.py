@@ -1,9 +1,10 @@
 """Everything a run writes into its run directory, except checkpoints.
 
-``RunDirectory`` creates and locks the directory and records how the run was made
-(config.yaml, command.txt). ``RunLog`` is the only writer of TensorBoard and of
-metrics.jsonl (one line per finished epoch), summary.txt, the first-batch image grid and
-the hparams. ``Progress`` is the epoch's progress bar, or plain lines in a log file.
+``RunDirectory`` creates and locks the directory (``RunLock``: one run per directory)
+and records how the run was made (config.yaml, command.txt). ``RunLog`` is the only
+writer of TensorBoard and of metrics.jsonl (one line per finished epoch), summary.txt,
+the first-batch image grid and the hparams; the names it writes under come from
+metrics.py. ``Progress`` is the epoch's progress bar, or plain lines in a log file.
 Only the main process writes.
 """
 
@@ -15,15 +16,18 @@ import os
 import platform
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
 import yaml
 from tqdm import tqdm
 
-import checkpoint
+import files
+import metrics
 import ops
 import runtime
 from config import NOT_SAVED_IN_CONFIG
@@ -41,7 +45,7 @@ class RunDirectory:
     """The run directory, created and locked for this run by the main process.
 
     Use it as a context manager around the run. One run at a time: a second run in the
-    same directory gets a UserError naming the first (``checkpoint.RunLock``). A run
+    same directory gets a UserError naming the first (``RunLock``). A run
     that fails before it wrote a checkpoint removes a directory it created, so an
     offline typo leaves nothing behind.
 
@@ -64,13 +68,13 @@ class RunDirectory:
             raise UserError(f"--run-dir {self.path!r} is a file, not a directory")
         try:
             os.makedirs(ckpt_dir, exist_ok=True)
-            checkpoint.probe_writable(ckpt_dir)
+            files.probe_writable(ckpt_dir)
         except OSError as e:
             self._remove_if_created()
             raise UserError(f"--run-dir {self.path!r} cannot be written "
                             f"({e.strerror or e}{': ' + e.filename if e.filename else ''})"
                             ) from None
-        self.lock = checkpoint.RunLock(self.path, warn=runtime.main_print)
+        self.lock = RunLock(self.path, warn=runtime.main_print)
         try:
             self.lock.acquire()
         except BaseException:
@@ -103,12 +107,233 @@ class RunDirectory:
         if not self.is_main:
             return
         saved = {k: v for k, v in config.items() if k not in NOT_SAVED_IN_CONFIG}
-        checkpoint.atomic_write(os.path.join(self.path, "config.yaml"),
+        files.atomic_write(os.path.join(self.path, "config.yaml"),
                                 lambda f: yaml.safe_dump(saved, f, sort_keys=False))
         with open(os.path.join(self.path, "command.txt"), "a") as f:
             f.write(f"{datetime.datetime.now().isoformat(timespec='seconds')}  "
                     f"{shlex.join(['python', 'train.py', *argv])}\n"
                     f"  git {_git_commit()}  torch {torch.__version__}  {platform.node()}\n")
+
+
+
+# --------------------------------------------------------------------------- run lock
+
+def _process_start(pid):
+    """A Linux process's start time (clock ticks since boot), or None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _process_alive(pid, start=None):
+    """Whether process ``pid`` of this host runs (and is the one that started at
+    ``start``, when known: pids are reused). A zombie counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, under another user
+    except OSError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return False
+    except (OSError, IndexError):
+        pass
+    if start is not None:
+        now = _process_start(pid)
+        if now is not None and now != start:
+            return False  # the pid belongs to a newer process
+    return True
+
+
+class RunLock:
+    """One run per run directory: an exclusive ``<run_dir>/.lock`` file.
+
+    The file holds JSON ``{"pid", "host", "started", "proc_start"}`` and is created
+    atomically with its content: written to a temporary file that is then hard-linked
+    to ``.lock`` (link(2) fails if ``.lock`` exists, as ``O_CREAT|O_EXCL`` would, but
+    no other run can see it empty); where the file system has no hard links, it is
+    created with ``O_CREAT|O_EXCL`` and then written.
+
+    If ``.lock`` exists:
+
+    * its holder runs on this host (``os.kill(pid, 0)`` succeeds and the process is the
+      one that started then): ``UserError`` naming pid, host and start time;
+    * its holder has exited (or the file is empty or unreadable: a crash while creating
+      it): the lock is taken over with a ``warning:``, by an atomic ``os.replace`` of a
+      new file, then re-read to check that no other run took it at the same moment;
+    * it was taken on another host: ``UserError``, since that process cannot be checked
+      from here; delete the file if that run is gone.
+
+    Use ``with RunLock(run_dir):`` or ``acquire()``/``release()``. Only one process of
+    a distributed run (rank 0) takes it. A run killed with SIGKILL leaves the file; the
+    next run takes it over. Hosts sharing a hostname and file system but not a pid
+    namespace (containers) cannot tell each other's runs apart.
+    """
+
+    NAME = ".lock"
+
+    def __init__(self, run_dir, warn=print):
+        """
+        Args:
+            run_dir: the run directory (created by ``acquire`` if missing).
+            warn: called with the ``warning:`` line when a stale lock is taken over.
+        """
+        self.run_dir = os.fspath(run_dir)
+        self.path = os.path.join(self.run_dir, self.NAME)
+        self.warn = warn
+        self._record = None
+
+    @property
+    def held(self):
+        """Whether this object holds the lock."""
+        return self._record is not None
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+        return False
+
+    def _new_record(self):
+        return {"pid": os.getpid(), "host": socket.gethostname(),
+                "started": datetime.datetime.now().isoformat(timespec="seconds"),
+                "proc_start": _process_start(os.getpid())}
+
+    def _read(self):
+        """``(raw bytes, parsed record or None)``; raw is None if there is no file."""
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return None, None
+        except OSError:
+            return b"", None
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            return raw, None
+        if not (isinstance(record, dict) and isinstance(record.get("pid"), int)
+                and record["pid"] > 0 and isinstance(record.get("host"), str)):
+            return raw, None
+        return raw, record
+
+    def _write_temp(self, record):
+        fd, tmp = tempfile.mkstemp(prefix=".lock.tmp-", dir=self.run_dir)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(record, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o666 & ~files.umask())
+        except BaseException:
+            files.remove_quietly(tmp)
+            raise
+        return tmp
+
+    def _create(self, record):
+        """Creates ``.lock`` holding ``record``; False if it exists."""
+        tmp = self._write_temp(record)
+        try:
+            os.link(tmp, self.path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError:
+            pass  # no hard links here: O_EXCL, then write
+        finally:
+            files.remove_quietly(tmp)
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            return False
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(record, f)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            files.remove_quietly(self.path)
+            raise
+        return True
+
+    def _describe(self, holder):
+        return (f"pid {holder['pid']} on host {holder['host']}, "
+                f"started {holder.get('started', '?')}")
+
+    def _check_stale(self, raw, holder):
+        """The warning for taking over a stale lock; raises UserError for a live one."""
+        if holder is None:
+            return (f"warning: taking over {self.path!r}, which is empty or unreadable "
+                    f"(a run that crashed while creating it)")
+        if holder["host"] != socket.gethostname():
+            raise UserError(
+                f"run directory {self.run_dir!r} is locked by a run on another host "
+                f"({self._describe(holder)}), which cannot be checked from here; if that "
+                f"run is gone, delete {self.path!r}, or choose another --run-dir")
+        if _process_alive(holder["pid"], holder.get("proc_start")):
+            raise UserError(
+                f"run directory {self.run_dir!r} is used by another run "
+                f"({self._describe(holder)}); wait for it or choose another --run-dir")
+        return (f"warning: taking over {self.path!r} from a run that is gone "
+                f"({self._describe(holder)})")
+
+    def acquire(self):
+        """Takes the lock (see the class); returns ``self``.
+
+        Raises:
+            UserError: another run holds it.
+        """
+        if self.held:
+            return self
+        os.makedirs(self.run_dir, exist_ok=True)
+        for _ in range(10):
+            record = self._new_record()
+            if self._create(record):
+                self._record = record
+                return self
+            raw, holder = self._read()
+            if raw is None:
+                continue  # released meanwhile: try again
+            if holder is None and raw.strip() == b"":
+                time.sleep(0.2)  # O_EXCL creation without hard links: being written?
+                again, holder = self._read()
+                if again != raw:
+                    continue
+            message = self._check_stale(raw, holder)
+            current, _ = self._read()
+            if current != raw:
+                continue  # another run acted meanwhile: judge again
+            tmp = self._write_temp(record)
+            try:
+                os.replace(tmp, self.path)
+            except BaseException:
+                files.remove_quietly(tmp)
+                raise
+            files.fsync_dir(self.run_dir)
+            _, now = self._read()
+            if now == record:
+                self.warn(message)
+                self._record = record
+                return self
+            # another run took it over at the same moment: judge its lock
+        raise UserError(f"could not lock run directory {self.run_dir!r}: other runs keep "
+                        f"taking {self.path!r}; choose another --run-dir")
+
+    def release(self):
+        """Removes the lock file if it still holds this lock; harmless if not held."""
+        if not self.held:
+            return
+        record, self._record = self._record, None
+        _, current = self._read()
+        if current == record:
+            files.remove_quietly(self.path)
 
 
 def _git_commit():
@@ -175,7 +400,7 @@ class RunLog:
 
         self.writer = SummaryWriter(run_dir, purge_step=step + 1 if step > 0 else None)
         kept = read_metrics(self.path, epoch) if os.path.exists(self.path) else []
-        checkpoint.atomic_write(self.path, lambda f: f.writelines(kept))
+        files.atomic_write(self.path, lambda f: f.writelines(kept))
 
     def scalars(self, values, step):
         if self.enabled:
@@ -196,11 +421,7 @@ class RunLog:
     def epoch(self, record):
         """Appends one finished epoch to metrics.jsonl (flushed and fsynced)."""
         if self.enabled:
-            perf = {"perf/compute_efficiency": "compute_efficiency",
-                    "perf/samples_per_sec": "samples_per_sec", "perf/tflops": "tflops",
-                    "perf/mfu": "mfu"}
-            self.scalars({tag: record[key] for tag, key in perf.items() if key in record},
-                         record["step"])
+            self.scalars(metrics.perf_scalars(record), record["step"])
             with self._failing("metrics.jsonl"), open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
                 f.flush()
@@ -223,7 +444,7 @@ class RunLog:
                                          verbose=0, col_names=("output_size", "num_params",
                                                                "trainable")))
         text += f"\nTrainable parameters: {trainable:,}\nFrozen parameters: {frozen:,}\n"
-        checkpoint.atomic_write(os.path.join(self.run_dir, "summary.txt"),
+        files.atomic_write(os.path.join(self.run_dir, "summary.txt"),
                                 lambda f: f.write(text))
         runtime.say(text)
 
@@ -236,7 +457,7 @@ class RunLog:
         keys = next(iter(sampler))[:64]
         images = torch.stack([train_set[key][0] for key in keys])
         grid = torchvision.utils.make_grid(images[:, :3], nrow=8, normalize=True)
-        self.writer.add_image("train/first_batch", grid, 0)
+        self.writer.add_image(metrics.FIRST_BATCH, grid, 0)
 
     def progress(self, epoch, epochs, total):
         """The progress display of one epoch (0-based ``epoch``) of ``total`` batches."""
@@ -260,36 +481,12 @@ class RunLog:
 
             hp = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
                   for k, v in config.items() if k not in NOT_SAVED_IN_CONFIG}
-            metrics = {f"hparam/{k}": v for k, v in final.items()}
-            for summary in hparams(hp, metrics):
+            figures = metrics.hparam_metrics(final)
+            for summary in hparams(hp, figures):
                 self.writer.file_writer.add_summary(summary)
-            for tag, value in metrics.items():
+            for tag, value in figures.items():
                 self.writer.add_scalar(tag, value, step)
         self.writer.close()
-
-
-def epoch_line(record, config):
-    """The line printed when an epoch ends (and hints when the data path is slow)."""
-    val = f"  val_loss {record['val_loss']:.4f}  val_acc {record['val_acc']:.4f}" \
-        if "val_acc" in record else ""
-    if "val_acc_ema" in record:
-        val += f"  val_acc_ema {record['val_acc_ema']:.4f}"
-    lines = [f"epoch {record['epoch']}/{config['epochs']}  step {record['step']}  "
-             f"train_loss {record['train_loss']:.4f}{val}  "
-             f"{record['samples_per_sec']:.0f} samples/s  efficiency "
-             f"{record['compute_efficiency']:.2f} (data {record['data_time']:.1f}s, "
-             f"compute {record['compute_time']:.1f}s)"]
-    if "mfu" in record:
-        lines.append(f"  {record['tflops']:.1f} TFLOP/s, model FLOPs utilisation "
-                     f"{record['mfu']:.1%}")
-    if record["compute_efficiency"] < 0.7:
-        lines.append(f"  the loop waited for data {1 - record['compute_efficiency']:.0%} of "
-                     f"the time: try more --num-workers (now {config['num_workers']}) or "
-                     f"--prefetch 2")
-    if record.get("unreadable_images"):
-        lines.append(f"  {record['unreadable_images']} unreadable image(s) skipped so far "
-                     f"(named in the warnings above)")
-    return "\n".join(lines)
 
 
 def _isatty(stream):

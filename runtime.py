@@ -233,6 +233,12 @@ def say(message, file=None):
         _silence(file)
 
 
+def shown(value, width=60):
+    """``repr(value)`` cut to ``width`` characters, for a message that quotes a value."""
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 def _silence(stream):
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)

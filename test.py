@@ -1,4 +1,4 @@
-"""Evaluate a trained checkpoint, export it for inference, quantize it, and check the file.
+"""Evaluate a trained checkpoint, or a file exported from one.
 
     python test.py --checkpoint runs/exp1/checkpoints/best.pt
     python test.py --checkpoint runs/exp1/checkpoints/last.pt --json results.json
@@ -11,24 +11,14 @@
 The network is rebuilt from the checkpoint's config and evaluated on the validation (or
 test) split the way training validated it: eval mode, the same transforms, batch size,
 autocast and memory format. So the accuracy printed here equals the ``val_acc`` that
-training logged in metrics.jsonl for that checkpoint.
+training logged in metrics.jsonl for that checkpoint. ``evaluate_and_export`` is the
+script, top to bottom.
 
-An export is made on the CPU from a fresh, plain network holding the checkpoint's weights
-(never the compiled or channels_last module of training), in float32 with a dynamic batch
-dimension. The artifact is written to a temporary file next to OUT, loaded back, and its
-outputs compared with the eager network on random inputs of several batch sizes; only an
-artifact that matches is renamed to OUT, so OUT is never a half-written or wrong file.
-Every artifact carries what evaluating it needs (the dataset, image size, classes and
-normalisation: ONNX metadata_props, or a ``metadata.json`` extra file in .pt2/.ts), so
-``--model FILE`` evaluates it later without the checkpoint.
-
-An ONNX export is then evaluated itself, through onnxruntime, on the validation split, next
-to the eager network: loss, accuracy, per-class accuracy, file size and CPU samples/s at
-batch 64 (THROUGHPUT_BATCH). ``--quantize int8`` adds a static int8 copy next to OUT
-(``model.onnx`` -> ``model.int8.onnx``; QDQ format, per-channel int8 weights, uint8
-activations calibrated on ``--calibration-samples`` training images chosen by ``--seed``),
-``--quantize int8-dynamic`` a dynamic one (weights only; no calibration), measured the
-same way; an accuracy drop beyond ``--max-accuracy-drop`` is a warning.
+Exporting, checking an exported file, quantizing and opening an exported file live in
+export.py. After an ONNX export this script evaluates each file itself, through
+onnxruntime, next to the eager network (``compare_onnx``): loss, accuracy, per-class
+accuracy, file size and CPU samples/s at batch 64 (THROUGHPUT_BATCH); an int8 accuracy
+drop beyond ``--max-accuracy-drop`` is a warning.
 
 Every output (--json, --export and the int8 file) is checked to be writable before anything
 is loaded; a write that fails later (a full disk) is one ``error:`` line, exit code 1, and
@@ -39,18 +29,13 @@ or load it by path as tests/conftest.py does.
 """
 
 import argparse
-import contextlib
 import copy
-import importlib.util
 import io
 import json
-import logging
 import math
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 
@@ -59,50 +44,29 @@ import torch
 import checkpoint
 import data
 import engine
+import export
+import files
 import runtime
-from config import parse_config as train_defaults
+from config import OneLineParser, with_defaults
+from export import EXPORT_BATCHES, EXPORT_KINDS, QUANTIZE_KINDS, OutputError, QuantizationError
 from networks import build_network
 from ops import UserError
+from runtime import say, shown
 
 EXIT_USER_ERROR, EXIT_FAILED = 2, 1
-EXPORT_KINDS = {".pt2": "torch.export", ".ts": "frozen TorchScript", ".onnx": "ONNX"}
-ONNX_PACKAGES = ("onnx", "onnxscript", "onnxruntime")
-EXPORT_BATCHES = (2, 1, 5)  # traced with the first; checked at the others (1: no specialising)
-EXPORT_RTOL, EXPORT_ATOL = 1e-4, 1e-4  # float32 graph rewrites (conv-BN folding) stay far below
-QUANTIZE_KINDS = {"int8": "static int8 (QDQ, per-channel int8 weights, uint8 activations "
-                          "calibrated on training images)",
-                  "int8-dynamic": "dynamic int8 (per-channel int8 weights, activations "
-                                  "quantized at run time)"}
-CALIBRATION_SAMPLES = 256   # --calibration-samples default
-CALIBRATION_BATCH = 32      # images per calibration batch (MinMax: the batching changes nothing)
 THROUGHPUT_BATCH = 64       # samples/s are measured at this batch size, on the CPU
 THROUGHPUT_SECONDS = 0.5    # ... for at least this long and THROUGHPUT_MIN_BATCHES batches
 THROUGHPUT_MIN_BATCHES = 5
-METADATA_FILE = "metadata.json"  # the extra file of .pt2 and .ts that holds the metadata
-STORED_CONFIG = ("network", "dataset", "data_dir", "seed", "batch_size", "synthetic_size")
-
-
-class OutputError(Exception):
-    """Writing an output failed mid-run (a full disk, say); exit code 1, old file intact."""
-
-
-class QuantizationError(Exception):
-    """onnxruntime could not quantize the network, or its int8 file does not run; exit 1."""
 
 
 # ----------------------------------------------------------------------------- flags
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit code 2 (argparse prints usage too)
-        print(f"error: {message} (see python test.py --help)", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
-
-
 def build_parser():
     """The command-line flags."""
-    p = _Parser(description="Evaluate a checkpoint (or an exported file) on the "
-                "validation/test split, and optionally export and quantize the network for "
-                "inference.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineParser(prog="test.py", description="Evaluate a checkpoint (or an exported "
+                      "file) on the validation/test split, and optionally export and quantize "
+                      "the network for inference.",
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = p.add_argument
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="a checkpoint written by train.py, e.g. "
@@ -146,7 +110,7 @@ def build_parser():
         "activations calibrated on training images), int8-dynamic = weights only, for "
         "networks where static fails")
     add("--calibration-samples", type=int, default=None, metavar="N", help="--quantize "
-        f"int8: calibrate on N training images (default {CALIBRATION_SAMPLES}; all of them "
+        f"int8: calibrate on N training images (default {export.CALIBRATION_SAMPLES}; all of them "
         "when the split is smaller)")
     add("--seed", type=int, default=None, help="--quantize int8: which training images "
         "calibrate (the same seed gives the same int8 file); default: the training run's "
@@ -155,12 +119,6 @@ def build_parser():
         "the int8 file's accuracy is more than DELTA (0.01 = 1 point) below the eager "
         "network's")
     return p
-
-
-def int8_path(path):
-    """Where --quantize writes: next to OUT, ``model.onnx`` -> ``model.int8.onnx``."""
-    root, ext = os.path.splitext(path)
-    return f"{root}.int8{ext}"
 
 
 def check_args(args):
@@ -207,7 +165,7 @@ def check_args(args):
                         f"use --export {os.path.splitext(args.export)[0]}.onnx (the int8 "
                         f"file is written next to it)")
     if suffix == ".onnx":
-        _check_onnx_installed("--export .onnx")
+        export.check_onnx_installed("--export .onnx")
     return suffix
 
 
@@ -224,22 +182,14 @@ def _check_model_args(args):
         raise UserError(f"--model files are evaluated on the CPU, as they were exported; "
                         f"drop --device {args.device}")
     if suffix == ".onnx":
-        _check_onnx_installed("--model .onnx")
-
-
-def _check_onnx_installed(what):
-    missing = [m for m in ONNX_PACKAGES if importlib.util.find_spec(m) is None]
-    if missing:
-        raise UserError(f"{what} needs {', '.join(missing)}, not installed here: "
-                        f"pip install onnx onnxscript onnxruntime (or pip install -r "
-                        f"requirements.txt)")
+        export.check_onnx_installed("--model .onnx")
 
 
 def check_output(flag, path, checkpoint_path):
     """Rejects an output that could not be written, before any slow work.
 
     The nearest existing directory above ``path`` must take a new file
-    (``checkpoint.probe_writable``).
+    (``files.probe_writable``).
 
     Args:
         flag: ``--json`` or ``--export``, for the message.
@@ -261,7 +211,7 @@ def check_output(flag, path, checkpoint_path):
     if not os.path.isdir(existing):
         raise UserError(f"{flag} {path!r}: {existing!r} is a file, not a directory")
     try:
-        checkpoint.probe_writable(existing)
+        files.probe_writable(existing)
     except OSError as e:
         raise UserError(f"{flag} {path!r}: cannot write in {existing!r} "
                         f"({e.strerror or e})") from None
@@ -272,7 +222,7 @@ def check_outputs(args):
     outputs = [(flag, path) for flag, path in (("--json", args.json),
                                                ("--export", args.export)) if path]
     if args.quantize:
-        outputs.append((f"--quantize {args.quantize}", int8_path(args.export)))
+        outputs.append((f"--quantize {args.quantize}", export.int8_path(args.export)))
     for flag, path in outputs:
         check_output(flag, path, args.checkpoint or args.model)
     for i, (flag, path) in enumerate(outputs):
@@ -306,11 +256,11 @@ def load_training_checkpoint(path):
                                          f"not a state_dict (a dict of tensors)")
     for key, value in weights.items():
         if not isinstance(key, str):
-            raise checkpoint.CheckpointError(f"{path!r}: its model has a key {_short(key)}, "
+            raise checkpoint.CheckpointError(f"{path!r}: its model has a key {shown(key)}, "
                                              f"not a parameter name")
         if not isinstance(value, torch.Tensor):
             raise checkpoint.CheckpointError(f"{path!r}: its model's {key} is "
-                                             f"{_short(value)}, not a tensor")
+                                             f"{shown(value)}, not a tensor")
         if value.layout != torch.strided or value.device.type != "cpu" or \
                 value.is_complex():
             raise checkpoint.CheckpointError(
@@ -320,11 +270,6 @@ def load_training_checkpoint(path):
             raise checkpoint.CheckpointError(f"{path!r}: its model's {key} holds NaN or "
                                              f"infinite values")
     return state
-
-
-def _short(value, limit=60):
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _int_at_least(low):
@@ -347,9 +292,11 @@ _SYNTHETIC_NEEDS = (
 )
 
 
-def check_config(config, path, need_batch_size):
-    """Raises a CheckpointError when the config lacks, or holds a senseless value for, a
-    key that evaluation reads (``batch_size`` only when ``need_batch_size``)."""
+def check_stored_config(config, path, need_batch_size):
+    """Raises a CheckpointError when a stored config lacks a key that says which run it is
+    (network, data, seed; ``batch_size`` when ``need_batch_size``), or holds a senseless
+    value for a key that evaluation reads. Keys absent from an older run's config take
+    the flags' defaults afterwards (``config.with_defaults``)."""
     needs = list(_CONFIG_NEEDS)
     if need_batch_size:
         needs.append(("batch_size", _int_at_least(1),
@@ -364,7 +311,7 @@ def check_config(config, path, need_batch_size):
                                              f"{expected}")
         if not ok(config[key]):
             raise checkpoint.CheckpointError(f"{path!r}: its config's {key} is "
-                                             f"{_short(config[key])}; expected {expected}")
+                                             f"{shown(config[key])}; expected {expected}")
 
 
 # --------------------------------------------------------------------------- network
@@ -405,14 +352,14 @@ def load_network(state, config, val_set, path, weights="raw"):
 
 # ------------------------------------------------------------------------ evaluation
 
-def evaluate(net, val_set, config, device, batch_size, num_workers, tta=False):
+def evaluate_checkpoint(net, val_set, config, device, batch_size, num_workers, tta=False):
     """Evaluates like training's validation (autocast and memory format of the run; with
     ``tta``, each image and its mirror).
 
     Returns:
         engine.evaluate's dict: ``loss``, ``acc``, ``count``, ``confusion``.
     """
-    memory_format = torch.channels_last if config.get("channels_last") \
+    memory_format = torch.channels_last if config["channels_last"] \
         else torch.contiguous_format
     model = copy.deepcopy(net).to(device, memory_format=memory_format)
     dtype = runtime.amp_dtype(config["amp"], device, remedy="evaluate with --device cpu")
@@ -468,14 +415,8 @@ def format_report(report, state, config, title=None):
     return "\n".join(lines)
 
 
-def _write_failed(flag, path, error):
-    kept = ("the previous file there is unchanged" if os.path.isfile(path)
-            else "nothing was written")
-    return OutputError(f"{flag} {path!r}: writing failed ({error.strerror or error}); {kept}")
-
-
 def write_json(report, path):
-    """Writes the report atomically (checkpoint.atomic_write).
+    """Writes the report atomically (files.atomic_write).
 
     Raises:
         OutputError: the write failed (a full disk); a previous file at ``path`` is intact.
@@ -483,199 +424,9 @@ def write_json(report, path):
     text = json.dumps(report, indent=2) + "\n"
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        checkpoint.atomic_write(path, lambda f: f.write(text))
+        files.atomic_write(path, lambda f: f.write(text))
     except OSError as e:
-        raise _write_failed("--json", path, e) from None
-
-
-# ---------------------------------------------------------------------------- export
-
-@contextlib.contextmanager
-def _torchscript_quietly():
-    # TorchScript is deprecated upstream and says so at every call; the help text says it
-    # once. Other warnings (TracerWarning: a trace that may not generalise) stay visible.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"`torch\.jit\.", category=FutureWarning)
-        yield
-
-
-def _batch_dim():
-    return torch.export.Dim("batch", min=1)
-
-
-def _not_about_the_pt2_name(record):
-    # torch.export.save logs that a path should end in .pt2; a staging file's does not.
-    return not record.getMessage().startswith("Expect archive file to be a file ending in")
-
-
-def _save_pt2(net, example, path, metadata):
-    program = torch.export.export(net, (example,), dynamic_shapes=({0: _batch_dim()},))
-    logger = logging.getLogger("torch.export.pt2_archive._package")
-    logger.addFilter(_not_about_the_pt2_name)
-    try:
-        torch.export.save(program, path, extra_files={METADATA_FILE: json.dumps(metadata)})
-    finally:
-        logger.removeFilter(_not_about_the_pt2_name)
-
-
-def _load_pt2(path, extra_files=None):
-    return torch.export.load(path, extra_files=extra_files).module()
-
-
-def _save_ts(net, example, path, metadata):
-    # torch.jit.freeze inlines the weights and runs the frozen-graph optimisations
-    # (conv-BN folding...). torch.jit.optimize_for_inference is applied when loading
-    # (_load_ts): it bakes in this machine's MKLDNN build, and a module it has converted
-    # cannot be serialised (upstream says so; its file does not load back).
-    with _torchscript_quietly():
-        frozen = torch.jit.freeze(torch.jit.trace(net, example))
-        torch.jit.save(frozen, path, _extra_files={METADATA_FILE: json.dumps(metadata)})
-
-
-def _load_ts(path, extra_files=None):
-    with _torchscript_quietly():
-        module = torch.jit.load(path, map_location="cpu", _extra_files=extra_files or {})
-        return torch.jit.optimize_for_inference(module)
-
-
-def _save_onnx(net, example, path, metadata):
-    program = torch.onnx.export(net, (example,), dynamo=True, verbose=False,
-                                input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
-                                dynamic_shapes=({0: _batch_dim()},))
-    program.model.metadata_props.update(metadata)
-    program.save(path, external_data=False)
-
-
-def _onnx_session(path):
-    """An onnxruntime CPU session with as many threads as torch uses (a fair comparison)."""
-    import onnxruntime
-
-    options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = torch.get_num_threads()
-    options.log_severity_level = 3  # errors only
-    return onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-
-
-def _onnx_runner(session):
-    name = session.get_inputs()[0].name
-    return lambda x: torch.from_numpy(session.run(None, {name: x.contiguous().numpy()})[0])
-
-
-def _load_onnx(path):
-    return _onnx_runner(_onnx_session(path))
-
-
-EXPORTERS = {".pt2": (_save_pt2, _load_pt2), ".ts": (_save_ts, _load_ts),
-             ".onnx": (_save_onnx, _load_onnx)}
-INPUT_NAME, OUTPUT_NAME = "images", "logits"
-
-
-def export_metadata(config, val_set, state, source):
-    """What evaluating the artifact needs, stored in it: ONNX metadata_props (strings).
-
-    ``training_config`` (JSON: network, dataset, data_dir, seed, batch_size, image size,
-    channels, classes count), ``classes`` (JSON list, in label order), ``normalize`` (JSON
-    ``{"mean", "std"}``, or null where the dataset is not normalised), ``input``,
-    ``output`` (plain text for whoever serves the file), ``quantization`` and ``source``.
-    """
-    stored = {key: config[key] for key in STORED_CONFIG if key in config}
-    if config["dataset"] != "synthetic":
-        stored.pop("synthetic_size", None)
-    stored.update(image_size=val_set.image_size, in_channels=val_set.in_channels,
-                  num_classes=val_set.num_classes)
-    stats = data.STATS.get(config["dataset"])
-    normalize = None if stats is None else {"mean": list(stats[0]), "std": list(stats[1])}
-    side, channels = val_set.image_size, val_set.in_channels
-    scaling = ("pixels scaled to [0, 1], then (x - mean) / std per channel (see normalize)"
-               if stats else "as the dataset makes them (not normalised)")
-    return {"training_config": json.dumps(stored), "classes": json.dumps(val_set.classes),
-            "normalize": json.dumps(normalize),
-            "input": f"{INPUT_NAME}: float32 (batch, {channels}, {side}, {side}), {scaling}",
-            "output": f"{OUTPUT_NAME}: float32 (batch, {val_set.num_classes}); the argmax "
-                      f"indexes classes",
-            "quantization": "none",
-            "source": json.dumps({"checkpoint": source, "epoch": state.get("epoch"),
-                                  "step": state.get("step")})}
-
-
-def export(net, path, suffix, sample_shape, metadata=None):
-    """Writes ``net`` as an inference artifact and checks it against the eager network.
-
-    The artifact goes to a temporary file in OUT's directory, is loaded back and run on
-    random inputs of several batch sizes; it replaces OUT (atomic rename) only when every
-    output matches the eager network within EXPORT_RTOL/EXPORT_ATOL. On any failure the
-    temporary file is removed and an existing OUT is left as it was. (.pt2 and .ts are
-    serialised into memory first where Linux allows: see _staging_file.)
-
-    Args:
-        net: the network in eval mode, on the CPU, float32, contiguous.
-        path: OUT.
-        suffix: ``.pt2``, ``.ts`` or ``.onnx``.
-        sample_shape: shape of one input sample, e.g. ``(3, 32, 32)``.
-        metadata: strings stored in the artifact (export_metadata), or None.
-
-    Returns:
-        ``(ok, max_abs_diff)``.
-
-    Raises:
-        OutputError: writing the file failed (a full disk).
-    """
-    save, load = EXPORTERS[suffix]
-    g = torch.Generator().manual_seed(0)
-    inputs = [torch.randn(n, *sample_shape, generator=g) for n in EXPORT_BATCHES]
-    check = {}
-
-    def write_and_check(tmp):  # raises _Mismatch so that atomic_write keeps OUT as it was
-        with torch.no_grad():
-            with _staging_file(suffix) as staged:
-                save(net, inputs[0], staged or tmp, metadata or {})
-                if staged:
-                    with open(staged, "rb") as src, open(tmp, "wb") as dst:
-                        shutil.copyfileobj(src, dst)
-            reloaded = load(tmp)
-            ok, worst = True, 0.0
-            for x in inputs:
-                want, got = net(x), reloaded(x)
-                same_shape = tuple(got.shape) == tuple(want.shape)
-                ok = ok and same_shape and torch.allclose(got, want, EXPORT_RTOL, EXPORT_ATOL)
-                worst = max(worst, float((got - want).abs().max()) if same_shape else math.inf)
-        check["worst"] = worst
-        if not ok:
-            raise _Mismatch
-
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        checkpoint.atomic_write(path, write_and_check, mode=None)
-    except _Mismatch:
-        return False, check["worst"]
-    except OSError as e:
-        raise _write_failed("--export", path, e) from None
-    return True, check["worst"]
-
-
-class _Mismatch(Exception):
-    """The exported artifact's outputs differ from the eager network's."""
-
-
-@contextlib.contextmanager
-def _staging_file(suffix):
-    """The path of an anonymous in-memory file for torch's own writers (.pt2, .ts), or None.
-
-    Those writers abort the whole process (a C++ error thrown in a destructor) when the
-    disk fills up under them; written to memory first, the artifact reaches the disk
-    through Python, whose OSError becomes one ``error:`` line. None where there is no
-    memfd (not Linux): the artifact is then written in place.
-    """
-    fd = None
-    if suffix in (".pt2", ".ts") and hasattr(os, "memfd_create") and \
-            os.path.isdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            fd = os.memfd_create("test.py-export")
-    try:
-        yield None if fd is None else f"/proc/self/fd/{fd}"
-    finally:
-        if fd is not None:
-            os.close(fd)
+        raise export.output_failed("--json", path, e) from None
 
 
 # ------------------------------------------------------------- exported files, measured
@@ -771,158 +522,6 @@ def format_comparison(rows, batch):
 
 # ---------------------------------------------------------------------- quantization
 
-def calibration_set(train_set, samples, seed):
-    """``samples`` training images (all of them if fewer), chosen by ``seed`` alone."""
-    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(seed))
-    return torch.utils.data.Subset(train_set, order[:samples].tolist())
-
-
-def quantize(fp32_path, out_path, kind, calibration, num_workers, metadata):
-    """Writes an int8 copy of the ONNX file ``fp32_path`` to ``out_path`` with
-    onnxruntime.quantization, atomically, after checking that it runs.
-
-    The fp32 file is pre-processed first (quant_pre_process: shape inference and graph
-    optimisation; skipped with a warning where it fails). ``int8``: static quantization in
-    QDQ format, per-channel symmetric int8 weights, asymmetric uint8 activations whose
-    ranges (MinMax) come from running ``calibration`` (a dataset): onnxruntime's "U8S8"
-    (resnet18 on an AVX512-VNNI CPU: 3.4x the samples/s of int8 activations, which were
-    no faster than float32). ``int8-dynamic``: per-channel int8 weights, activations
-    quantized at run time. The result is loaded in a fresh
-    onnxruntime session and run at several batch sizes before it replaces ``out_path``.
-
-    Args:
-        fp32_path: the checked fp32 ONNX file.
-        out_path: where the int8 file goes.
-        kind: ``int8`` or ``int8-dynamic``.
-        calibration: the calibration images (``int8``), or None.
-        num_workers: DataLoader workers for the calibration images.
-        metadata: the fp32 file's metadata; ``quantization`` is replaced.
-
-    Returns:
-        ``(seconds, metadata)``: the time quantization took (pre-processing included, the
-        calibration images' loading too) and the metadata stored in the int8 file.
-
-    Raises:
-        QuantizationError: onnxruntime failed, or its file does not run.
-        OutputError: writing failed (a full disk); a previous file at ``out_path`` is kept.
-    """
-    import onnx
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
-    flag = f"--quantize {kind}"
-    if kind == "int8":
-        method = (f"int8 static: QDQ, per-channel int8 weights, uint8 activations calibrated "
-                  f"(MinMax) on {len(calibration)} training images")
-    else:
-        method = "int8 dynamic: per-channel int8 weights, activations quantized at run time"
-    metadata = dict(metadata, quantization=method)
-    start = time.perf_counter()
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix=".tmp-", dir=os.path.dirname(
-                os.path.abspath(out_path))) as work:
-            source = os.path.join(work, "preprocessed.onnx")
-            try:
-                quant_pre_process(fp32_path, source)
-            except OSError:
-                raise
-            except Exception as e:
-                print(f"warning: onnxruntime's quant_pre_process failed ({_one_line(e)}); "
-                      f"quantizing the exported file as it is", file=sys.stderr)
-                source = fp32_path
-            quantized = os.path.join(work, "int8.onnx")
-            _run_quantizer(source, quantized, kind, calibration, num_workers, fp32_path)
-            model = onnx.load(quantized)
-            seconds = time.perf_counter() - start
-            _set_metadata(model, metadata)
-            checkpoint.atomic_write(out_path, lambda tmp: _save_and_try(model, tmp, flag),
-                                    mode=None)
-    except OSError as e:
-        raise _write_failed(flag, out_path, e) from None
-    return seconds, metadata
-
-
-def _calibration_reader(loader):
-    """onnxruntime's CalibrationDataReader over a loader's images."""
-    from onnxruntime import quantization as ortq
-
-    class Reader(ortq.CalibrationDataReader):
-        def __init__(self):
-            self.batches = iter(loader)
-
-        def get_next(self):
-            batch = next(self.batches, None)
-            return None if batch is None else {INPUT_NAME: batch[0].contiguous().numpy()}
-
-    return Reader()
-
-
-def _run_quantizer(source, quantized, kind, calibration, num_workers, fp32_path):
-    """onnxruntime's static (calibrated) or dynamic quantization of ``source``."""
-    from onnxruntime import quantization as ortq
-
-    loader = None
-    try:
-        if kind == "int8":
-            loader = data.build_loader(calibration, batch_size=CALIBRATION_BATCH,
-                                       num_workers=num_workers)
-            ortq.quantize_static(source, quantized, _calibration_reader(loader),
-                                 quant_format=ortq.QuantFormat.QDQ, per_channel=True,
-                                 activation_type=ortq.QuantType.QUInt8,
-                                 weight_type=ortq.QuantType.QInt8,
-                                 calibrate_method=ortq.CalibrationMethod.MinMax)
-        else:
-            ortq.quantize_dynamic(source, quantized, per_channel=True,
-                                  weight_type=ortq.QuantType.QInt8)
-    except (OSError, UserError):
-        raise
-    except Exception as e:
-        remedy = "; try --quantize int8-dynamic" if kind == "int8" else ""
-        raise QuantizationError(f"--quantize {kind}: onnxruntime could not quantize "
-                                f"{fp32_path} ({_one_line(e)}){remedy}; {fp32_path} is "
-                                f"written") from None
-    finally:
-        if loader is not None:
-            data.shutdown_loader(loader)
-
-
-def _set_metadata(model, metadata):
-    """Puts ``metadata`` into an ONNX model's metadata_props (replacing equal keys)."""
-    for prop in model.metadata_props:
-        if prop.key in metadata:
-            prop.value = metadata[prop.key]
-    known = {prop.key for prop in model.metadata_props}
-    for key, value in metadata.items():
-        if key not in known:
-            model.metadata_props.add(key=key, value=value)
-
-
-def _save_and_try(model, path, flag):
-    """Saves the int8 model to ``path`` and runs it in a fresh session at several batch
-    sizes; raises QuantizationError when it does not load or gives the wrong shapes."""
-    import onnx
-
-    onnx.save(model, path)
-    try:
-        session = _onnx_session(path)
-        run = _onnx_runner(session)
-        classes = session.get_outputs()[0].shape[1]
-        shape = session.get_inputs()[0].shape[1:]
-        g = torch.Generator().manual_seed(0)
-        for n in EXPORT_BATCHES:
-            out = run(torch.randn(n, *shape, generator=g))
-            if tuple(out.shape) != (n, classes) or not bool(torch.isfinite(out).all()):
-                raise ValueError(f"batch {n} gave {tuple(out.shape)} outputs, "
-                                 f"{'' if torch.isfinite(out).all() else 'not '}finite")
-    except Exception as e:
-        raise QuantizationError(f"{flag}: the int8 file does not run in onnxruntime "
-                                f"({_one_line(e)}); nothing was written") from None
-
-
-def _one_line(error):
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else 'no message'}"
-
 
 def compare_onnx(args, net, val_set, train_set, config, batch_size, report, metadata):
     """Evaluates the ONNX export (and writes and evaluates its int8 copy) next to the eager
@@ -933,28 +532,28 @@ def compare_onnx(args, net, val_set, train_set, config, batch_size, report, meta
     files = [("onnx fp32", args.export)]
     summary = report["export"]
     if args.quantize:
-        path = int8_path(args.export)
+        path = export.int8_path(args.export)
         calibration = None
         if args.quantize == "int8":
             seed = config["seed"] if args.seed is None else args.seed
-            wanted = args.calibration_samples or CALIBRATION_SAMPLES
-            calibration = calibration_set(train_set, wanted, seed)
+            wanted = args.calibration_samples or export.CALIBRATION_SAMPLES
+            calibration = export.calibration_set(train_set, wanted, seed)
             summary.update(calibration_samples=len(calibration), calibration_seed=seed)
-        seconds, _ = quantize(args.export, path, args.quantize, calibration,
+        seconds, _ = export.quantize(args.export, path, args.quantize, calibration,
                               args.num_workers, metadata)
         summary.update(quantize=args.quantize, int8_file=path, quantize_seconds=seconds)
-        print(f"quantized {args.export} to {path} in {seconds:.2f} s: "
-              f"{QUANTIZE_KINDS[args.quantize]}"
-              + (f"; {len(calibration)} calibration images, seed {seed}" if calibration
-                 else ""))
+        say(f"quantized {args.export} to {path} in {seconds:.2f} s: "
+            f"{QUANTIZE_KINDS[args.quantize]}"
+            + (f"; {len(calibration)} calibration images, seed {seed}" if calibration
+               else ""))
         files.append((f"onnx {args.quantize}", path))
     for name, path in files:
-        run = _load_onnx(path)
+        run = export.load_onnx(path)
         result = evaluate_exported(run, val_set, batch_size, args.num_workers)
         file_report = make_report(path, result, val_set.classes, key="model")
         rows[name] = measured(file_report, os.path.getsize(path),
                               samples_per_second(run, shape), rows["eager"], path)
-    print(format_comparison(rows, THROUGHPUT_BATCH))
+    say(format_comparison(rows, THROUGHPUT_BATCH))
     summary.update(throughput_batch_size=THROUGHPUT_BATCH, threads=torch.get_num_threads(),
                    models=rows)
     if args.quantize:
@@ -962,83 +561,15 @@ def compare_onnx(args, net, val_set, train_set, config, batch_size, report, meta
         summary.update(accuracy_drop=drop, max_accuracy_drop=args.max_accuracy_drop,
                        accuracy_warning=drop > args.max_accuracy_drop)
         if drop > args.max_accuracy_drop:
-            print(f"warning: the {args.quantize} file's accuracy is {drop:.4f} below the "
-                  f"eager network's (more than --max-accuracy-drop "
-                  f"{args.max_accuracy_drop:g}); quantization-aware training (fine-tuning "
-                  f"with simulated int8, e.g. torch.ao.quantization's QAT) is the remedy"
-                  + ("; more --calibration-samples or --quantize int8-dynamic may help"
-                     if args.quantize == "int8" else ""), file=sys.stderr)
+            say(f"warning: the {args.quantize} file's accuracy is {drop:.4f} below the "
+                f"eager network's (more than --max-accuracy-drop "
+                f"{args.max_accuracy_drop:g}); quantization-aware training (fine-tuning "
+                f"with simulated int8, e.g. torch.ao.quantization's QAT) is the remedy"
+                + ("; more --calibration-samples or --quantize int8-dynamic may help"
+                   if args.quantize == "int8" else ""), file=sys.stderr)
 
 
 # ------------------------------------------------------------------ --model FILE
-
-def open_exported(path, suffix):
-    """Loads a file written by --export, for the CPU.
-
-    Returns:
-        ``(run, metadata, sample_shape, outputs)``: a callable on float32 batches, the
-        metadata stored at export (a dict of strings; empty when there is none), and the
-        input's ``(C, H, W)`` and the number of outputs where the file states them (ONNX,
-        None otherwise or where a dimension is dynamic).
-    """
-    if not os.path.isfile(path):
-        raise UserError(f"--model {path!r} does not exist" if not os.path.exists(path)
-                        else f"--model {path!r} is not a file")
-    shape = outputs = None
-    try:
-        if suffix == ".onnx":
-            session = _onnx_session(path)
-            inputs = session.get_inputs()
-            if len(inputs) != 1 or len(session.get_outputs()) != 1:
-                raise ValueError(f"{len(inputs)} inputs and {len(session.get_outputs())} "
-                                 f"outputs, not one of each")
-            dims = inputs[0].shape[1:]
-            shape = tuple(dims) if all(isinstance(d, int) for d in dims) else None
-            out = session.get_outputs()[0].shape
-            outputs = out[1] if len(out) == 2 and isinstance(out[1], int) else None
-            return (_onnx_runner(session), dict(session.get_modelmeta().custom_metadata_map),
-                    shape, outputs)
-        extra = {METADATA_FILE: ""}
-        if suffix == ".pt2":
-            # torch.export.load logs a traceback before raising on a file that is no .pt2
-            with _logger_silenced("torch.export"):
-                module = _load_pt2(path, extra)
-        else:
-            module = _load_ts(path, extra)
-    except Exception as e:
-        raise UserError(f"--model {path!r} cannot be loaded as {EXPORT_KINDS[suffix]} "
-                        f"({_one_line(e)})") from None
-    text = extra[METADATA_FILE]
-    text = text.decode() if isinstance(text, bytes) else text
-    try:
-        metadata = json.loads(text) if text else {}
-    except ValueError:
-        metadata = None
-    if not isinstance(metadata, dict):
-        raise UserError(f"--model {path!r}: its {METADATA_FILE} is not a JSON object")
-    return (lambda x: module(x)), metadata, shape, outputs
-
-
-@contextlib.contextmanager
-def _logger_silenced(name):
-    logger = logging.getLogger(name)
-    level = logger.level
-    logger.setLevel(logging.CRITICAL + 1)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
-def _stored(metadata, key, path, default=None):
-    """A JSON value of the metadata, or ``default`` when absent; UserError when unreadable."""
-    if key not in metadata:
-        return default
-    try:
-        return json.loads(metadata[key])
-    except (TypeError, ValueError):
-        raise UserError(f"--model {path!r}: its metadata {key!r} is not JSON "
-                        f"({_short(metadata[key])})") from None
 
 
 def apply_data_flags(config, args):
@@ -1054,70 +585,32 @@ def exported_config(args, metadata, shape, outputs):
     states (metadata; the input's shape and the number of outputs of an ONNX file) <
     the flags given."""
     path = args.model
-    stored = _stored(metadata, "training_config", path, {})
+    stored = export.stored_value(metadata, "training_config", path, {})
     if not isinstance(stored, dict):
         raise UserError(f"--model {path!r}: its training_config is not a JSON object")
     if not stored and args.dataset is None:
         raise UserError(f"--model {path!r} holds no training config (it was not written by "
                         f"test.py --export): pass --dataset and what it needs (--data-dir; "
                         f"--image-size, --num-classes, --synthetic-size...)")
-    config, _ = train_defaults([])
+    found = {}  # what an ONNX file's graph says
     if shape is not None:
-        config.update(in_channels=shape[0], image_size=shape[1])
+        found.update(in_channels=shape[0], image_size=shape[1])
     if outputs is not None:
-        config["num_classes"] = outputs
-    config.update(stored)
-    config["augment"] = False
+        found["num_classes"] = outputs
+    config = with_defaults({**found, **stored, "augment": False})
     return apply_data_flags(config, args)
-
-
-def check_exported_data(args, metadata, val_set, config, shape):
-    """The data must be what the file was exported for: its input shape, its classes and
-    its normalisation; a mismatch (a wrong --data-dir or --dataset) is a UserError."""
-    path = args.model
-    if "normalize" in metadata:
-        stored = _stored(metadata, "normalize", path)
-        stats = data.STATS.get(config["dataset"])
-        now = None if stats is None else {"mean": list(stats[0]), "std": list(stats[1])}
-        if stored != now:
-            raise UserError(f"--model {path!r} was exported for inputs {_normalised(stored)}; "
-                            f"--dataset {config['dataset']} {_normalised(now, 'them ')}")
-    have = (val_set.in_channels, val_set.image_size, val_set.image_size)
-    if shape is not None and tuple(shape) != have:
-        raise UserError(f"--model {path!r} takes {_shape(shape)} images; the data gives "
-                        f"{_shape(have)} (check --dataset and --image-size)")
-    classes = _stored(metadata, "classes", path)
-    if classes is not None and classes != val_set.classes:
-        raise UserError(f"--model {path!r} was exported for the classes {_names(classes)}; "
-                        f"the data has {_names(val_set.classes)} (check --data-dir)")
-
-
-def _normalised(stats, them=""):
-    if not isinstance(stats, dict):
-        return "not normalised" if them == "" else "does not normalise"
-    return f"normalise{'s ' + them if them else 'd '}with mean {stats.get('mean')}, std " \
-           f"{stats.get('std')}"
-
-
-def _shape(shape):
-    return "x".join(str(d) for d in shape)
-
-
-def _names(names, limit=6):
-    shown = ", ".join(str(n) for n in names[:limit])
-    return f"[{shown}{', ...' if len(names) > limit else ''}] ({len(names)})"
 
 
 def evaluate_model_file(args):
     """--model FILE: evaluates an exported file on the validation split; returns 0."""
     path = args.model
     suffix = os.path.splitext(path)[1].lower()
-    run, metadata, shape, outputs = open_exported(path, suffix)
+    run, metadata, shape, outputs = export.open_exported(path, suffix)
     config = exported_config(args, metadata, shape, outputs)
-    check_config(config, path, need_batch_size=False)
+    check_stored_config(config, path, need_batch_size=False)
     batch_size = args.batch_size or config["batch_size"]
     _, val_set = data.build_datasets(config)
-    check_exported_data(args, metadata, val_set, config, shape)
+    export.check_exported_data(path, metadata, val_set, config["dataset"], shape)
     result = evaluate_exported(run, val_set, batch_size, args.num_workers)
     report = make_report(path, result, val_set.classes, key="model")
     sample_shape = (val_set.in_channels, val_set.image_size, val_set.image_size)
@@ -1125,19 +618,19 @@ def evaluate_model_file(args):
                   bytes=os.path.getsize(path), throughput_batch_size=THROUGHPUT_BATCH,
                   threads=torch.get_num_threads(),
                   samples_per_sec=samples_per_second(run, sample_shape))
-    source = _stored(metadata, "source", path, {}) or {}
+    source = export.stored_value(metadata, "source", path, {}) or {}
     origin = "" if not isinstance(source, dict) or source.get("epoch") is None else \
         f", exported at epoch {source['epoch']}, step {source.get('step', '?')}"
     quantized = report["quantization"] not in (None, "none")
     title = (f"model {path} ({EXPORT_KINDS[suffix]}"
              f"{', ' + report['quantization'] if quantized else ''}{origin}): "
              f"{config['network']} on {config['dataset']}")
-    print(format_report(report, {}, config, title=title))
-    print(f"file {_size(report['bytes'])}; {report['samples_per_sec']:.1f} samples/s on the "
-          f"CPU at batch {THROUGHPUT_BATCH}, {torch.get_num_threads()} threads", flush=True)
+    say(format_report(report, {}, config, title=title))
+    say(f"file {_size(report['bytes'])}; {report['samples_per_sec']:.1f} samples/s on the "
+        f"CPU at batch {THROUGHPUT_BATCH}, {torch.get_num_threads()} threads")
     if args.json:
         write_json(report, args.json)
-        print(f"wrote {args.json}")
+        say(f"wrote {args.json}")
     return 0
 
 
@@ -1153,19 +646,23 @@ def main(argv=None):
         left as it was).
     """
     try:
-        return evaluate_and_export(sys.argv[1:] if argv is None else argv)
+        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    except UserError as e:  # flags that do not parse exit as argparse does (--help: 0)
+        say(f"error: {e}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+    try:
+        return evaluate_and_export(args)
     except UserError as e:  # checkpoint.CheckpointError included
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     except (OutputError, QuantizationError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}", file=sys.stderr)
         return EXIT_FAILED
 
 
-def evaluate_and_export(argv):
+def evaluate_and_export(args):
     """The script: flags, checkpoint, evaluation, report, export; returns the exit code."""
     # 1. Flags, checked before any slow work.
-    args = build_parser().parse_args(argv)
     suffix = check_args(args)
     device = runtime.parse_device(args.device)
     check_outputs(args)
@@ -1174,21 +671,23 @@ def evaluate_and_export(argv):
 
     # 2. The checkpoint and the training run's config.
     state = load_training_checkpoint(args.checkpoint)
-    config = apply_data_flags(dict(state["config"]), args)
-    check_config(config, args.checkpoint, need_batch_size=args.batch_size is None)
+    stored = apply_data_flags(dict(state["config"]), args)  # what identifies the run and
+    check_stored_config(stored, args.checkpoint, need_batch_size=args.batch_size is None)
+    config = with_defaults(stored)  # must be there; flags added since take their defaults
     batch_size = args.batch_size or config["batch_size"]
 
     # 3. Data and network, evaluated as training validated (the training split unaugmented:
     #    --quantize int8 calibrates on it).
     train_set, val_set = data.build_datasets(dict(config, augment=False))
     weights = choose_weights(state, args.weights, args.checkpoint)
-    tta = (args.tta or config.get("tta", "none")) == "flip" and \
+    tta = (args.tta or config["tta"]) == "flip" and \
         data.mirror_keeps_class(config["dataset"])
     net = load_network(state, config, val_set, args.checkpoint, weights)
-    result = evaluate(net, val_set, config, device, batch_size, args.num_workers, tta)
+    result = evaluate_checkpoint(net, val_set, config, device, batch_size, args.num_workers,
+                                 tta)
     report = make_report(args.checkpoint, result, val_set.classes)
     report.update(weights=weights, tta="flip" if tta else "none")
-    print(format_report(report, state, config), flush=True)
+    say(format_report(report, state, config))
 
     # 4. Export: a fresh CPU network, checked against itself after reloading; an ONNX file
     #    is also evaluated (and quantized). The JSON holds whatever was done.
@@ -1201,7 +700,7 @@ def evaluate_and_export(argv):
             failure = e
     if args.json:
         write_json(report, args.json)
-        print(f"wrote {args.json}")
+        say(f"wrote {args.json}")
     if failure is not None:
         raise failure
     return code
@@ -1211,21 +710,20 @@ def export_and_compare(args, suffix, net, state, config, train_set, val_set, bat
                        report):
     """--export (and --quantize): writes, checks and measures; returns the exit code."""
     shape = (val_set.in_channels, val_set.image_size, val_set.image_size)
-    metadata = export_metadata(config, val_set, state, args.checkpoint)
-    ok, worst = export(net, args.export, suffix, shape, metadata)
+    metadata = export.export_metadata(config, val_set, state, args.checkpoint)
+    ok, worst = export.export_network(net, args.export, suffix, shape, metadata)
     sizes = ", ".join(str(n) for n in sorted(EXPORT_BATCHES))
     if not ok:
-        print(f"error: the {EXPORT_KINDS[suffix]} artifact's outputs differ from the eager "
-              f"network's (max abs difference {worst:.3g} at batch sizes {sizes}; tolerance "
-              f"rtol {EXPORT_RTOL:g}, atol {EXPORT_ATOL:g}); {args.export} not written",
-              file=sys.stderr)
+        say(f"error: the {EXPORT_KINDS[suffix]} artifact's outputs differ from the eager "
+            f"network's (max abs difference {worst:.3g} at batch sizes {sizes}; tolerance "
+            f"rtol {export.EXPORT_RTOL:g}, atol {export.EXPORT_ATOL:g}); {args.export} not "
+            f"written", file=sys.stderr)
         return EXIT_FAILED
     size = os.path.getsize(args.export)
     report["export"] = {"format": EXPORT_KINDS[suffix], "file": args.export, "bytes": size,
                         "max_abs_diff": worst}
-    print(f"exported {EXPORT_KINDS[suffix]} to {args.export} ({_size(size)}, dynamic batch); "
-          f"max abs difference from the eager network {worst:.3g} at batch sizes {sizes}",
-          flush=True)
+    say(f"exported {EXPORT_KINDS[suffix]} to {args.export} ({_size(size)}, dynamic batch); "
+        f"max abs difference from the eager network {worst:.3g} at batch sizes {sizes}")
     if suffix == ".onnx":
         compare_onnx(args, net, val_set, train_set, config, batch_size, report, metadata)
     return 0

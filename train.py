@@ -13,11 +13,13 @@ and stopping are decided in plain sight. Everything else is one hop away:
     the training step (forward, backward, optimizer step)    engine.steps
     validation                                               engine.evaluate
     a flag: its definition, default and checks               config.py
-    checkpoint write / resume point / restore                Saver, restore below;
-                                                             checkpoint.py for the files
+    checkpoint writes                                        checkpoint.Saver
+    the resume point, and restoring it                       train / restore below
+    every metric's name, the epoch record and its line       metrics.py
     TensorBoard, metrics.jsonl, config.yaml, summary.txt     runlog.RunLog
     processes, devices, AMP dtype, seeds, signals            runtime.py
-    datasets, the seeded sampler, loaders                    data.py
+    datasets, the seeded sampler, per-sample loaders         data.py
+    data held and augmented on the device                    device_data.py
 """
 
 import signal
@@ -38,13 +40,15 @@ import torch.distributed as dist
 
 import checkpoint
 import data
+import device_data
 import engine
+import metrics
 import ops
 import recipes
 import runlog
 import runtime
 from checkpoint import Kind
-from config import check_config, merge_resumed_config, parse_config
+from config import check_config, merge_resumed_config, parse_config, with_defaults
 from losses import build_criterion
 from networks import build_network
 from ops import RunFailed, UserError
@@ -91,7 +95,8 @@ def train(argv, stop):
     with runlog.RunDirectory(run_dir, is_main=runtime.process_rank() == 0) as directory:
         if config["resume"] == "auto":
             resume_path, saved = checkpoint.find_latest(run_dir, warn=runtime.main_print)
-        if saved is not None:
+        if saved is not None:  # flags added since the checkpoint was written: their defaults
+            saved["config"] = with_defaults(saved["config"])
             config = merge_resumed_config(saved["config"], config, explicit)
         config = {**config, "run_dir": run_dir}
         check_config(config)
@@ -115,6 +120,8 @@ class Training:
     run_log: runlog.RunLog
     val_loader: torch.utils.data.DataLoader
     datasets: tuple               # (train, val)
+    flops_per_sample: int         # forward + backward, for the TFLOP/s figure
+    peak_tflops: float            # the GPU's datasheet peak (for MFU), or None
 
 
 def fit(config, argv, resume_path, saved, directory, stop):
@@ -139,7 +146,9 @@ def fit(config, argv, resume_path, saved, directory, stop):
     criterion = build_criterion(config)
     optimizer = build_optimizer(net, config)
     ema = recipes.build_ema(config, net)  # --ema-decay: None when off
-    loop = build_loop(config, procs, net, train_set, sampler)
+    loop = build_loop(config, procs, train_set, sampler)
+    flops = ops.train_flops_per_sample(  # before the restore: it must not touch the RNG
+        net, (train_set.in_channels, train_set.image_size, train_set.image_size), procs.device)
 
     state = engine.TrainState()
     if saved is not None:  # weights, EMA, optimizer, scaler, position, RNG of the saved step
@@ -151,13 +160,14 @@ def fit(config, argv, resume_path, saved, directory, stop):
         run_log.first_batch(train_set, sampler)
     saver = checkpoint.Saver(directory.path, config, net, optimizer, loop.scaler, state,
                              procs, last_saved=resume_path, ema=ema)
-    t = Training(config, procs, net, model, optimizer, ema, loop, state,
-                 engine.LossMeter(loop.counters, procs.world_size), saver, run_log,
-                 val_loader, (train_set, val_set))
+    training = Training(config, procs, net, model, optimizer, ema, loop, state,
+                        engine.LossMeter(loop.counters, procs.world_size), saver, run_log,
+                        val_loader, (train_set, val_set), flops,
+                        peak_tflops(procs.device, loop.amp_dtype))
     log(f"training {config['network']} on {config['dataset']} ({len(train_set)} samples, "
         f"{procs.world_size} process(es), {procs.device}) into {directory.path}")
     try:
-        ended, final = run_epochs(t, train_loader, criterion, stop)
+        ended, final = run_epochs(training, train_loader, criterion, stop)
     finally:  # also when the run fails
         data.shutdown_loader(train_loader)
         data.shutdown_loader(val_loader)
@@ -187,57 +197,58 @@ class Ended(enum.Enum):
     SIGNAL = "a signal"
 
 
-def run_epochs(t, train_loader, criterion, stop):
+def run_epochs(training, train_loader, criterion, stop):
     """The epoch and step loops: when to log, checkpoint and stop is decided here.
 
     Returns:
         ``(ended, final)``: an ``Ended`` value and the last validation figures.
     """
-    config, state, sampler = t.config, t.state, train_loader.batch_sampler
+    config, state, sampler = training.config, training.state, train_loader.batch_sampler
     final, ended = {}, Ended.ALL_EPOCHS
     for epoch in range(state.epoch, config["epochs"]):
-        if stop.agreed(t.procs):  # a signal that came between steps (set-up, validation)
-            save(t, Kind.STOP)
+        if stop.agreed(training.procs):  # a signal between steps (set-up, validation)
+            save(training, Kind.STOP)
             return Ended.SIGNAL, final
         if (epoch, state.epoch_samples) == unfreeze_point(config):
-            names = unfreeze_into(t.net, t.optimizer, config)
-            engine.set_lr(t.optimizer, t.loop.lr_factor(state.step))
+            names = unfreeze_into(training.net, training.optimizer, config)
+            engine.set_lr(training.optimizer, training.loop.lr_factor(state.step))
             runtime.main_print(f"epoch {epoch + 1}: unfroze {len(names)} parameter tensors")
         sampler.set_epoch(epoch, state.epoch_samples)
-        t.loop.timer.reset()
-        t.meter.restart(state.step)
-        with t.run_log.progress(epoch, config["epochs"], len(sampler)) as bar, \
-                contextlib.closing(engine.steps(t.model, train_loader, t.optimizer, criterion,
-                                                t.loop, state, bar)) as steps:
+        training.loop.timer.reset()
+        training.meter.restart(state.step)
+        with training.run_log.progress(epoch, config["epochs"], len(sampler)) as bar, \
+                contextlib.closing(engine.steps(training.model, train_loader,
+                                                training.optimizer, criterion, training.loop,
+                                                state, bar)) as steps:
             for step in steps:
-                if t.ema is not None:
-                    t.ema.update(t.net, step)  # the moving average, after every step
-                t.saver.poll()  # a checkpoint write that failed in the background
-                if stop.agreed(t.procs):
+                if training.ema is not None:
+                    training.ema.update(training.net, step)  # the average, after every step
+                training.saver.poll()  # a checkpoint write that failed in the background
+                if stop.agreed(training.procs):
                     ended = Ended.SIGNAL
                 elif config["max_steps"] and step >= config["max_steps"]:
                     ended = Ended.MAX_STEPS
                 if step % config["log_every"] == 0 or ended is not Ended.ALL_EPOCHS:
-                    log_train(t, bar)
-                elif t.procs.world_size == 1 and bar.due():
-                    show(t, bar)  # at most twice a second (no collectives: one process)
+                    log_train(training, bar)
+                elif training.procs.world_size == 1 and bar.due():
+                    show(training, bar)  # at most twice a second (no collectives: one process)
                 epoch_done = state.epoch_samples >= sampler.size  # finish_epoch saves then
                 if ended is Ended.SIGNAL:
-                    save(t, Kind.STOP)
+                    save(training, Kind.STOP)
                 elif config["ckpt_every_steps"] and step % config["ckpt_every_steps"] == 0 \
                         and not epoch_done:
-                    save(t, Kind.STEP)
+                    save(training, Kind.STEP)
                 if ended is not Ended.ALL_EPOCHS:
                     break
-            if t.meter.pending(state):  # every epoch ends its loss curve, however short
-                log_train(t, bar)
+            if training.meter.pending(state):  # every epoch ends its loss curve, however short
+                log_train(training, bar)
         if state.epoch_samples >= sampler.size:  # the epoch is complete
-            final = finish_epoch(t, epoch)
+            final = finish_epoch(training, epoch)
         if ended is not Ended.ALL_EPOCHS:
             break
     if ended is Ended.MAX_STEPS and state.epoch_samples:  # stopped inside an epoch
-        final = validate(t)
-        save(t, Kind.STOP)
+        final = validate(training)
+        save(training, Kind.STOP)
         runtime.main_print(f"--max-steps {config['max_steps']} reached at step {state.step}: "
                            f"val_acc {final['val_acc']:.4f}")
     return ended, final
@@ -245,60 +256,63 @@ def run_epochs(t, train_loader, criterion, stop):
 
 # ----------------------------------------------------------- logging, saving, epochs
 
-def collect(t):
-    """Reads the loss counters (one sync); after --max-nonfinite bad losses, stops the run.
+def read_losses(training):
+    """Moves the loss counters into the run state (one sync); after --max-nonfinite bad
+    losses in a row, stops the run.
 
     Returns:
         How many of the latest losses in a row were not finite (0: the last was fine).
     """
-    streak, worst = t.meter.collect(t.state)
-    if worst >= t.config["max_nonfinite"]:
+    streak, worst = training.meter.collect(training.state)
+    if worst >= training.config["max_nonfinite"]:
         raise RunFailed(
-            f"the loss was not finite for {worst} steps in a row (at step {t.state.step}); "
-            f"lower --lr, add --grad-clip, or try --amp bf16. The last good checkpoint is "
-            f"{t.saver.last_saved or 'none'}")
+            f"the loss was not finite for {worst} steps in a row (at step "
+            f"{training.state.step}); lower --lr, add --grad-clip, or try --amp bf16. The last "
+            f"good checkpoint is {training.saver.last_saved or 'none'}")
     return streak
 
 
-def show(t, bar, log_step=False):
+def show(training, bar, log_step=False):
     """Loss, samples/s and compute efficiency since the last log, on the progress bar."""
-    collect(t)
-    data_t, compute_t, _ = t.loop.timer.totals()
-    bar.show(t.meter.mean(), t.meter.rate(), engine.efficiency(data_t, compute_t), log_step)
+    read_losses(training)
+    data_t, compute_t, _ = training.loop.timer.totals()
+    bar.show(training.meter.mean(), training.meter.rate(),
+             engine.efficiency(data_t, compute_t), log_step)
 
 
-def log_train(t, bar):
+def log_train(training, bar):
     """The training loss and learning rate since the last log, to TensorBoard and the bar."""
-    show(t, bar, log_step=True)
-    scalars = {"train/loss": t.meter.mean(), "train/lr": t.optimizer.param_groups[0]["lr"]}
-    if t.loop.scaler.is_enabled():
-        scalars["train/scaler_skips"] = t.state.scaler_skips
-    t.run_log.scalars(scalars, t.state.step)
-    t.meter.restart(t.state.step)
+    show(training, bar, log_step=True)
+    skips = training.state.scaler_skips if training.loop.scaler.is_enabled() else None
+    training.run_log.scalars(metrics.train_scalars(
+        training.meter.mean(), training.optimizer.param_groups[0]["lr"], skips),
+        training.state.step)
+    training.meter.restart(training.state.step)
 
 
-def save(t, kind, best=False):
+def save(training, kind, best=False):
     """Checkpoints the state after the last optimizer step, unless its loss was not finite."""
-    if collect(t):
-        t.saver.check_weights()  # non-finite weights stop the run even when no save is due
-        runtime.main_print(f"not saving at step {t.state.step}: the last loss was not finite")
+    if read_losses(training):
+        training.saver.check_weights()  # non-finite weights stop the run even so
+        runtime.main_print(f"not saving at step {training.state.step}: the last loss was "
+                           f"not finite")
         return
-    t.saver.save(kind, best)  # checks the weights first
+    training.saver.save(kind, best)  # checks the weights first
 
 
-def validate(t):
-    """Evaluates on the validation set and logs ``val/loss`` and ``val/acc``; with
-    --ema-decay, the moving average too (``val_ema/loss``, ``val_ema/acc``)."""
-    classes, tta = t.datasets[0].num_classes, use_tta(t.config)
-    result = engine.evaluate(t.model, t.val_loader, t.loop, classes, tta=tta)
-    scalars = {"val/loss": result["loss"], "val/acc": result["acc"]}
-    figures = {"val_loss": result["loss"], "val_acc": result["acc"]}
-    if t.ema is not None:
-        t.ema.sync_buffers()  # BatchNorm statistics differ between DDP processes: rank 0's
-        ema = engine.evaluate(t.ema.module, t.val_loader, t.loop, classes, tta=tta)
-        scalars.update({"val_ema/loss": ema["loss"], "val_ema/acc": ema["acc"]})
-        figures.update(val_loss_ema=ema["loss"], val_acc_ema=ema["acc"])
-    t.run_log.scalars(scalars, t.state.step)
+def validate(training):
+    """Evaluates on the validation set (with --ema-decay, the moving average too) and logs
+    the figures (``metrics.validation_figures``); returns them."""
+    classes, tta = training.datasets[0].num_classes, use_tta(training.config)
+    result = engine.evaluate(training.model, training.val_loader, training.loop, classes,
+                             tta=tta)
+    ema = None
+    if training.ema is not None:
+        training.ema.sync_buffers()  # BatchNorm statistics differ between DDP processes
+        ema = engine.evaluate(training.ema.module, training.val_loader, training.loop,
+                              classes, tta=tta)
+    figures = metrics.validation_figures(result, ema)
+    training.run_log.scalars(metrics.validation_scalars(figures), training.state.step)
     return figures
 
 
@@ -307,37 +321,29 @@ def use_tta(config):
     return config["tta"] == "flip" and data.mirror_keeps_class(config["dataset"])
 
 
-def finish_epoch(t, epoch):
+def finish_epoch(training, epoch):
     """Validates (when due), logs the epoch, saves last.pt (and best.pt)."""
-    config, state = t.config, t.state
-    data_t, compute_t, wall = t.loop.timer.totals()
-    unreadable = sum(dataset.unreadable_count() for dataset in t.datasets)  # skipped
+    config, state = training.config, training.state
+    times = training.loop.timer.totals()
+    unreadable = sum(dataset.unreadable_count() for dataset in training.datasets)  # skipped
     loss_sum, loss_count, unreadable = ops.sum_over_processes(
-        [state.loss_sum, state.loss_count, unreadable], t.loop.device, t.procs.world_size)
+        [state.loss_sum, state.loss_count, unreadable], training.loop.device,
+        training.procs.world_size)
     state.epoch += 1
-    record = {"epoch": state.epoch, "step": state.step,
-              "train_loss": loss_sum / loss_count if loss_count else float("nan"),
-              "lr": t.optimizer.param_groups[0]["lr"],
-              "compute_efficiency": engine.efficiency(data_t, compute_t),
-              "data_time": data_t, "compute_time": compute_t, "epoch_time": wall,
-              "samples_per_sec": state.epoch_samples / max(wall, 1e-9)}
-    record["tflops"] = t.loop.flops_per_sample * record["samples_per_sec"] / 1e12
-    if t.loop.peak_tflops:
-        record["mfu"] = record["tflops"] / t.loop.peak_tflops
-    if unreadable:
-        record["unreadable_images"] = int(unreadable)
+    record = metrics.epoch_record(
+        state.epoch, state.step, loss_sum, loss_count, training.optimizer.param_groups[0]["lr"],
+        times, state.epoch_samples, training.flops_per_sample, training.peak_tflops,
+        unreadable)
     best = False
     if state.epoch % config["eval_every"] == 0 or state.epoch == config["epochs"]:
-        record.update(validate(t))
-        acc = record["val_acc_ema" if t.ema is not None else "val_acc"]  # best.pt follows it
-        best = acc > state.best_val_acc
-        state.best_val_acc = max(state.best_val_acc, acc)
+        record.update(validate(training))
+        best = metrics.best_metric(record) > state.best_val_acc
+        state.best_val_acc = max(state.best_val_acc, metrics.best_metric(record))
     state.epoch_samples, state.loss_sum, state.loss_count = 0, 0.0, 0
-    t.run_log.epoch(record)
-    save(t, Kind.EPOCH, best)
-    runtime.main_print(runlog.epoch_line(record, config))
-    return {k: record[k] for k in ("train_loss", "val_loss", "val_acc", "val_loss_ema",
-                                   "val_acc_ema") if k in record}
+    training.run_log.epoch(record)
+    save(training, Kind.EPOCH, best)
+    runtime.main_print(metrics.epoch_line(record, config))
+    return metrics.final_figures(record)
 
 
 # ------------------------------------------------------------------ config, run dir
@@ -390,7 +396,7 @@ def build_loaders(config, procs, train_set, val_set, sampler):
     tensors and whole batches are augmented there; otherwise DataLoader workers augment
     each sample. Both paths give the same batches.
     """
-    use, why = data.device_data_decision(config, train_set, val_set, procs.device)
+    use, why = device_data.device_data_decision(config, train_set, val_set, procs.device)
     if procs.world_size > 1:  # auto may differ between GPUs: one path for every process
         use = ops.sum_over_processes([int(use)], procs.device,
                                      procs.world_size)[0] == procs.world_size
@@ -399,7 +405,7 @@ def build_loaders(config, procs, train_set, val_set, sampler):
         memory_format = torch.channels_last if config["channels_last"] \
             else torch.contiguous_format
         return runtime.main_process_first(  # it builds an image folder's decoded cache
-            procs, data.build_device_loaders, config, train_set, val_set, sampler,
+            procs, device_data.build_device_loaders, config, train_set, val_set, sampler,
             procs.device, procs.rank, procs.world_size, memory_format,
             log=runtime.main_print)
     pin = procs.device.type == "cuda"
@@ -411,8 +417,8 @@ def build_loaders(config, procs, train_set, val_set, sampler):
     return train_loader, val_loader
 
 
-def build_loop(config, procs, net, train_set, sampler):
-    """The loop's fixed settings: accumulation, precision, LR schedule, timers, FLOPs."""
+def build_loop(config, procs, train_set, sampler):
+    """The loop's fixed settings: accumulation, precision, LR schedule, timers, mixing."""
     device = procs.device
     dtype = runtime.amp_dtype(config["amp"], device)
     accum = (config["virtual_batch_size"] or config["batch_size"]) // config["batch_size"]
@@ -420,11 +426,8 @@ def build_loop(config, procs, net, train_set, sampler):
     total_steps = steps_per_epoch * config["epochs"]
     if config["max_steps"]:
         total_steps = min(total_steps, config["max_steps"])
-    peak = None
-    if device.type == "cuda":
-        peak = ops.peak_tflops(torch.cuda.get_device_name(device), dtype is not None)
     return engine.LoopSettings(
-        device=device, epochs=config["epochs"], accum=accum, world_size=procs.world_size,
+        device=device, accum=accum, world_size=procs.world_size,
         amp_dtype=dtype, scaler=torch.amp.GradScaler(device.type,
                                                      enabled=dtype == torch.float16),
         grad_clip=config["grad_clip"], prefetch=config["prefetch"],
@@ -435,10 +438,14 @@ def build_loop(config, procs, net, train_set, sampler):
                                     schedule=config["scheduler"],
                                     warmup_steps=int(config["warmup_epochs"] * steps_per_epoch)),
         timer=engine.StepTimer(device), counters=engine.Counters(device),
-        mix=recipes.build_batch_mix(config, train_set.num_classes),
-        flops_per_sample=ops.train_flops_per_sample(
-            net, (train_set.in_channels, train_set.image_size, train_set.image_size), device),
-        peak_tflops=peak)
+        mix=recipes.build_batch_mix(config, train_set.num_classes))
+
+
+def peak_tflops(device, amp_dtype):
+    """The training GPU's datasheet peak in TFLOP/s (for MFU), or None where unknown."""
+    if device.type != "cuda":
+        return None
+    return ops.peak_tflops(torch.cuda.get_device_name(device), amp_dtype is not None)
 
 
 def build_model(config, train_set, device, world_size, log, resuming=False):
@@ -586,9 +593,9 @@ def restore(saved, path, net, ema, optimizer, scaler, state, config, procs):
     rngs = saved.get("rng_per_rank") or [saved["rng"]]
     checkpoint.set_rng_state(rngs[procs.rank] if len(rngs) == procs.world_size else rngs[0])
     before = saved["config"]  # --batch-size is per process: say so when the count changed
-    per_step = (before.get("virtual_batch_size") or before.get("batch_size", 0)) * len(rngs)
+    per_step = (before["virtual_batch_size"] or before["batch_size"]) * len(rngs)
     now = (config["virtual_batch_size"] or config["batch_size"]) * procs.world_size
-    if per_step and per_step != now:
+    if per_step != now:
         runtime.main_print(
             f"note: the checkpoint took {per_step} samples per optimizer step ({len(rngs)} "
             f"process(es)), this run takes {now} ({procs.world_size}); to continue the same "

@@ -11,7 +11,7 @@ horizontal flip drawn from (seed, epoch, index), scaled to floats and normalised
 - per-sample: ``data.build_loader`` over the SeededDataset with an EpochBatchSampler
   (persistent workers), each batch moved to ``--device`` as engine.steps does
   (pinned memory on CUDA);
-- device: ``data.DeviceLoader`` holding the set as one uint8 tensor on ``--device``,
+- device: ``device_data.DeviceLoader`` holding the set as one uint8 tensor on ``--device``,
   gathering, cropping, flipping and normalising whole batches there.
 
 Each configuration runs an untimed warmup epoch, then ``--repeats`` epochs (each a
@@ -35,6 +35,7 @@ from common import setup_device  # (puts the repository on the path)
 from torchvision import datasets as tv_datasets
 
 import data  # noqa: E402
+import device_data  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -94,8 +95,8 @@ class PerSample:
 class OnDevice:
     def __init__(self, dataset, sampler, device, memory_format):
         self.name, self.sampler = f"device ({device})", sampler
-        images, labels = data.source_tensors(dataset)
-        self.loader = data.DeviceLoader(dataset, images, labels, device,
+        images, labels = device_data.source_tensors(dataset)
+        self.loader = device_data.DeviceLoader(dataset, images, labels, device,
                                         batch_sampler=sampler, memory_format=memory_format)
         self.times = []
 

@@ -44,7 +44,9 @@ sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != HERE
 import torch  # noqa: E402
 
 import data  # noqa: E402
+import export  # noqa: E402
 import train  # noqa: E402
+from config import with_defaults  # noqa: E402
 
 FORMATS = (("eager", None), (".pt2", ".pt2"), (".ts", ".ts"), (".onnx", ".onnx"),
            ("int8 .onnx", ".onnx"))
@@ -108,7 +110,7 @@ def export_all(test_py, ckpt, stem, args):
                                          "--num-workers", "0", "--export", files[suffix]])
         assert code == 0, f"export {suffix} failed"
     files[".onnx"] = f"{stem}.onnx"
-    files["int8 .onnx"] = test_py.int8_path(files[".onnx"])
+    files["int8 .onnx"] = export.int8_path(files[".onnx"])
     report_path = f"{stem}.json"
     code, _ = quietly(test_py.main, [
         "--checkpoint", ckpt, "--device", "cpu", "--num-workers", "0", "--export",
@@ -121,12 +123,11 @@ def export_all(test_py, ckpt, stem, args):
 
 def measure(test_py, network, ckpt, files, batches):
     state = test_py.load_training_checkpoint(ckpt)
-    config = dict(state["config"])
+    config = with_defaults(state["config"])
     _, val_set = data.build_datasets(config)
     net = test_py.load_network(state, config, val_set, ckpt)
     shape = (val_set.in_channels, val_set.image_size, val_set.image_size)
-    loaders = {".pt2": test_py._load_pt2, ".ts": test_py._load_ts,
-               ".onnx": test_py._load_onnx}
+    loaders = {suffix: load for suffix, (_, load) in export.EXPORTERS.items()}
     rows = []
     for name, suffix in FORMATS:
         if suffix is None:

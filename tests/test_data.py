@@ -12,6 +12,7 @@ from PIL import Image
 
 import data
 import train
+from config import with_defaults
 from ops import UserError
 
 
@@ -68,8 +69,8 @@ BAD = {
 
 
 def config(root, **extra):
-    return {"dataset": "imagefolder", "data_dir": str(root), "seed": 0, "augment": True,
-            "image_size": 16, **extra}
+    return with_defaults({"dataset": "imagefolder", "data_dir": str(root), "seed": 0,
+                          "augment": True, "image_size": 16, **extra})
 
 
 def load_all(dataset, workers, train_order=True):
@@ -144,9 +145,9 @@ def test_a_set_without_any_readable_image_is_a_user_error(tmp_path):
 
 
 def test_tensor_sets_count_no_unreadable_files():
-    train_set, val_set = data.build_datasets(
+    train_set, val_set = data.build_datasets(with_defaults(
         {"dataset": "synthetic", "data_dir": "x", "seed": 0, "image_size": 8,
-         "augment": False, "synthetic_size": 8, "num_classes": 2})
+         "augment": False, "synthetic_size": 8, "num_classes": 2}))
     assert train_set.unreadable_count() == val_set.unreadable_count() == 0
 
 
@@ -199,8 +200,8 @@ def test_two_classes_do_not_warn(tmp_path, capfd):
 
 
 def test_augmentation_depends_on_seed_epoch_and_index_only():
-    cfg = {"dataset": "synthetic", "data_dir": "x", "seed": 0, "augment": True,
-           "image_size": 16, "synthetic_size": 64, "num_classes": 4}
+    cfg = with_defaults({"dataset": "synthetic", "data_dir": "x", "seed": 0, "augment": True,
+                         "image_size": 16, "synthetic_size": 64, "num_classes": 4})
     a, _ = data.build_datasets(cfg)
     b, _ = data.build_datasets(cfg)
     rng = torch.get_rng_state()

@@ -22,8 +22,10 @@ from PIL import Image
 from torchvision.transforms import v2
 
 import data
+import device_data
 import engine
 import networks
+from config import with_defaults
 from ops import UserError
 
 # ------------------------------------------------------------------- sources on disk
@@ -107,9 +109,10 @@ def make_config(tmp_path, name, augment=True, seed=5, **extra):
         write_mnist(tmp_path, "MNIST" if name == "mnist" else "FashionMNIST")
     elif name == "imagefolder":
         write_folder(tmp_path)
-    return {"dataset": name, "data_dir": str(tmp_path), "seed": seed, "augment": augment,
-            "image_size": 16 if name == "imagefolder" else 12, "synthetic_size": 40,
-            "num_classes": 4, "batch_size": 8, "num_workers": 0, **extra}
+    return with_defaults({"dataset": name, "data_dir": str(tmp_path), "seed": seed,
+                          "augment": augment, "image_size": 16 if name == "imagefolder" else 12,
+                          "synthetic_size": 40, "num_classes": 4, "batch_size": 8,
+                          "num_workers": 0, **extra})
 
 
 def per_sample(dataset, sampler=None, indices=None, batch_size=None):
@@ -184,8 +187,8 @@ def test_sample_crop_needs_the_key_of_a_seeded_dataset():
 
 def test_per_sample_crop_and_flip_follow_the_hash():
     # The per-sample path's crop is zero padding and a slice at the hashed offset.
-    cfg = {"dataset": "synthetic", "data_dir": "x", "seed": 9, "augment": True,
-           "image_size": 8, "synthetic_size": 32, "num_classes": 2}
+    cfg = with_defaults({"dataset": "synthetic", "data_dir": "x", "seed": 9, "augment": True,
+                         "image_size": 8, "synthetic_size": 32, "num_classes": 2})
     train_set, _ = data.build_datasets(cfg)
     rng = torch.get_rng_state()
     for index in range(32):
@@ -226,7 +229,7 @@ def test_both_paths_give_the_same_batches(tmp_path, cifar_integrity, name, augme
     cfg = make_config(tmp_path, name, augment)
     train_set, val_set = data.build_datasets(cfg)
     sampler = data.EpochBatchSampler(len(train_set), 8, cfg["seed"])
-    train_loader, val_loader = data.build_device_loaders(cfg, train_set, val_set, sampler,
+    train_loader, val_loader = device_data.build_device_loaders(cfg, train_set, val_set, sampler,
                                                          "cpu", log=lambda line: None)
     for epoch, start in [(0, 0), (3, 0), (2, 8)]:  # and mid-epoch, as after a resume
         sampler.set_epoch(epoch, start)
@@ -253,7 +256,7 @@ def test_batches_come_in_the_requested_memory_format(tmp_path, cifar_integrity, 
     train_set, val_set = data.build_datasets(cfg)
     sampler = data.EpochBatchSampler(len(train_set), 8, cfg["seed"])
     sampler.set_epoch(1)
-    loaders = data.build_device_loaders(cfg, train_set, val_set, sampler, "cpu",
+    loaders = device_data.build_device_loaders(cfg, train_set, val_set, sampler, "cpu",
                                         memory_format=torch.channels_last)
     expected = per_sample(train_set, sampler)
     for loader in loaders:
@@ -269,10 +272,10 @@ def test_processes_gather_their_share_of_each_global_batch(cifar_integrity, tmp_
     single = data.EpochBatchSampler(len(train_set), 32, 5)
     ranks = [data.EpochBatchSampler(len(train_set), 16, 5, rank=r, world_size=2)
              for r in (0, 1)]
-    loaders = [data.build_device_loaders(cfg, train_set, val_set, s, "cpu", rank=r,
+    loaders = [device_data.build_device_loaders(cfg, train_set, val_set, s, "cpu", rank=r,
                                          world_size=2, log=lambda line: None)
                for r, s in enumerate([*ranks])]
-    whole = data.build_device_loaders(cfg, train_set, val_set, single, "cpu")[0]
+    whole = device_data.build_device_loaders(cfg, train_set, val_set, single, "cpu")[0]
     for s in (single, *ranks):
         s.set_epoch(2)
     shares = [list(train) for train, _ in loaders]
@@ -296,7 +299,7 @@ def test_a_short_last_global_batch_gives_a_stand_in(tmp_path):
         for rank in range(world):
             sampler = data.EpochBatchSampler(len(train_set), 13, 5, rank=rank,
                                              world_size=world)
-            loader = data.build_device_loaders(cfg, train_set, val_set, sampler, "cpu")[0]
+            loader = device_data.build_device_loaders(cfg, train_set, val_set, sampler, "cpu")[0]
             assert_batches_equal(per_sample(train_set, sampler), list(loader))
             assert [len(y) for _, y in loader] == [max(local, 1)
                                                    for _, local in sampler.plan()]
@@ -316,7 +319,7 @@ def test_training_on_both_paths_gives_the_same_weights(tmp_path, accum):
             group["base_lr"] = 0.1
         sampler = data.EpochBatchSampler(len(train_set), 8, cfg["seed"])
         if device_path:
-            loader = data.build_device_loaders(cfg, train_set, val_set, sampler, "cpu")[0]
+            loader = device_data.build_device_loaders(cfg, train_set, val_set, sampler, "cpu")[0]
         else:
             loader = data.build_loader(train_set, batch_sampler=sampler)
         device = torch.device("cpu")
@@ -339,17 +342,17 @@ def test_the_decision_off_auto_and_on_on_the_cpu(tmp_path):
     cfg = make_config(tmp_path, "synthetic", num_workers=2)
     train_set, val_set = data.build_datasets(cfg)
     cpu = torch.device("cpu")
-    use, why = data.device_data_decision({**cfg, "data_on_device": "off"}, train_set,
+    use, why = device_data.device_data_decision({**cfg, "data_on_device": "off"}, train_set,
                                          val_set, cpu)
     assert not use and why == "data path: per-sample DataLoader, 2 workers " \
                               "(--data-on-device off)"
-    use, why = data.device_data_decision({**cfg, "data_on_device": "auto"}, train_set,
+    use, why = device_data.device_data_decision({**cfg, "data_on_device": "auto"}, train_set,
                                          val_set, cpu)
     assert not use and "CUDA devices only" in why and "\n" not in why
-    use, why = data.device_data_decision({**cfg, "data_on_device": "on"}, train_set,
+    use, why = device_data.device_data_decision({**cfg, "data_on_device": "on"}, train_set,
                                          val_set, cpu)
     assert use and why.startswith("data path: on cpu: synthetic as float32 tensors")
-    assert data.device_data_decision(cfg, train_set, val_set, cpu)[0] is False  # no key
+    assert device_data.device_data_decision(cfg, train_set, val_set, cpu)[0] is False  # auto
 
 
 def test_the_decision_on_cuda_follows_free_memory(tmp_path, cifar_integrity, monkeypatch):
@@ -359,15 +362,15 @@ def test_the_decision_on_cuda_follows_free_memory(tmp_path, cifar_integrity, mon
     cuda = torch.device("cuda:0")
     for free, expected in [(4 * need, True), (4 * need - 1, False)]:
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, f=free: (f, 2 * f))
-        use, why = data.device_data_decision(cfg, train_set, val_set, cuda)
+        use, why = device_data.device_data_decision(cfg, train_set, val_set, cuda)
         assert use is expected, why
         assert ("uint8" in why) and ("cuda:0" in why)
-    use, _ = data.device_data_decision({**cfg, "data_on_device": "on"}, train_set, val_set,
+    use, _ = device_data.device_data_decision({**cfg, "data_on_device": "on"}, train_set, val_set,
                                        cuda)  # more than a quarter: on still takes it
     assert use
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (need - 1, 10 * need))
     with pytest.raises(UserError, match="do not fit"):
-        data.device_data_decision({**cfg, "data_on_device": "on"}, train_set, val_set, cuda)
+        device_data.device_data_decision({**cfg, "data_on_device": "on"}, train_set, val_set, cuda)
 
 
 def test_an_augmentation_the_device_cannot_do(tmp_path, monkeypatch):
@@ -375,19 +378,19 @@ def test_an_augmentation_the_device_cannot_do(tmp_path, monkeypatch):
     # path, and makes on a clear error.
     cfg = {**make_config(tmp_path, "synthetic"), "random_erase": 0.5}
     train_set, val_set = data.build_datasets(cfg)
-    use, why = data.device_data_decision({**cfg, "data_on_device": "auto"}, train_set,
+    use, why = device_data.device_data_decision({**cfg, "data_on_device": "auto"}, train_set,
                                          val_set, torch.device("cpu"))
     assert not use
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2**40, 2**40))
-    use, why = data.device_data_decision({**cfg, "data_on_device": "auto"}, train_set,
+    use, why = device_data.device_data_decision({**cfg, "data_on_device": "auto"}, train_set,
                                          val_set, torch.device("cuda"))
     assert not use and "RandomErasing" in why
     with pytest.raises(UserError, match="--data-on-device on: the device path cannot "
                                         "apply RandomErasing"):
-        data.device_data_decision({**cfg, "data_on_device": "on"}, train_set, val_set,
+        device_data.device_data_decision({**cfg, "data_on_device": "on"}, train_set, val_set,
                                   torch.device("cpu"))
     with pytest.raises(UserError, match="RandomErasing"):
-        data.build_device_loaders(cfg, train_set, val_set,
+        device_data.build_device_loaders(cfg, train_set, val_set,
                                   data.EpochBatchSampler(40, 8, 0), "cpu")
 
 
@@ -397,7 +400,7 @@ def folder_loaders(cfg, log):
     train_set, val_set = data.build_datasets(cfg)
     sampler = data.EpochBatchSampler(len(train_set), 4, cfg["seed"])
     sampler.set_epoch(1)
-    loaders = data.build_device_loaders(cfg, train_set, val_set, sampler, "cpu", log=log)
+    loaders = device_data.build_device_loaders(cfg, train_set, val_set, sampler, "cpu", log=log)
     return train_set, val_set, sampler, loaders
 
 
@@ -424,8 +427,8 @@ def test_the_cache_is_built_once_then_reused(tmp_path):
     train_set, val_set = check_against_per_sample(cfg, lines.append)
     assert len(lines) == 2 and all(line.endswith("reused") for line in lines), lines
     assert sorted(os.listdir(cache)) == files
-    use, why = data.device_data_decision({**cfg, "data_on_device": "on"}, train_set, val_set,
-                                         torch.device("cpu"))
+    use, why = device_data.device_data_decision({**cfg, "data_on_device": "on"}, train_set,
+                                                val_set, torch.device("cpu"))
     assert use and f"imagefolder as uint8 tensors (0.0 MiB) decoded once into {cache}" in why
 
 
@@ -463,7 +466,7 @@ def test_a_changed_folder_rebuilds_its_cache(tmp_path, change):
 def test_an_interrupted_build_leaves_no_cache_to_trust(tmp_path, monkeypatch):
     cfg = make_config(tmp_path, "imagefolder")
     calls = 0
-    original = data._Decoded.__getitem__
+    original = device_data._Decoded.__getitem__
 
     def failing(self, index):
         nonlocal calls
@@ -472,11 +475,11 @@ def test_an_interrupted_build_leaves_no_cache_to_trust(tmp_path, monkeypatch):
             raise KeyboardInterrupt  # Ctrl-C in the middle of the build
         return original(self, index)
 
-    monkeypatch.setattr(data._Decoded, "__getitem__", failing)
+    monkeypatch.setattr(device_data._Decoded, "__getitem__", failing)
     with pytest.raises(KeyboardInterrupt):
         folder_loaders(cfg, lambda line: None)
     assert os.listdir(tmp_path / ".cache") == []  # the temporary file is gone too
-    monkeypatch.setattr(data._Decoded, "__getitem__", original)
+    monkeypatch.setattr(device_data._Decoded, "__getitem__", original)
     lines = []
     check_against_per_sample(cfg, lines.append)
     assert all("built in" in line for line in lines)
@@ -486,13 +489,14 @@ KILLED_BUILD = """
 import sys, time
 sys.path.insert(0, {root!r})
 import data
-original = data._Decoded.__getitem__
+import device_data
+original = device_data._Decoded.__getitem__
 def slow(self, index):
     time.sleep(0.2)
     return original(self, index)
-data._Decoded.__getitem__ = slow
+device_data._Decoded.__getitem__ = slow
 train_set, _ = data.build_datasets({cfg!r})
-data.source_tensors(train_set, {cache!r})
+device_data.source_tensors(train_set, {cache!r})
 """
 
 
@@ -558,13 +562,13 @@ def test_the_fingerprint_covers_paths_sizes_and_times(tmp_path):
     write_folder(tmp_path)
     folder = data.SafeImageFolder(str(tmp_path / "train"))
     front = v2.Compose([v2.ToImage(), v2.Resize((16, 16), antialias=True)])
-    first = data.folder_fingerprint(folder, front)
-    assert data.folder_fingerprint(folder, front) == first
+    first = device_data.folder_fingerprint(folder, front)
+    assert device_data.folder_fingerprint(folder, front) == first
     other = v2.Compose([v2.ToImage(), v2.Resize((12, 12), antialias=True)])
-    assert data.folder_fingerprint(folder, other) != first
+    assert device_data.folder_fingerprint(folder, other) != first
     os.rename(tmp_path / "train" / "a" / "0.jpg", tmp_path / "train" / "a" / "9.jpg")
     moved = data.SafeImageFolder(str(tmp_path / "train"))
-    assert data.folder_fingerprint(moved, front) != first
+    assert device_data.folder_fingerprint(moved, front) != first
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -576,8 +580,8 @@ def test_cuda_batches_match_the_cpu(tmp_path, cifar_integrity, name):
     train_set, val_set = data.build_datasets(cfg)
     sampler = data.EpochBatchSampler(len(train_set), 8, cfg["seed"])
     sampler.set_epoch(1)
-    cpu = data.build_device_loaders(cfg, train_set, val_set, sampler, "cpu")
-    cuda = data.build_device_loaders(cfg, train_set, val_set, sampler, "cuda",
+    cpu = device_data.build_device_loaders(cfg, train_set, val_set, sampler, "cpu")
+    cuda = device_data.build_device_loaders(cfg, train_set, val_set, sampler, "cuda",
                                      memory_format=torch.channels_last)
     for a, b in zip(cpu, cuda):
         for (x0, y0), (x1, y1) in zip(a, b):

@@ -17,6 +17,7 @@ from test_train import write_image_folder
 
 import checkpoint
 import data
+import export
 from networks import build_network
 
 
@@ -146,15 +147,16 @@ def test_pt2_of_a_channels_last_run_is_plain_contiguous(cnn_channels_last_run, t
         torch.testing.assert_close(program.module()(x), net(x), rtol=1e-4, atol=1e-5)
 
 
-def test_outputs_that_differ_exit_1_and_keep_the_old_file(mlp_run, tmp_path, capsys):
+def test_outputs_that_differ_exit_1_and_keep_the_old_file(mlp_run, tmp_path, capsys,
+                                                          monkeypatch):
     test_py = _test_py()
-    save, real_load = test_py.EXPORTERS[".ts"]
+    save, real_load = export.EXPORTERS[".ts"]
 
     def off_by_a_bit(path):
         module = real_load(path)
         return lambda x: module(x) + 1e-2
 
-    test_py.EXPORTERS[".ts"] = (save, off_by_a_bit)
+    monkeypatch.setitem(export.EXPORTERS, ".ts", (save, off_by_a_bit))
     out = tmp_path / "model.ts"
     out.write_bytes(b"an older artifact")
     assert _export(mlp_run, out, module=test_py) == 1
@@ -223,7 +225,7 @@ def test_ts_is_frozen_and_optimized_for_inference_when_loaded(cnn_run, tmp_path)
         kinds = {node.kind() for node in saved.graph.nodes()}
         assert "aten::batch_norm" not in kinds  # frozen: BatchNorm folded into the convs
         assert not hasattr(saved, "features")  # frozen: no submodules or parameters left
-        loaded = load_test_py()._load_ts(str(out))  # what test.py checked and evaluates
+        loaded = export._load_ts(str(out))  # what test.py checked and evaluates
     net, side = _eager(cnn_run)
     with torch.no_grad():
         x = torch.randn(3, 3, side, side)
@@ -418,15 +420,15 @@ def test_model_flag_refuses_data_the_file_was_not_made_for(folder_int8, cnn_int8
                     "the data has [cat, dog, fox] (3) (check --data-dir)")
 
 
-def test_accuracy_drop_beyond_the_limit_is_a_warning(mlp_run, tmp_path, capsys):
+def test_accuracy_drop_beyond_the_limit_is_a_warning(mlp_run, tmp_path, capsys, monkeypatch):
     test_py = _test_py()
-    real_load = test_py._load_onnx
+    real_load = export.load_onnx
 
     def worse_int8(path):  # the int8 file's predictions moved to the next class
         run = real_load(path)
         return (lambda x: run(x).roll(1, dims=1)) if path.endswith(".int8.onnx") else run
 
-    test_py._load_onnx = worse_int8
+    monkeypatch.setattr(export, "load_onnx", worse_int8)
     code = _export(mlp_run, tmp_path / "model.onnx", "--quantize", "int8",
                    "--max-accuracy-drop", "0.05", "--json", str(tmp_path / "r.json"),
                    module=test_py)
@@ -434,8 +436,8 @@ def test_accuracy_drop_beyond_the_limit_is_a_warning(mlp_run, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("warning: the int8 file's accuracy is"), err
     assert "quantization-aware training" in err[0] and "--max-accuracy-drop 0.05" in err[0]
-    export = json.loads((tmp_path / "r.json").read_text())["export"]
-    assert export["accuracy_warning"] is True and export["accuracy_drop"] > 0.05
+    summary = json.loads((tmp_path / "r.json").read_text())["export"]
+    assert summary["accuracy_warning"] is True and summary["accuracy_drop"] > 0.05
 
 
 def test_static_quantization_that_fails_is_one_line_exit_1(mlp_run, tmp_path, monkeypatch,
@@ -456,13 +458,14 @@ def test_static_quantization_that_fails_is_one_line_exit_1(mlp_run, tmp_path, mo
     assert _leftovers(tmp_path) == []
 
 
-def test_full_disk_while_writing_int8_keeps_the_old_file(mlp_run, tmp_path, capsys):
+def test_full_disk_while_writing_int8_keeps_the_old_file(mlp_run, tmp_path, capsys,
+                                                         monkeypatch):
     test_py = _test_py()
 
     def full(model, path, flag):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    test_py._save_and_try = full
+    monkeypatch.setattr(export, "_save_and_try", full)
     old = tmp_path / "model.int8.onnx"
     old.write_bytes(b"the previous int8 file")
     assert _export(mlp_run, tmp_path / "model.onnx", "--quantize", "int8",

@@ -17,7 +17,7 @@ import engine
 import layers
 import ops
 import train
-from config import parse_config
+from config import parse_config, with_defaults
 from networks import build_network
 
 CPU = torch.device("cpu")
@@ -37,8 +37,9 @@ def _one_thread():
 
 
 def _synthetic(size, image=8, augment=True):
-    config = {"dataset": "synthetic", "data_dir": "data", "seed": 0, "augment": augment,
-              "image_size": image, "synthetic_size": size, "num_classes": 10}
+    config = with_defaults({"dataset": "synthetic", "data_dir": "data", "seed": 0,
+                            "augment": augment, "image_size": image, "synthetic_size": size,
+                            "num_classes": 10})
     return data.build_datasets(config)[0]
 
 

@@ -299,10 +299,22 @@ def test_a_closed_stdout_pipe_does_not_stop_the_training(tmp_path):
     assert ckpt(tmp_path)["epoch"] == 2
 
 
+def _loading_torch(pid):
+    """Whether process ``pid`` has begun to map torch's libraries (train.py sets its Ctrl-C
+    handler before it imports torch)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return "torch" in f.read()
+    except OSError:
+        return False
+
+
 def test_ctrl_c_while_importing_exits_quietly_with_130(tmp_path):
     proc = subprocess.Popen([sys.executable, "train.py", *tiny_args(tmp_path)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(0.3)  # python is up, torch is still loading
+    deadline = time.monotonic() + 60  # python is up and torch is loading: its handler is set
+    while not _loading_torch(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130
