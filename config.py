@@ -41,11 +41,18 @@ def build_parser():
     """The command-line flags; YAML recipes use the same names with underscores."""
     p = OneLineParser(prog="train.py", description="Train an image classifier.",
                       formatter_class=_HelpFormatter)
-    add = p.add_argument
-    add("--config", default=None, help="YAML recipe; its keys are these flags' names "
-        "with underscores; flags given here override it (default: none)")
+    p.add_argument("--config", default=None, help="YAML recipe; its keys are these flags' "
+                   "names with underscores; flags given here override it (default: none)")
+    _data_flags(p.add_argument_group("data"))
+    _network_flags(p.add_argument_group("network"))
+    _optimisation_flags(p.add_argument_group("optimisation"))
+    _hardware_flags(p.add_argument_group("hardware and speed"))
+    _run_flags(p.add_argument_group("run directory, checkpoints and logging"))
+    return p
 
-    g = p.add_argument_group("data")
+
+def _data_flags(g):
+    """Datasets, augmentation and the data path."""
     g.add_argument("--dataset", default="cifar10", help=f"one of {', '.join(data.DATASETS)}")
     g.add_argument("--data-dir", default="data", help="where data lives or is downloaded to; "
                    "for imagefolder it holds train/ and val/ (or test/)")
@@ -78,7 +85,9 @@ def build_parser():
     g.add_argument("--mix-prob", type=float, default=1.0,
                    help="probability that a batch is mixed (MixUp/CutMix)")
 
-    g = p.add_argument_group("network")
+
+def _network_flags(g):
+    """The network, its starting weights and freezing."""
     g.add_argument("--network", default=None, help="simple_cnn, resnet18, resnet9, mlp, or "
                    "torchvision/<name>; default: resnet18, or simple_cnn for --dataset "
                    "synthetic (a smoke test that finishes in seconds on a CPU)")
@@ -95,7 +104,9 @@ def build_parser():
     g.add_argument("--unfreeze-lr-scale", type=float, default=0.1,
                    help="learning rate of unfrozen parameters relative to the others")
 
-    g = p.add_argument_group("optimisation")
+
+def _optimisation_flags(g):
+    """Optimizer, schedule, EMA, loss."""
     g.add_argument("--epochs", type=int, default=30, help="epochs to train")
     g.add_argument("--max-steps", type=int, default=0,
                    help="stop after this many optimizer steps if sooner (0 = no limit)")
@@ -127,7 +138,9 @@ def build_parser():
     g.add_argument("--max-nonfinite", type=int, default=10, help="stop after this many "
                    "consecutive non-finite losses")
 
-    g = p.add_argument_group("hardware and speed")
+
+def _hardware_flags(g):
+    """Devices, precision, memory, speed, seeds."""
     g.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, "
                    "cuda:N")
     g.add_argument("--gpus", default=None, help="comma-separated GPU ids for "
@@ -150,7 +163,9 @@ def build_parser():
                    help="test-time augmentation for validation: flip averages the logits of "
                    "each image and its mirror (not for digits)")
 
-    g = p.add_argument_group("run directory, checkpoints and logging")
+
+def _run_flags(g):
+    """Where the run goes, resuming, checkpoints and logs."""
     g.add_argument("--run-dir", default=None,
                    help="default: runs/<time>-<network>-<dataset>")
     g.add_argument("--resume", default=None, metavar="PATH|auto", help="continue from a "
@@ -164,7 +179,7 @@ def build_parser():
                    "(and after the last)")
     g.add_argument("--log-every", type=int, default=50,
                    help="log the training loss every N optimizer steps")
-    return p
+
 
 
 def _actions(parser):

@@ -269,8 +269,8 @@ def steps(model, loader, optimizer, criterion, loop, state, bar):
     The caller decides what happens between steps (log, save, stop) and may stop early
     by leaving its ``for`` loop; close the generator (``contextlib.closing``) so that the
     prefetch thread stops at once. Each optimizer step takes ``loop.accum``
-    micro-batches; every micro-batch's loss is weighted by its share of the window's
-    samples (the last window of an epoch may be short), so the accumulated gradient is
+    micro-batches; every micro-batch's loss is weighted by its share of the step's
+    samples (the last step of an epoch may have fewer), so the accumulated gradient is
     that of one batch of all of them. Under DDP, the micro-batches before the last skip
     the gradient all-reduce (``no_sync``).
 

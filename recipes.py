@@ -11,8 +11,8 @@ same weights as one that never stopped, with any number of workers):
   draw from torch's global generator, which ``data.SeededDataset`` seeds per sample from
   (seed, epoch, index), as it does for the crop and flip.
 
-Where torchvision or torch have the piece and it keeps that promise, it is used; the two
-places that have their own code say why (``EMA``, ``BatchMix``).
+Where torchvision or torch have the piece and it keeps that promise, it is used; why
+``EMA`` and ``BatchMix`` have code of their own is in docs/design.md.
 """
 
 import copy
@@ -52,18 +52,8 @@ class EMA:
     the same weights keep the same average, and a resumed run (the average from the
     checkpoint's ``ema``, ``t`` from its ``step``) continues it exactly.
 
-    Not ``torch.optim.swa_utils.AveragedModel``, whose averaging function
-    (``get_ema_multi_avg_fn``, a foreach lerp) is what ``update`` calls, because
-    AveragedModel (torch 2.x):
-
-    * fixes the decay when it is built: the warmup needs a decay per step;
-    * reads its ``n_averaged`` tensor on the host at every update (``bool(n == 0)``, or
-      ``.to(device)`` when it lives on the CPU): a device sync per optimizer step on CUDA,
-      which the loop otherwise avoids;
-    * with ``use_buffers=True``, averages integer buffers in float and truncates them
-      (``num_batches_tracked`` ends at 1 instead of the number of batches);
-    * keys its state_dict ``module.*`` plus ``n_averaged``; checkpoints want the
-      network's own keys.
+    The averaging is torch's ``get_ema_multi_avg_fn`` (a foreach lerp); why the loop
+    around it is not ``torch.optim.swa_utils.AveragedModel``: docs/design.md.
 
     Args:
         net: the plain network (no DDP/DataParallel/compile wrapper; a wrapper with the
@@ -206,14 +196,8 @@ class BatchMix:
     (pairs never cross processes), with the same lam, choice and box on every process, so
     P processes of B draw what one process of P*B draws but pair within each share.
 
-    Not torchvision's ``v2.MixUp``/``v2.CutMix``: they draw lam, the box and (through
-    ``v2.RandomChoice``/``v2.RandomApply``) the choice from torch's global generator.
-    Seeding that generator around the call, as data.SeededDataset does per sample, is not
-    safe here: with --prefetch and no workers the DataLoader's SeededDataset seeds and
-    restores the same global generator in the prefetch thread at the same time, so the
-    draws would depend on thread timing. They also pair each sample with its neighbour
-    (``roll``) where the papers draw a permutation. The arithmetic is the same (tests
-    check it against theirs).
+    The arithmetic is torchvision's ``v2.MixUp``/``v2.CutMix`` (tests check it against
+    theirs); why the draws are not theirs: docs/design.md.
 
     Args:
         mixup_alpha: MixUp's Beta parameter (0 = no MixUp).

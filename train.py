@@ -6,9 +6,10 @@
     python train.py --resume auto --run-dir runs/exp1  # continue where it stopped
     torchrun --nproc_per_node 4 train.py ...           # DistributedDataParallel
 
-Read ``train`` and ``fit`` top to bottom: config, run directory, processes, data,
-network, optimizer, resume, then the epoch and step loops, where logging, checkpoints
-and stopping are decided in plain sight. Everything else is one hop away:
+Read ``train``, ``fit`` and ``build_training`` top to bottom: config, run directory,
+processes, data, network, optimizer, resume; then the epoch loop (``run_epochs``) and the
+step loop (``run_epoch``), where logging, checkpoints and stopping are decided in plain
+sight. Everything else is one hop away:
 
     the training step (forward, backward, optimizer step)    engine.steps
     validation                                               engine.evaluate
@@ -136,7 +137,42 @@ def fit(config, argv, resume_path, saved, directory, stop):
         log(f"resuming from {resume_path} (epoch {saved['epoch']}, step {saved['step']})")
     elif config["resume"] == "auto":
         log(f"no valid checkpoint in {directory.path}: starting fresh")
+    training, train_loader, criterion = build_training(config, procs, directory.path, saved,
+                                                       resume_path)
+    log(f"training {config['network']} on {config['dataset']} ({len(training.datasets[0])} "
+        f"samples, {procs.world_size} process(es), {procs.device}) into {directory.path}")
+    try:
+        ended, final = run_epochs(training, train_loader, criterion, stop)
+    finally:  # also when the run fails
+        data.shutdown_loader(train_loader)
+        data.shutdown_loader(training.val_loader)
+        try:
+            training.saver.wait()  # the checkpoint being written in the background
+        finally:
+            training.run_log.flush()  # keep what was logged
+    if ended is Ended.SIGNAL:
+        training.run_log.close(config, None)
+        if procs.world_size > 1:  # no process exits (and makes torchrun kill the rest)
+            dist.barrier()        # before rank 0 has written the checkpoint
+        launcher = "python train.py" if procs.world_size == 1 else \
+            "torchrun <same options> train.py"
+        log(f"{signal.Signals(stop.signum).name}: saved {training.saver.last_saved}. Resume "
+            f"with:\n  {launcher} --resume auto --run-dir {shlex.quote(directory.path)}")
+        return stop.exit_code
+    training.run_log.close(config, final, training.state.step)
+    log(f"done: {directory.path}")
+    return 0
 
+
+def build_training(config, procs, run_dir, saved=None, resume_path=None):
+    """Data, network, optimizer, the loop's settings and the run's writers, then the
+    resume (``restore``) when ``saved`` is a checkpoint.
+
+    Returns:
+        ``(training, train_loader, criterion)``: a ``Training``, the training batches
+        and the loss.
+    """
+    log = runtime.main_print
     train_set, val_set = runtime.main_process_first(procs, data.build_datasets, config)
     sampler = data.EpochBatchSampler(len(train_set), config["batch_size"], config["seed"],
                                      rank=procs.rank, world_size=procs.world_size)
@@ -154,39 +190,17 @@ def fit(config, argv, resume_path, saved, directory, stop):
     if saved is not None:  # weights, EMA, optimizer, scaler, position, RNG of the saved step
         restore(saved, resume_path, net, ema, optimizer, loop.scaler, state, config, procs)
     engine.set_lr(optimizer, loop.lr_factor(state.step))
-    run_log = runlog.RunLog(directory.path, state.step, state.epoch, procs.is_main)
+    run_log = runlog.RunLog(run_dir, state.step, state.epoch, procs.is_main)
     run_log.summary(net, train_set, procs.device)
     if state.step == 0:
         run_log.first_batch(train_set, sampler)
-    saver = checkpoint.Saver(directory.path, config, net, optimizer, loop.scaler, state,
-                             procs, last_saved=resume_path, ema=ema)
+    saver = checkpoint.Saver(run_dir, config, net, optimizer, loop.scaler, state, procs,
+                             last_saved=resume_path, ema=ema)
     training = Training(config, procs, net, model, optimizer, ema, loop, state,
                         engine.LossMeter(loop.counters, procs.world_size), saver, run_log,
                         val_loader, (train_set, val_set), flops,
                         peak_tflops(procs.device, loop.amp_dtype))
-    log(f"training {config['network']} on {config['dataset']} ({len(train_set)} samples, "
-        f"{procs.world_size} process(es), {procs.device}) into {directory.path}")
-    try:
-        ended, final = run_epochs(training, train_loader, criterion, stop)
-    finally:  # also when the run fails
-        data.shutdown_loader(train_loader)
-        data.shutdown_loader(val_loader)
-        try:
-            saver.wait()  # the checkpoint being written in the background
-        finally:
-            run_log.flush()  # keep what was logged
-    if ended is Ended.SIGNAL:
-        run_log.close(config, None)
-        if procs.world_size > 1:  # no process exits (and makes torchrun kill the rest)
-            dist.barrier()        # before rank 0 has written the checkpoint
-        launcher = "python train.py" if procs.world_size == 1 else \
-            "torchrun <same options> train.py"
-        log(f"{signal.Signals(stop.signum).name}: saved {saver.last_saved}. Resume with:\n"
-            f"  {launcher} --resume auto --run-dir {shlex.quote(directory.path)}")
-        return stop.exit_code
-    run_log.close(config, final, state.step)
-    log(f"done: {directory.path}")
-    return 0
+    return training, train_loader, criterion
 
 
 class Ended(enum.Enum):
@@ -198,7 +212,7 @@ class Ended(enum.Enum):
 
 
 def run_epochs(training, train_loader, criterion, stop):
-    """The epoch and step loops: when to log, checkpoint and stop is decided here.
+    """The epoch loop: unfreezing, each epoch's steps (``run_epoch``), its end, stopping.
 
     Returns:
         ``(ended, final)``: an ``Ended`` value and the last validation figures.
@@ -213,35 +227,7 @@ def run_epochs(training, train_loader, criterion, stop):
             names = unfreeze_into(training.net, training.optimizer, config)
             engine.set_lr(training.optimizer, training.loop.lr_factor(state.step))
             runtime.main_print(f"epoch {epoch + 1}: unfroze {len(names)} parameter tensors")
-        sampler.set_epoch(epoch, state.epoch_samples)
-        training.loop.timer.reset()
-        training.meter.restart(state.step)
-        with training.run_log.progress(epoch, config["epochs"], len(sampler)) as bar, \
-                contextlib.closing(engine.steps(training.model, train_loader,
-                                                training.optimizer, criterion, training.loop,
-                                                state, bar)) as steps:
-            for step in steps:
-                if training.ema is not None:
-                    training.ema.update(training.net, step)  # the average, after every step
-                training.saver.poll()  # a checkpoint write that failed in the background
-                if stop.agreed(training.procs):
-                    ended = Ended.SIGNAL
-                elif config["max_steps"] and step >= config["max_steps"]:
-                    ended = Ended.MAX_STEPS
-                if step % config["log_every"] == 0 or ended is not Ended.ALL_EPOCHS:
-                    log_train(training, bar)
-                elif training.procs.world_size == 1 and bar.due():
-                    show(training, bar)  # at most twice a second (no collectives: one process)
-                epoch_done = state.epoch_samples >= sampler.size  # finish_epoch saves then
-                if ended is Ended.SIGNAL:
-                    save(training, Kind.STOP)
-                elif config["ckpt_every_steps"] and step % config["ckpt_every_steps"] == 0 \
-                        and not epoch_done:
-                    save(training, Kind.STEP)
-                if ended is not Ended.ALL_EPOCHS:
-                    break
-            if training.meter.pending(state):  # every epoch ends its loss curve, however short
-                log_train(training, bar)
+        ended = run_epoch(training, train_loader, criterion, epoch, stop)
         if state.epoch_samples >= sampler.size:  # the epoch is complete
             final = finish_epoch(training, epoch)
         if ended is not Ended.ALL_EPOCHS:
@@ -252,6 +238,46 @@ def run_epochs(training, train_loader, criterion, stop):
         runtime.main_print(f"--max-steps {config['max_steps']} reached at step {state.step}: "
                            f"val_acc {final['val_acc']:.4f}")
     return ended, final
+
+
+def run_epoch(training, train_loader, criterion, epoch, stop):
+    """The step loop of one epoch, from where the run stands in it: after each optimizer
+    step, the EMA, then whether to stop, log and checkpoint, decided here.
+
+    Returns:
+        ``Ended.ALL_EPOCHS`` when the epoch ran to its end, else why it stopped.
+    """
+    config, state, sampler = training.config, training.state, train_loader.batch_sampler
+    ended = Ended.ALL_EPOCHS
+    sampler.set_epoch(epoch, state.epoch_samples)
+    training.loop.timer.reset()
+    training.meter.restart(state.step)
+    with training.run_log.progress(epoch, config["epochs"], len(sampler)) as bar, \
+            contextlib.closing(engine.steps(training.model, train_loader, training.optimizer,
+                                            criterion, training.loop, state, bar)) as steps:
+        for step in steps:
+            if training.ema is not None:
+                training.ema.update(training.net, step)  # the average, after every step
+            training.saver.poll()  # a checkpoint write that failed in the background
+            if stop.agreed(training.procs):
+                ended = Ended.SIGNAL
+            elif config["max_steps"] and step >= config["max_steps"]:
+                ended = Ended.MAX_STEPS
+            if step % config["log_every"] == 0 or ended is not Ended.ALL_EPOCHS:
+                log_train(training, bar)
+            elif training.procs.world_size == 1 and bar.due():
+                show(training, bar)  # at most twice a second (no collectives: one process)
+            epoch_done = state.epoch_samples >= sampler.size  # finish_epoch saves then
+            if ended is Ended.SIGNAL:
+                save(training, Kind.STOP)
+            elif config["ckpt_every_steps"] and step % config["ckpt_every_steps"] == 0 \
+                    and not epoch_done:
+                save(training, Kind.STEP)
+            if ended is not Ended.ALL_EPOCHS:
+                break
+        if training.meter.pending(state):  # every epoch ends its loss curve, however short
+            log_train(training, bar)
+    return ended
 
 
 # ----------------------------------------------------------- logging, saving, epochs

@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 
-from common import ROOT, setup_device, train_defaults  # noqa: I001
+from common import ROOT, setup_device, sync, train_defaults  # noqa: I001
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # This file is named like the project's checkpoint module: import that one, not this.
@@ -80,11 +80,6 @@ def parse_args(argv=None):
     args.steps = args.steps or (20 if cuda else 5)
     args.every = [int(n) for n in args.every.split(",") if n.strip()]
     return args
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def build_state(net, optimizer, scaler, progress):

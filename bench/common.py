@@ -29,6 +29,12 @@ def setup_device(args):
     return device, f"{cpu}, {torch.get_num_threads()} threads, {os.cpu_count()} cores"
 
 
+def sync(device):
+    """Waits for the device's queued work (CUDA); nothing on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def train_defaults():
     """train.py's built-in defaults as a resolved config dict."""
 

@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 import torch
-from common import setup_device  # (puts the repository on the path)
+from common import setup_device, sync  # (puts the repository on the path)
 from torchvision import datasets as tv_datasets
 
 import data  # noqa: E402
@@ -68,11 +68,6 @@ def cifar_like(samples, seed):
     base.classes = [f"class{i}" for i in range(10)]
     train, _ = data._transforms("cifar10", 32, augment=True)
     return data.SeededDataset(base, train, seed, True, base.classes, 3, 32)
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class PerSample:

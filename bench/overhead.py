@@ -11,13 +11,17 @@ and the same criterion (losses.build_criterion, label smoothing 0.1) go through:
 
 * bare: ``for x, y in loader``: copy to the device, zero_grad, forward, loss, backward,
   step. Nothing else.
-* engine: ``engine.steps`` with what train.py gives it (LoopSettings with a disabled
-  GradScaler, the cosine lr_factor, StepTimer, Counters; a runlog.Progress), and
-  train.py's own ``log_train`` every --log-every steps: it reads the counters (the one
-  sync) and the timer totals, writes train/loss and train/lr to TensorBoard (a RunLog in
-  a temporary directory) and shows the figures. By default (--bar null) stderr goes to
-  os.devnull, which is no terminal: the Progress prints plain lines, as in a log file.
-  One engine row per --prefetch depth (a BackgroundGenerator thread when > 0).
+* engine: train.py's own step loop, ``train.run_epoch``, over a ``train.Training`` that
+  ``train.build_training`` made from train.py's flags (what a run of ``python train.py
+  --dataset synthetic --no-augment ...`` builds: the LoopSettings with a disabled
+  GradScaler, the cosine schedule, StepTimer, Counters, a RunLog and a Saver in a
+  temporary run directory). Between steps it decides what a run decides: stop? log
+  (every --log-every steps ``log_train`` reads the counters, the one sync, and the timer
+  totals, writes train/loss and train/lr to TensorBoard and shows the figures)? save?
+  By default (--bar null) stderr goes to os.devnull, which is no terminal: the Progress
+  prints plain lines, as in a log file. One engine row per --prefetch depth (a
+  BackgroundGenerator thread when > 0). The loaders are the runs' own; the bare loop
+  iterates the first one.
 
 Augmentation is off by default: data costs the same in every loop, so cheaper data makes
 the engine's own cost a larger, easier to see share of each step (--augment turns it on).
@@ -38,7 +42,7 @@ import argparse
 import contextlib
 import copy
 import datetime
-import functools
+import io
 import os
 import platform
 import statistics
@@ -47,16 +51,12 @@ import tempfile
 import time
 
 import torch  # noqa: E402
-from common import setup_device  # noqa: E402  (puts the repository on the path)
+from common import setup_device, sync  # noqa: E402  (puts the repository on the path)
 
 import data  # noqa: E402
-import engine  # noqa: E402
-import ops  # noqa: E402
 import runlog  # noqa: E402
 import runtime  # noqa: E402
 import train  # noqa: E402
-from losses import build_criterion  # noqa: E402
-from networks import build_network  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -79,8 +79,6 @@ def parse_args(argv=None):
                    help="random crop and flip (train.py's default); off: data is cheaper")
     p.add_argument("--bar", default="null", choices=["null", "stderr", "off"],
                    help="the engine's tqdm bar: to os.devnull, to stderr, or disabled")
-    p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True,
-                   help="log scalars to a SummaryWriter as train.py does")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.add_argument("--seed", type=int, default=0, help="data and initialisation seed")
     args = p.parse_args(argv)
@@ -91,11 +89,6 @@ def parse_args(argv=None):
     args.rounds = -(-args.steps // args.chunk)
     args.steps = args.rounds * args.chunk
     return args
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def make_optimizer(net):
@@ -116,78 +109,75 @@ def bare_epoch(model, loader, optimizer, criterion, device):
         optimizer.step()
 
 
+def train_flags(args, prefetch, size, epochs, run_dir):
+    """train.py's command line for the engine rows."""
+    return ["--dataset", "synthetic", "--network", args.network, "--seed", str(args.seed),
+            "--synthetic-size", str(size), "--image-size", str(args.image_size),
+            "--batch-size", str(args.batch_size), "--epochs", str(epochs),
+            "--num-workers", str(args.num_workers), "--prefetch", str(prefetch),
+            "--log-every", str(args.log_every), "--device", str(args.device),
+            "--data-on-device", "off", "--warmup-epochs", str(0.1 * epochs),
+            "--augment" if args.augment else "--no-augment", "--run-dir", run_dir]
+
+
 class EngineLoop:
-    """train.py's loop: engine.steps, with train.log_train / train.show deciding, as
-    train.run_epochs does, when to log (no checkpoints, no validation)."""
+    """train.py's loop: ``train.run_epoch`` over what ``train.build_training`` built."""
 
-    def __init__(self, net, device, prefetch, args, total_steps, log_dir):
-        self.log_every, self.bar = args.log_every, args.bar
-        optimizer = make_optimizer(net)
-        loop = engine.LoopSettings(
-            device=device, epochs=args.repeats * args.rounds + 1, prefetch=prefetch,
-            scaler=torch.amp.GradScaler(device.type, enabled=False),
-            show_progress=args.bar != "off",
-            lr_factor=functools.partial(ops.lr_factor, total_steps=total_steps,
-                                        schedule="cosine", warmup_steps=total_steps // 10),
-            timer=engine.StepTimer(device), counters=engine.Counters(device))
-        engine.set_lr(optimizer, loop.lr_factor(0))
-        self.t = train.Training(
-            config={"log_every": args.log_every, "max_nonfinite": 10}, procs=runtime.Processes(
-                0, 1, device), net=net, model=net, optimizer=optimizer, loop=loop,
-            state=engine.TrainState(), meter=engine.LossMeter(loop.counters), saver=None,
-            run_log=runlog.RunLog(log_dir, 0, 0, enabled=log_dir is not None),
-            val_loader=None, datasets=())
+    def __init__(self, args, prefetch, size, epochs, run_dir, stop):
+        config, _ = train.parse_config(train_flags(args, prefetch, size, epochs, run_dir))
+        train.check_config(config)
+        procs = runtime.Processes(0, 1, torch.device(args.device))
+        runtime.seed_everything(args.seed, 0, False, procs.device)  # one initialisation
+        os.makedirs(os.path.join(run_dir, "checkpoints"))
+        with contextlib.redirect_stdout(io.StringIO()):  # the torchinfo summary
+            self.training, self.loader, self.criterion = train.build_training(
+                config, procs, run_dir)
+        self.bar, self.stop = args.bar, stop
 
-    def epoch(self, loader, criterion, epoch):
-        t = self.t
-        t.state.epoch_samples = 0
-        t.loop.timer.reset()
-        t.meter.restart(t.state.step)
+    def epoch(self, epoch, start=0):
+        training = self.training
+        training.state.epoch_samples = start  # every loop sees the same batches of `epoch`
         with contextlib.ExitStack() as stack:
             if self.bar == "null":  # the bar takes sys.stderr when it is made
                 null = stack.enter_context(open(os.devnull, "w"))
                 stack.enter_context(contextlib.redirect_stderr(null))
-            bar = stack.enter_context(runlog.Progress(f"epoch {epoch}", len(loader),
-                                                      t.loop.show_progress))
-            steps = stack.enter_context(contextlib.closing(engine.steps(
-                t.model, loader, t.optimizer, criterion, t.loop, t.state, bar)))
-            for step in steps:
-                if step % self.log_every == 0:
-                    train.log_train(t, bar)
-                elif bar.due():
-                    train.show(t, bar)
+            if self.bar == "off":
+                training.run_log.progress = _no_bar
+            train.run_epoch(training, self.loader, self.criterion, epoch, self.stop)
+
+    def close(self):
+        self.training.run_log.close({}, None)
+        data.shutdown_loader(self.loader)
+
+
+def _no_bar(epoch, epochs, total):
+    return runlog.Progress(f"epoch {epoch + 1}/{epochs}", total, enabled=False)
 
 
 def main(argv=None):
     args = parse_args(argv)
     device, name = setup_device(args)
     size = args.chunk * args.batch_size
-    config = {"dataset": "synthetic", "data_dir": "data", "seed": args.seed,
-              "augment": args.augment, "image_size": args.image_size,
-              "synthetic_size": size, "num_classes": 10}
-    train_set, _ = data.build_datasets(config)
-    sampler = data.EpochBatchSampler(size, args.batch_size, args.seed)
-    loader = data.build_loader(train_set, batch_sampler=sampler, num_workers=args.num_workers,
-                               pin_memory=device.type == "cuda")
-    criterion = build_criterion({"label_smoothing": 0.1})
-    torch.manual_seed(args.seed)
-    net0 = build_network(args.network, 10, 3, args.image_size)
-
-    tb_dir = tempfile.TemporaryDirectory(prefix="bench-overhead-") if args.tensorboard \
-        else None
+    epochs = args.repeats * args.rounds + 1
+    stop = runtime.StopRequest()
+    work = tempfile.TemporaryDirectory(prefix="bench-overhead-")
+    engines = {depth: EngineLoop(args, depth, size, epochs,
+                                 os.path.join(work.name, f"prefetch-{depth}"), stop)
+               for depth in args.prefetch}
+    first = engines[args.prefetch[0]]
+    loader, criterion = first.loader, first.criterion
+    sampler = loader.batch_sampler
 
     loops = {}  # name -> callable(epoch)
-    bare_net = copy.deepcopy(net0).to(device)
+    bare_net = copy.deepcopy(first.training.net)  # the same initialisation as every row
     bare_opt = make_optimizer(bare_net)
-    loops["bare"] = lambda e: bare_epoch(bare_net, loader, bare_opt, criterion, device)
-    total_steps = args.steps * args.repeats + args.warmup
-    engines = {}
-    for depth in args.prefetch:
-        loop = EngineLoop(copy.deepcopy(net0).to(device), device, depth, args, total_steps,
-                          tb_dir.name if tb_dir else None)
-        engines[depth] = loop
-        loops[f"engine --prefetch {depth}"] = lambda e, loop=loop: loop.epoch(loader,
-                                                                             criterion, e)
+    def bare(epoch, start=0):
+        sampler.set_epoch(epoch, start)
+        bare_epoch(bare_net, loader, bare_opt, criterion, device)
+
+    loops["bare"] = bare
+    for depth, loop in engines.items():
+        loops[f"engine --prefetch {depth}"] = loop.epoch
     names = list(loops)
 
     print(f"# overhead: {args.network}, synthetic {args.image_size}x{args.image_size} "
@@ -201,9 +191,8 @@ def main(argv=None):
     print(f"# {' '.join(['python', *sys.argv])}", flush=True)
 
     # Warmup: the last --warmup batches of epoch 0, through every loop.
-    sampler.set_epoch(0, start=max(size - args.warmup * args.batch_size, 0))
     for n in names:
-        loops[n](0)
+        loops[n](0, max(size - args.warmup * args.batch_size, 0))
     sync(device)
 
     times = {n: [0.0] * args.repeats for n in names}
@@ -213,7 +202,6 @@ def main(argv=None):
             epoch = r * args.rounds + k + 1
             turn = epoch % len(names)
             for n in names[turn:] + names[:turn]:
-                sampler.set_epoch(epoch)  # every loop sees the same batches
                 sync(device)
                 start, start_cpu = time.perf_counter(), time.process_time()
                 loops[n](epoch)
@@ -222,10 +210,9 @@ def main(argv=None):
                 cpu[n][r] += time.process_time() - start_cpu
 
     for loop in engines.values():
-        loop.t.run_log.close({}, None)
-    if tb_dir is not None:
-        tb_dir.cleanup()
-    data.shutdown_loader(loader)
+        loop.close()
+    stop.restore()
+    work.cleanup()
 
     print()
     print(f"{'wall clock':<22}{'samples/s':>10}{'min':>9}{'max':>9}{'vs bare':>9}"

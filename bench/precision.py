@@ -32,7 +32,7 @@ import warnings
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from common import setup_device  # noqa: E402  (puts the repository on the path)
+from common import setup_device, sync  # noqa: E402  (puts the repository on the path)
 
 import engine  # noqa: E402
 import ops  # noqa: E402
@@ -68,11 +68,6 @@ def parse_args(argv=None):
         if not getattr(args, name):
             setattr(args, name, on_cuda if cuda else on_cpu)
     return args
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def amp_problem(device, dtype):

@@ -34,7 +34,7 @@ import sys
 import time
 
 import torch  # noqa: E402
-from common import setup_device  # noqa: E402  (puts the repository on the path)
+from common import setup_device, sync  # noqa: E402  (puts the repository on the path)
 
 import data  # noqa: E402
 import engine  # noqa: E402
@@ -63,11 +63,6 @@ def parse_args(argv=None):
     args.workers = [int(w) for w in args.workers.split(",") if w.strip()]
     args.prefetch = [int(d) for d in args.prefetch.split(",") if d.strip()]
     return args
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _status_kib(pid, field):

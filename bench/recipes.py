@@ -36,7 +36,7 @@ import statistics
 import time
 
 import torch  # noqa: E402
-from common import setup_device  # noqa: E402  (puts the repository on the path)
+from common import setup_device, sync  # noqa: E402  (puts the repository on the path)
 from PIL import Image  # noqa: E402
 from torchvision.transforms import v2  # noqa: E402
 
@@ -61,11 +61,6 @@ def parse_args(argv=None):
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     return args
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def per_step_table(args, device):

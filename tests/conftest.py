@@ -4,8 +4,10 @@ import importlib.util
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,6 +36,63 @@ def load_test_py():
 def train_main():
     import train
     return train.main
+
+
+_CLASS_COLOURS = {"cat": (200, 30, 30), "dog": (30, 200, 30), "emu": (30, 30, 200),
+                  "fox": (200, 200, 30)}
+
+
+def write_image_folder(root, splits=("train", "val"), classes=("cat", "dog", "emu"),
+                       per_class=6, val_per_class=None, size=(20, 24), formats=("png",),
+                       seed=0):
+    """A small ImageFolder tree: ``root/<split>/<class>/<i>.<format>``, a colour per class
+    plus noise (learnable).
+
+    Args:
+        root: where the tree goes (a pathlib.Path; created).
+        splits, classes: the split and class folders.
+        per_class: images per class; ``val_per_class`` for splits other than train.
+        size: ``(height, width)`` of every image, or None for assorted sizes (6-29 px a
+            side), which makes resizing matter.
+        formats: file suffixes taken in turn (``("jpg", "png")``: 0.jpg, 1.png, ...).
+        seed: the noise and sizes.
+
+    Returns:
+        ``root``.
+    """
+    g = np.random.default_rng(seed)
+    for split in splits:
+        count = per_class if split == "train" or val_per_class is None else val_per_class
+        for k, name in enumerate(classes):
+            colour = _CLASS_COLOURS.get(name, ((70 * k + 40) % 256, (130 * k) % 256, 90))
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(count):
+                h, w = size if size is not None else (int(v) for v in g.integers(6, 30, 2))
+                noise = g.integers(0, 40, (h, w, 3), dtype=np.uint8)
+                pixels = np.array(colour, dtype=np.uint8) + noise
+                Image.fromarray(pixels).save(folder / f"{i}.{formats[i % len(formats)]}")
+    return root
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory):
+    """``trained_run(*flags, **tiny_args_kwargs)``: the run directory of a finished tiny
+    training (``tiny_args``), trained once per session for each set of arguments and
+    shared by the test files that evaluate or export it (do not change its files)."""
+    import train
+
+    runs = {}
+
+    def run(*extra, **kwargs):
+        key = (extra, tuple(sorted(kwargs.items())))
+        if key not in runs:
+            run_dir = tmp_path_factory.mktemp("trained")
+            assert train.main(tiny_args(run_dir, *extra, **kwargs)) == 0
+            runs[key] = run_dir
+        return runs[key]
+
+    return run
 
 
 def final_state(run_dir):

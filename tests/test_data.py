@@ -7,26 +7,13 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from conftest import assert_states_equal, tiny_args
+from conftest import assert_states_equal, tiny_args, write_image_folder
 from PIL import Image
 
 import data
 import train
 from config import with_defaults
 from ops import UserError
-
-
-def write_tree(root, splits=("train", "val"), classes=("a", "b"), per_class=3, size=8):
-    """An ImageFolder tree of small random PNGs (``0.png``, ``1.png``... per class)."""
-    g = torch.Generator().manual_seed(0)
-    for split in splits:
-        for name in classes:
-            folder = root / split / name
-            folder.mkdir(parents=True)
-            for i in range(per_class):
-                pixels = torch.randint(0, 256, (size, size, 3), generator=g, dtype=torch.uint8)
-                Image.fromarray(pixels.numpy()).save(folder / f"{i}.png")
-    return root
 
 
 def png_header(width, height):
@@ -101,7 +88,7 @@ def test_load_image_says_why_a_file_is_unreadable(tmp_path, monkeypatch, kind):
 @pytest.mark.parametrize("kind", sorted(BAD))
 def test_an_unreadable_image_is_replaced_warned_and_counted(tmp_path, capfd, monkeypatch,
                                                             kind):
-    root = write_tree(tmp_path)
+    root = write_image_folder(tmp_path, classes=("a", "b"), per_class=3, size=(8, 8))
     name, write, _ = BAD[kind]
     bad = [root / split / "b" / name for split in ("train", "val")]
     for path in bad:
@@ -126,7 +113,7 @@ def test_an_unreadable_image_is_replaced_warned_and_counted(tmp_path, capfd, mon
 
 
 def test_the_unreadable_count_reaches_the_main_process_from_spawned_workers(tmp_path):
-    root = write_tree(tmp_path, per_class=2)
+    root = write_image_folder(tmp_path, classes=("a", "b"), per_class=2, size=(8, 8))
     (root / "train" / "b" / "zz.jpg").write_bytes(b"")
     train_set, _ = data.build_datasets(config(root))
     loader = torch.utils.data.DataLoader(train_set, batch_size=5, num_workers=1,
@@ -136,7 +123,8 @@ def test_the_unreadable_count_reaches_the_main_process_from_spawned_workers(tmp_
 
 
 def test_a_set_without_any_readable_image_is_a_user_error(tmp_path):
-    root = write_tree(tmp_path, splits=("train",))
+    root = write_image_folder(tmp_path, splits=("train",), classes=("a", "b"), per_class=3,
+                              size=(8, 8))
     for name in ("a", "b"):
         (root / "val" / name).mkdir(parents=True)
         (root / "val" / name / "0.jpg").write_bytes(b"")
@@ -179,7 +167,7 @@ def test_images_of_any_depth_load_as_8_bit_rgb_keeping_their_contents(tmp_path, 
 
 
 def test_the_image_folder_reads_with_the_safe_loader(tmp_path):
-    root = write_tree(tmp_path, per_class=1)
+    root = write_image_folder(tmp_path, classes=("a", "b"), per_class=1, size=(8, 8))
     Image.fromarray(gradient(np.uint16, 65535)).save(root / "train" / "b" / "1.png")
     train_set, _ = data.build_datasets(config(root, augment=False))
     image, label = train_set[2]
@@ -187,7 +175,7 @@ def test_the_image_folder_reads_with_the_safe_loader(tmp_path):
 
 
 def test_a_single_class_folder_warns(tmp_path, capfd):
-    root = write_tree(tmp_path, classes=("only",))
+    root = write_image_folder(tmp_path, classes=("only",), per_class=3, size=(8, 8))
     train_set, _ = data.build_datasets(config(root))
     err = capfd.readouterr().err
     assert train_set.num_classes == 1
@@ -195,7 +183,8 @@ def test_a_single_class_folder_warns(tmp_path, capfd):
 
 
 def test_two_classes_do_not_warn(tmp_path, capfd):
-    data.build_datasets(config(write_tree(tmp_path)))
+    root = write_image_folder(tmp_path, classes=("a", "b"), per_class=3, size=(8, 8))
+    data.build_datasets(config(root))
     assert capfd.readouterr().err == ""
 
 
@@ -217,7 +206,8 @@ def test_augmentation_depends_on_seed_epoch_and_index_only():
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_training_finishes_despite_unreadable_images(tmp_path, capfd, workers):
-    root = write_tree(tmp_path / "images", per_class=4)
+    root = write_image_folder(tmp_path / "images", classes=("a", "b"), per_class=4,
+                              size=(8, 8))
     bad = []
     for split in ("train", "val"):
         bad += [root / split / "a" / "empty.jpg", root / split / "b" / "cut.jpg"]

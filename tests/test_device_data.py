@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, assert_states_equal, final_state, tiny_args
+from conftest import ROOT, assert_states_equal, final_state, tiny_args, write_image_folder
 from PIL import Image
 from torchvision.transforms import v2
 
@@ -76,20 +76,6 @@ def write_mnist(root, name="MNIST", train=40, test=12):
     return root
 
 
-def write_folder(root, per_class=5, classes=("a", "b", "c")):
-    """An image folder of small PNGs and JPEGs of assorted sizes (resizing matters)."""
-    g = np.random.default_rng(0)
-    for split, n in (("train", per_class), ("val", 2)):
-        for name in classes:
-            folder = root / split / name
-            folder.mkdir(parents=True)
-            for i in range(n):
-                h, w = (int(v) for v in g.integers(6, 30, 2))
-                pixels = g.integers(0, 256, (h, w, 3), dtype=np.uint8)
-                Image.fromarray(pixels).save(folder / f"{i}.{'png' if i % 2 else 'jpg'}")
-    return root
-
-
 @pytest.fixture
 def cifar_integrity(monkeypatch):
     # torchvision checks each CIFAR file's md5 against the real files'.
@@ -108,7 +94,8 @@ def make_config(tmp_path, name, augment=True, seed=5, **extra):
     elif name in ("mnist", "fashion_mnist"):
         write_mnist(tmp_path, "MNIST" if name == "mnist" else "FashionMNIST")
     elif name == "imagefolder":
-        write_folder(tmp_path)
+        write_image_folder(tmp_path, classes=("a", "b", "c"), per_class=5, val_per_class=2,
+                           size=None, formats=("jpg", "png"))
     return with_defaults({"dataset": name, "data_dir": str(tmp_path), "seed": seed,
                           "augment": augment, "image_size": 16 if name == "imagefolder" else 12,
                           "synthetic_size": 40, "num_classes": 4, "batch_size": 8,
@@ -559,7 +546,8 @@ def test_an_unwritable_cache_directory_decodes_into_memory(tmp_path, capfd):
 
 
 def test_the_fingerprint_covers_paths_sizes_and_times(tmp_path):
-    write_folder(tmp_path)
+    write_image_folder(tmp_path, classes=("a", "b", "c"), per_class=5, val_per_class=2,
+                       size=None, formats=("jpg", "png"))
     folder = data.SafeImageFolder(str(tmp_path / "train"))
     front = v2.Compose([v2.ToImage(), v2.Resize((16, 16), antialias=True)])
     first = device_data.folder_fingerprint(folder, front)
@@ -689,11 +677,9 @@ def test_ddp_on_the_device_path_trains_like_one_process(tmp_path):
 
 
 def test_an_image_folder_trains_on_the_device_path_through_its_cache(tmp_path, capsys):
-    from test_data import write_tree
-
     import train
 
-    write_tree(tmp_path / "data", per_class=4, size=16)
+    write_image_folder(tmp_path / "data", classes=("a", "b"), per_class=4, size=(16, 16))
     argv = ("--dataset", "imagefolder", "--data-dir", str(tmp_path / "data"),
             "--image-size", "16", "--batch-size", "4", "--data-on-device", "on")
     assert train.main(tiny_args(tmp_path / "a", *argv, network="simple_cnn")) == 0

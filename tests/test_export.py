@@ -12,8 +12,7 @@ import onnx
 import onnxruntime
 import pytest
 import torch
-from conftest import load_test_py, tiny_args
-from test_train import write_image_folder
+from conftest import load_test_py, write_image_folder
 
 import checkpoint
 import data
@@ -21,35 +20,26 @@ import export
 from networks import build_network
 
 
-def _train(tmp_path_factory, name, *extra, **kwargs):
-    import train
-
-    run_dir = tmp_path_factory.mktemp(name)
-    assert train.main(tiny_args(run_dir, *extra, **kwargs)) == 0
-    return run_dir
+@pytest.fixture(scope="module")
+def mlp_run(trained_run):
+    return trained_run(epochs=2)  # test_testpy.py evaluates the same run
 
 
 @pytest.fixture(scope="module")
-def mlp_run(tmp_path_factory):
-    return _train(tmp_path_factory, "mlp")
+def cnn_channels_last_run(trained_run):
+    return trained_run("--channels-last", network="simple_cnn", image=16)
 
 
 @pytest.fixture(scope="module")
-def cnn_channels_last_run(tmp_path_factory):
-    return _train(tmp_path_factory, "cnn_cl", "--channels-last", network="simple_cnn",
-                  image=16)
+def cnn_run(trained_run):
+    return trained_run(network="simple_cnn", image=16)
 
 
 @pytest.fixture(scope="module")
-def cnn_run(tmp_path_factory):
-    return _train(tmp_path_factory, "cnn", network="simple_cnn", image=16)
-
-
-@pytest.fixture(scope="module")
-def folder_run(tmp_path_factory):
+def folder_run(tmp_path_factory, trained_run):
     images = write_image_folder(tmp_path_factory.mktemp("images"))
-    return _train(tmp_path_factory, "folder", "--dataset", "imagefolder", "--data-dir",
-                  str(images), network="simple_cnn", image=16, batch=6, epochs=2)
+    return trained_run("--dataset", "imagefolder", "--data-dir", str(images),
+                       network="simple_cnn", image=16, batch=6, epochs=2)
 
 
 def _ckpt(run_dir):

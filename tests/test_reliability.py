@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 import torch
-from conftest import ROOT, assert_states_equal, final_state, tiny_args
+from conftest import ROOT, assert_states_equal, final_state, tiny_args, write_image_folder
 
 import checkpoint
 import engine
@@ -358,9 +358,7 @@ def test_a_run_shorter_than_log_every_still_draws_its_loss_curve(tmp_path):
 
 
 def test_unreadable_images_are_counted_in_the_epoch_summary(tmp_path, capsys):
-    from test_data import write_tree
-
-    write_tree(tmp_path / "data", per_class=4, size=16)
+    write_image_folder(tmp_path / "data", classes=("a", "b"), per_class=4, size=(16, 16))
     bad = tmp_path / "data" / "train" / "a" / "broken.png"
     bad.write_bytes(b"")
     code = train.main(tiny_args(tmp_path / "run", "--dataset", "imagefolder", "--data-dir",

@@ -4,6 +4,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -158,6 +159,26 @@ def test_resume_restores_config_and_prints_overrides(tmp_path, capsys):
     state = final_state(tmp_path)
     assert state["config"]["lr"] == 0.02 and state["config"]["network"] == "mlp"
     assert state["epoch"] == 2
+
+
+def test_a_checkpoint_from_before_newer_flags_resumes_with_their_defaults(tmp_path):
+    # A checkpoint whose config lacks flags added since (amp, tta, ...) continues exactly
+    # as the same checkpoint with them: those flags take their defaults, which it ran with.
+    run, whole = tmp_path / "old", tmp_path / "whole"
+    assert train.main(tiny_args(run, epochs=1)) == 0
+    shutil.copytree(run, whole)
+    assert train.main(tiny_args(whole, "--resume", "auto", epochs=2)) == 0
+    state = final_state(run)
+    state.pop("checksum")
+    for key in ("amp", "tta", "channels_last", "data_on_device", "ema_decay", "mixup_alpha",
+                "virtual_batch_size", "unfreeze_lr_scale", "prefetch"):
+        del state["config"][key]
+    for name in os.listdir(run / "checkpoints"):
+        os.unlink(run / "checkpoints" / name)
+    checkpoint.save_checkpoint(state, run / "checkpoints" / "last.pt")
+    assert train.main(tiny_args(run, "--resume", "auto", epochs=2)) == 0
+    assert_same_training_state(final_state(run), final_state(whole))
+    assert final_state(run)["config"]["amp"] == "none"
 
 
 def test_resume_auto_without_checkpoint_starts_fresh_and_says_so(tmp_path, capsys):

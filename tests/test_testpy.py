@@ -12,17 +12,11 @@ import tempfile
 
 import pytest
 import torch
-from conftest import ROOT, load_test_py, tiny_args
+from conftest import ROOT, load_test_py
 
+import checkpoint
 import data
-
-
-def _train(tmp_path_factory, name, *extra, **kwargs):
-    import train
-
-    run_dir = tmp_path_factory.mktemp(name)
-    assert train.main(tiny_args(run_dir, *extra, **kwargs)) == 0
-    return run_dir
+from config import parse_config, with_defaults
 
 
 def _last_validation(run_dir):
@@ -32,19 +26,18 @@ def _last_validation(run_dir):
 
 
 @pytest.fixture(scope="module")
-def mlp_run(tmp_path_factory):
-    return _train(tmp_path_factory, "mlp", epochs=2)
+def mlp_run(trained_run):
+    return trained_run(epochs=2)  # test_export.py exports the same run
 
 
 @pytest.fixture(scope="module")
-def cnn_channels_last_run(tmp_path_factory):
-    return _train(tmp_path_factory, "cnn_cl", "--channels-last", network="simple_cnn",
-                  image=16)
+def cnn_channels_last_run(trained_run):
+    return trained_run("--channels-last", network="simple_cnn", image=16)
 
 
 @pytest.fixture(scope="module")
-def mlp_bf16_run(tmp_path_factory):
-    return _train(tmp_path_factory, "mlp_bf16", "--amp", "bf16")
+def mlp_bf16_run(trained_run):
+    return trained_run("--amp", "bf16")
 
 
 def _ckpt(run_dir):
@@ -513,3 +506,36 @@ def test_script_unwritable_json_has_no_traceback(mlp_run, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: --json") and \
         "is a directory" in lines[0], lines
     assert proc.stdout == "" and "Traceback" not in proc.stderr
+
+
+ADDED_SINCE = ("amp", "data_on_device", "num_workers", "tta", "channels_last",
+               "ema_decay", "mixup_alpha", "auto_augment", "random_erase")
+
+
+def test_a_config_from_before_newer_flags_evaluates_with_their_defaults(mlp_run, tmp_path,
+                                                                         capsys):
+    # A checkpoint written before these flags existed: its config has none of them.
+    old = _with_config(_good_state(mlp_run), **{key: _ABSENT for key in ADDED_SINCE})
+    assert not set(ADDED_SINCE) & set(old["config"])
+    path = tmp_path / "old.pt"
+    checkpoint.save_checkpoint(old, path)
+    out = tmp_path / "old.json"
+    argv = ["--checkpoint", str(path), "--num-workers", "0", "--device", "cpu",
+            "--json", str(out)]
+    assert _code(argv) == 0, capsys.readouterr().err
+    assert "Traceback" not in capsys.readouterr().err
+    result = json.loads(out.read_text())
+    assert result["accuracy"] == _last_validation(mlp_run)["val_acc"]
+    assert result["tta"] == "none" and result["weights"] == "raw"  # the defaults
+
+
+def test_the_flags_defaults_fill_a_stored_config_in_one_place():
+    stored = {"network": "mlp", "dataset": "synthetic", "in_channels": 1}
+    filled = with_defaults(stored)
+    defaults, _ = parse_config([])
+    assert {k: filled[k] for k in defaults if k not in stored} == \
+        {k: v for k, v in defaults.items() if k not in stored}
+    assert filled["network"] == "mlp" and filled["in_channels"] == 1  # kept
+    assert filled["amp"] == "none" and filled["data_on_device"] == "auto"
+    assert filled["num_workers"] == 2 and filled["tta"] == "none"
+    assert with_defaults({"dataset": "synthetic"})["network"] == "simple_cnn"

@@ -12,8 +12,7 @@ import urllib.request
 import pytest
 import torch
 import yaml
-from conftest import ROOT, final_state, load_test_py, tiny_args
-from PIL import Image
+from conftest import ROOT, final_state, load_test_py, tiny_args, write_image_folder
 
 import data
 import engine
@@ -265,23 +264,6 @@ def test_a_fresh_run_refuses_a_run_dir_with_checkpoints(tmp_path, capsys):
     assert train.main(tiny_args(tmp_path)) == 2
     assert "--resume auto" in capsys.readouterr().err
     assert (tmp_path / "checkpoints" / "last.pt").read_bytes() == before
-
-
-def write_image_folder(root, splits=("train", "val"), classes=("cat", "dog", "emu"),
-                       per_class=6):
-    """A tiny ImageFolder tree of solid-ish colour images, a colour per class."""
-    colours = {"cat": (200, 30, 30), "dog": (30, 200, 30), "emu": (30, 30, 200),
-               "fox": (200, 200, 30)}
-    g = torch.Generator().manual_seed(0)
-    for split in splits:
-        for name in classes:
-            folder = root / split / name
-            folder.mkdir(parents=True)
-            for i in range(per_class):
-                noise = torch.randint(0, 40, (20, 24, 3), generator=g, dtype=torch.uint8)
-                pixels = torch.tensor(colours[name], dtype=torch.uint8) + noise
-                Image.fromarray(pixels.numpy()).save(folder / f"{i}.png")
-    return root
 
 
 def test_imagefolder_end_to_end(tmp_path):
