@@ -161,6 +161,23 @@ class LoopSettings:
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
 
+class Autocast(torch.nn.Module):
+    """Runs ``module`` under ``torch.autocast(device_type, dtype)`` (nothing when ``dtype``
+    is None). DataParallel wraps this: its replicas run in worker threads that re-enter
+    autocast with the caller's enabled flag but not its dtype, so without it an
+    ``--amp bf16`` run computes its replicas in float16 (CUDA's default), unscaled."""
+
+    def __init__(self, module, device_type, dtype):
+        super().__init__()
+        self.module, self.device_type, self.dtype = module, device_type, dtype
+
+    def forward(self, *args, **kwargs):
+        if self.dtype is None:
+            return self.module(*args, **kwargs)
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.module(*args, **kwargs)
+
+
 class Counters:
     """Running sums kept on the device and read (one sync) only when logging or saving.
 

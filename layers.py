@@ -9,6 +9,7 @@ import contextlib
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 import torch.utils.checkpoint
 
 
@@ -271,3 +272,66 @@ def spectral_norm(module, name="weight", n_power_iterations=1):
     for layer in layers:
         parametrize(layer, name=name, n_power_iterations=n_power_iterations)
     return module
+
+
+class DeterministicAdaptivePool2d(nn.Module):
+    """``nn.AdaptiveAvgPool2d`` / ``nn.AdaptiveMaxPool2d`` through ops whose CUDA backward
+    is deterministic (the adaptive ones have none: ``torch.use_deterministic_algorithms``
+    makes their backward raise).
+
+    Where the input side is a multiple of the output side, the windows do not overlap and
+    are all ``in // out`` wide: ``avg_pool2d`` / ``max_pool2d`` with that kernel and
+    stride compute the same values. Where the output side is a multiple of the input's,
+    every window is one input element: ``repeat_interleave``. Any other size falls back
+    to the adaptive op (which then raises under deterministic algorithms on CUDA).
+
+    Args:
+        output_size: as the adaptive module's (an int, a pair; None keeps that side).
+        mode: ``"avg"`` or ``"max"``.
+    """
+
+    def __init__(self, output_size, mode):
+        super().__init__()
+        if mode not in ("avg", "max"):
+            raise ValueError(f"mode must be 'avg' or 'max', not {mode!r}")
+        self.output_size, self.mode = output_size, mode
+
+    def forward(self, x):
+        size = self.output_size
+        size = (size, size) if isinstance(size, int) else tuple(size)
+        out = tuple(x.shape[-2 + i] if s is None else s for i, s in enumerate(size))
+        side = tuple(x.shape[-2:])
+        if all(i % o == 0 for i, o in zip(side, out)):
+            kernel = tuple(i // o for i, o in zip(side, out))
+            pool = F.avg_pool2d if self.mode == "avg" else F.max_pool2d
+            return pool(x, kernel, kernel)  # (N, C, *out)
+        if all(o % i == 0 for i, o in zip(side, out)):
+            return x.repeat_interleave(out[0] // side[0], dim=-2) \
+                .repeat_interleave(out[1] // side[1], dim=-1)  # (N, C, *out)
+        pool = F.adaptive_avg_pool2d if self.mode == "avg" else F.adaptive_max_pool2d
+        return pool(x, out)
+
+    def extra_repr(self):
+        return f"output_size={self.output_size}, mode={self.mode!r}"
+
+
+def make_pools_deterministic(module):
+    """Replaces every ``nn.AdaptiveAvgPool2d`` and ``nn.AdaptiveMaxPool2d`` in ``module``
+    (this project's networks and torchvision's alike) by a ``DeterministicAdaptivePool2d``
+    that computes the same values: what ``--deterministic`` needs on CUDA. Pooling called
+    as a function inside a network's ``forward`` (torchvision's densenet, for one) is not
+    reached; its backward still raises.
+
+    Returns:
+        The names of the replaced modules.
+    """
+    replaced = []
+    for name, child in list(module.named_modules()):
+        if isinstance(child, (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)) and \
+                not getattr(child, "return_indices", False):
+            mode = "avg" if isinstance(child, nn.AdaptiveAvgPool2d) else "max"
+            parent_name, _, attr = name.rpartition(".")
+            parent = module.get_submodule(parent_name) if parent_name else module
+            setattr(parent, attr, DeterministicAdaptivePool2d(child.output_size, mode))
+            replaced.append(name)
+    return replaced

@@ -43,6 +43,7 @@ import checkpoint
 import data
 import device_data
 import engine
+import layers
 import metrics
 import ops
 import recipes
@@ -189,6 +190,8 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None):
     state = engine.TrainState()
     if saved is not None:  # weights, EMA, optimizer, scaler, position, RNG of the saved step
         restore(saved, resume_path, net, ema, optimizer, loop.scaler, state, config, procs)
+        if unfrozen_at_resume(config, state):  # wrapped again: DDP must see them
+            model = wrap_model(net, config, procs.device, procs.world_size)
     engine.set_lr(optimizer, loop.lr_factor(state.step))
     run_log = runlog.RunLog(run_dir, state.step, state.epoch, procs.is_main)
     run_log.summary(net, train_set, procs.device)
@@ -224,8 +227,7 @@ def run_epochs(training, train_loader, criterion, stop):
             save(training, Kind.STOP)
             return Ended.SIGNAL, final
         if (epoch, state.epoch_samples) == unfreeze_point(config):
-            names = unfreeze_into(training.net, training.optimizer, config)
-            engine.set_lr(training.optimizer, training.loop.lr_factor(state.step))
+            names = unfreeze(training)
             runtime.main_print(f"epoch {epoch + 1}: unfroze {len(names)} parameter tensors")
         ended = run_epoch(training, train_loader, criterion, epoch, stop)
         if state.epoch_samples >= sampler.size:  # the epoch is complete
@@ -504,17 +506,32 @@ def build_model(config, train_set, device, world_size, log, resuming=False):
             raise UserError("--sync-bn needs CUDA devices (one per process); CPU processes "
                             "keep per-process BatchNorm statistics: drop --sync-bn")
         net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(net)
+    if config["deterministic"] and device.type == "cuda":  # no deterministic CUDA backward
+        layers.make_pools_deterministic(net)                 # for adaptive pooling
     memory_format = torch.channels_last if config["channels_last"] else torch.preserve_format
     net = net.to(device, memory_format=memory_format)
+    return net, wrap_model(net, config, device, world_size)
+
+
+def wrap_model(net, config, device, world_size):
+    """The module to call: ``net`` in DistributedDataParallel (torchrun) or DataParallel
+    (--gpus), then torch.compile (--compile), as asked.
+
+    DDP chooses the parameters it all-reduces when it is built, among those that require
+    gradients then: after --unfreeze-at it is built again (``unfreeze``), or the unfrozen
+    layers would train apart on each process. DataParallel's replicas run in threads that
+    re-enter autocast without a dtype (float16 on CUDA): each replica sets it again.
+    """
     model = net
     if world_size > 1:
         ids = [device.index] if device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(net, device_ids=ids)
     elif config["gpus"] and len(runtime.gpu_ids(config["gpus"])) > 1:
-        model = torch.nn.DataParallel(net, device_ids=runtime.gpu_ids(config["gpus"]))
+        replica = engine.Autocast(net, device.type, runtime.amp_dtype(config["amp"], device))
+        model = torch.nn.DataParallel(replica, device_ids=runtime.gpu_ids(config["gpus"]))
     if config["compile"]:
         model = torch.compile(model)
-    return net, model
+    return model
 
 
 def load_pretrained(net, path, log, which="ema"):
@@ -580,6 +597,22 @@ def unfreeze_point(config):
     return (config["unfreeze_at"] - 1, 0) if config["unfreeze_at"] else None
 
 
+def unfrozen_at_resume(config, state):
+    """Whether --unfreeze-at happened before the point ``state`` resumes from."""
+    point = unfreeze_point(config)
+    return point is not None and (state.epoch, state.epoch_samples) > point
+
+
+def unfreeze(training):
+    """--unfreeze-at: the frozen parameters join the optimizer, and the model is wrapped
+    again (a DDP built before would not synchronise them); returns their names."""
+    names = unfreeze_into(training.net, training.optimizer, training.config)
+    training.model = wrap_model(training.net, training.config, training.procs.device,
+                                training.procs.world_size)
+    engine.set_lr(training.optimizer, training.loop.lr_factor(training.state.step))
+    return names
+
+
 def unfreeze_into(net, optimizer, config):
     """Unfreezes the frozen parameters and adds them to the optimizer as a new group."""
     names = ops.unfreeze(net, config["freeze"])
@@ -605,8 +638,7 @@ def restore(saved, path, net, ema, optimizer, scaler, state, config, procs):
     state.load_state_dict(saved["progress"])
     if procs.rank != 0:  # the epoch's partial loss sums are global; count them once
         state.loss_sum, state.loss_count = 0.0, 0
-    point = unfreeze_point(config)
-    if point is not None and (state.epoch, state.epoch_samples) > point:
+    if unfrozen_at_resume(config, state):
         unfreeze_into(net, optimizer, config)  # it happened before the save
     try:
         optimizer.load_state_dict(saved["optimizer"])

@@ -247,6 +247,29 @@ def test_short_or_empty_share_of_the_last_batch(tmp_path, train_main, size, batc
         assert_close_f32(a["train_loss"], b["train_loss"])
 
 
+UNFREEZE = ("--freeze", "hidden.*", "--unfreeze-at", "2", "--unfreeze-lr-scale", "1")
+
+
+def test_gradual_unfreezing_under_ddp_trains_like_one_process(tmp_path, train_main):
+    # DDP picks the parameters it synchronises when it is built; the layers unfrozen at
+    # epoch 2 must be synchronised too, also in a run resumed after the unfreezing.
+    flags = (*FLAGS, *UNFREEZE)
+    ddp, stopped, single = tmp_path / "ddp", tmp_path / "stopped", tmp_path / "single"
+    torchrun(tiny_args(ddp, *flags, size=55, batch=16, epochs=4))
+    assert train_main(tiny_args(single, *flags, "--keep-last", "4", size=55, batch=32,
+                                epochs=4)) == 0
+    first = checkpoint.load_checkpoint(ckpt(single, "epoch-0001.pt"))["model"]
+    assert not torch.equal(final_state(single)["model"]["hidden.0.weight"],
+                           first["hidden.0.weight"])  # frozen in epoch 1, trained since
+    torch.testing.assert_close(final_state(ddp)["model"], final_state(single)["model"])
+    # Stopped at step 3 (inside epoch 2, after the unfreezing), then resumed under torchrun.
+    torchrun(tiny_args(stopped, *flags, "--max-steps", "3", size=55, batch=16, epochs=4))
+    assert final_state(stopped)["progress"]["epoch_samples"] == 32
+    torchrun(tiny_args(stopped, *flags, "--max-steps", "0", "--resume", "auto", size=55,
+                       batch=16, epochs=4))
+    torch.testing.assert_close(final_state(stopped)["model"], final_state(single)["model"])
+
+
 def write_launcher(path, patch):
     """A script that runs train.main() under torchrun after ``patch`` (Python source) ran:
     the child-process counterpart of monkeypatch."""

@@ -122,3 +122,42 @@ def test_spectral_norm_keeps_gradients_and_wraps_every_layer_of_a_block():
 def test_spectral_norm_rejects_a_module_without_weights():
     with pytest.raises(ValueError, match="no parameter 'weight'"):
         spectral_norm(nn.ReLU())
+
+
+@pytest.mark.parametrize("mode", ["avg", "max"])
+@pytest.mark.parametrize("side, out", [
+    ((8, 8), 1), ((6, 6), (3, 3)), ((1, 1), (7, 7)), ((2, 2), (6, 6)), ((7, 7), (7, 7)),
+    ((8, 4), (2, None)), ((5, 5), (3, 3)),  # the last: no exact equivalent, the fallback
+])
+def test_deterministic_adaptive_pool_equals_the_adaptive_one(mode, side, out):
+    from layers import DeterministicAdaptivePool2d
+
+    reference = (nn.AdaptiveAvgPool2d if mode == "avg" else nn.AdaptiveMaxPool2d)(out)
+    pool = DeterministicAdaptivePool2d(out, mode)
+    x = torch.randn(2, 3, *side, generator=torch.Generator().manual_seed(0))
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    want, got = reference(a), pool(b)
+    torch.testing.assert_close(got, want)
+    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
+    (want * weights).sum().backward()
+    (got * weights).sum().backward()
+    torch.testing.assert_close(b.grad, a.grad)
+
+
+@pytest.mark.parametrize("name", ["resnet18", "resnet9", "torchvision/resnet18",
+                                  "torchvision/vgg11", "torchvision/mobilenet_v3_small"])
+def test_every_adaptive_pool_of_a_network_is_replaced_and_the_outputs_stay(name):
+    from layers import make_pools_deterministic
+    from networks import build_network
+
+    torch.manual_seed(0)
+    net = build_network(name, 10, 3, 32).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        before = net(x)
+        replaced = make_pools_deterministic(net)
+        after = net(x)
+    assert replaced
+    assert not [m for m in net.modules()
+                if isinstance(m, (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d))]
+    torch.testing.assert_close(after, before)

@@ -489,3 +489,26 @@ def test_metrics_report_tflops(tmp_path):
         assert "mfu" not in record  # no known GPU here
         torch.testing.assert_close(record["tflops"],
                                    423_936 * record["samples_per_sec"] / 1e12)
+
+
+def test_autocast_replica_keeps_the_dtype_in_a_thread_that_drops_it():
+    # DataParallel's worker threads re-enter autocast with the caller's enabled flag but
+    # not its dtype (CUDA's default there is float16; on the CPU it is bfloat16): each
+    # replica runs under engine.Autocast, which sets the run's dtype again.
+    import threading
+
+    net = torch.nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+    dtypes = {}
+
+    def replica(name, module):  # what parallel_apply's _worker does around a replica
+        with torch.autocast("cpu", enabled=True):
+            dtypes[name] = module(x).dtype
+
+    for name, module in (("plain", net), ("wrapped", engine.Autocast(net, "cpu",
+                                                                     torch.float16))):
+        thread = threading.Thread(target=replica, args=(name, module))
+        thread.start()
+        thread.join()
+    assert dtypes == {"plain": torch.bfloat16, "wrapped": torch.float16}
+    assert engine.Autocast(net, "cpu", None)(x).dtype == torch.float32
