@@ -240,7 +240,10 @@ class DeviceLoader:
                 if p.padding else (zero, zero)
             flip = data.flip_draw(self.dataset.seed, epoch, index) if p.flip else zero
             columns += [top, left, flip]
-        packed = torch.stack(columns).to(self.device)  # one copy for the whole epoch
+        packed = torch.stack(columns)  # one copy for the whole epoch, from pinned memory:
+        if self.device.type == "cuda":  # a copy from pageable memory waits for the GPU
+            packed = packed.pin_memory()
+        packed = packed.to(self.device, non_blocking=True)
         for part in packed.split([len(b) for b in batches], dim=1):
             yield self._batch(part)
 

@@ -409,8 +409,8 @@ def evaluate(model, loader, loop, num_classes, tta=False):
             if tta:
                 logits = (logits + model(x.flip(-1))) / 2
         loss_sum += torch.nn.functional.cross_entropy(logits.float(), y, reduction="sum")
-        pred = logits.argmax(dim=1)
-        confusion += torch.bincount(y * num_classes + pred, minlength=num_classes ** 2)
+        pred = logits.argmax(dim=1)  # counted on the device (bincount reads back its size)
+        confusion.index_add_(0, y * num_classes + pred, torch.ones_like(pred))
     if loop.world_size > 1:
         dist.all_reduce(loss_sum)
         dist.all_reduce(confusion)

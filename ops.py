@@ -7,6 +7,7 @@ directory); train.py and test.py print its message as one line and exit with cod
 
 import fnmatch
 import math
+import re
 
 import torch
 import torch.nn as nn
@@ -315,17 +316,43 @@ def saved_tensor_bytes(module, x):
     return sum(seen.values())
 
 
-# Dense bf16/fp16 tensor-core peaks in TFLOP/s (fp32 in brackets), from NVIDIA's datasheets.
-GPU_PEAK_TFLOPS = {"H200": (989.0, 67.0), "H100": (989.0, 67.0), "A100": (312.0, 19.5),
-                   "L40S": (362.0, 91.6), "A10G": (125.0, 31.2), "V100": (125.0, 15.7),
-                   "RTX 4090": (165.0, 82.6), "RTX 3090": (71.0, 35.6)}
+# Dense (no sparsity) peaks in TFLOP/s from NVIDIA's datasheets, by the exact name
+# torch.cuda.get_device_name gives (a pattern matched in full: "A100" must not match
+# "RTX A1000", nor the SXM H100's figures a PCIe or NVL one). bf16 and fp16 are the tensor
+# cores with fp32 accumulation; tf32 is what convolutions get with --amp none (cuDNN
+# allows TF32 by default); a GPU without TF32 or bf16 has no such entry.
+GPU_PEAKS = (
+    (r"NVIDIA H(100|200)( \d+GB HBM3e?)?|NVIDIA H100 SXM.*|NVIDIA GH200.*",
+     {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    (r"NVIDIA H(100|200) NVL", {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0}),
+    (r"NVIDIA H100 PCIe", {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.2}),
+    (r"NVIDIA A100[- ].*", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    (r"NVIDIA L40S", {"bf16": 362.1, "fp16": 362.1, "tf32": 183.0, "fp32": 91.6}),
+    (r"NVIDIA A10G?", {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2}),
+    (r"NVIDIA GeForce RTX 4090", {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6}),
+    (r"NVIDIA GeForce RTX 3090", {"bf16": 71.0, "fp16": 71.0, "tf32": 35.6, "fp32": 35.6}),
+    (r"Tesla V100-SXM2-(16|32)GB", {"fp16": 125.0, "fp32": 15.7}),
+    (r"Tesla V100-PCIE-(16|32)GB", {"fp16": 112.0, "fp32": 14.0}),
+    (r"Tesla T4", {"fp16": 65.0, "fp32": 8.1}),
+)
 
 
-def peak_tflops(device_name, low_precision):
-    """The datasheet peak of a known GPU, or None: bf16/fp16 when ``low_precision``."""
-    for key, (half, single) in GPU_PEAK_TFLOPS.items():
-        if key in device_name:
-            return half if low_precision else single
+def peak_tflops(device_name, precision):
+    """A known GPU's datasheet peak, or None (an unknown GPU, or a precision it lacks).
+
+    Args:
+        device_name: ``torch.cuda.get_device_name``, matched in full.
+        precision: ``bf16``, ``fp16``, ``tf32`` or ``fp32`` (a GPU without TF32 gives its
+            fp32 peak for ``tf32``).
+
+    Returns:
+        TFLOP/s of one GPU, or None.
+    """
+    for pattern, peaks in GPU_PEAKS:
+        if re.fullmatch(pattern, device_name.strip()):
+            if precision == "tf32" and "tf32" not in peaks:
+                precision = "fp32"
+            return peaks.get(precision)
     return None
 
 

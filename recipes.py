@@ -255,7 +255,8 @@ class BatchMix:
         targets = y.float() if y.ndim == 2 else F.one_hot(y.long(), self.num_classes).float()
         if draw.kind == "none":
             return x, targets
-        perm = draw.perm.to(x.device, non_blocking=True)
+        perm = draw.perm.pin_memory() if x.is_cuda else draw.perm  # pageable: a sync
+        perm = perm.to(x.device, non_blocking=True)
         if draw.kind == "mixup":
             if not x.is_floating_point():
                 raise TypeError(f"MixUp needs floating-point images, got {x.dtype}")

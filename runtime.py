@@ -22,11 +22,17 @@ from ops import UserError
 
 
 class Processes(NamedTuple):
-    """This process's place: its rank among ``world_size`` processes, and its device."""
+    """This process's place: its rank among ``world_size`` processes, and its device.
+
+    ``host_group`` is the process group of the agreements between steps (whether to stop):
+    gloo on CPU tensors, so that agreeing never waits for a GPU; None is the default group
+    (itself gloo on CPU processes).
+    """
 
     rank: int
     world_size: int
     device: torch.device
+    host_group: object = None
 
     @property
     def is_main(self):
@@ -56,14 +62,32 @@ def setup_processes(config):
     if world_size > 1:
         if config["gpus"]:
             raise UserError("--gpus (DataParallel) and torchrun (DDP) do not mix; use one")
-        device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        device = torch.device("cpu")
+        if want_cuda:
+            count = torch.cuda.device_count()
+            if local_rank >= count:
+                raise UserError(f"process {rank} is local rank {local_rank} of its machine, "
+                                f"which has {count} GPU(s): start at most {count} processes "
+                                f"per machine (torchrun --nproc_per_node {count}), or train "
+                                f"on CPU processes with --device cpu")
+            device = select_device(torch.device("cuda", local_rank))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        return Processes(rank, world_size, device)
+        host = dist.new_group(backend="gloo") if device.type == "cuda" else None
+        return Processes(rank, world_size, device, host)
     if config["gpus"]:
-        return Processes(0, 1, torch.device("cuda", gpu_ids(config["gpus"])[0]))
-    return Processes(0, 1, parse_device(config["device"]))
+        return Processes(0, 1, select_device(torch.device("cuda", gpu_ids(config["gpus"])[0])))
+    return Processes(0, 1, select_device(parse_device(config["device"])))
+
+
+def select_device(device):
+    """Makes a CUDA ``device`` this process's current one (what CUDA events, pinned memory
+    and kernels launched without a device use: otherwise GPU 0, with a second context
+    there); returns it with its index."""
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    return device
 
 
 DEVICE_NAMES = re.compile(r"auto|cpu|mps|cuda(:(0|[1-9][0-9]*))?")  # what --device takes
@@ -160,8 +184,10 @@ def amp_dtype(amp, device, remedy=None):
     dtype = AMP_DTYPES[amp]
     if dtype is None:
         return None
-    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise UserError(f"--amp bf16: {torch.cuda.get_device_name(device)} has no bfloat16; "
+    if device.type == "cuda" and dtype == torch.bfloat16 and \
+            not native_bf16(torch.cuda.get_device_capability(device)):
+        raise UserError(f"--amp bf16: {torch.cuda.get_device_name(device)} has no native "
+                        f"bfloat16 (it would be emulated, slower than float32); "
                         f"{remedy or 'use --amp fp16'}")
     if not torch.amp.is_autocast_available(device.type):
         raise UserError(f"--amp {amp}: no autocast on {device.type}; "
@@ -175,6 +201,13 @@ def amp_dtype(amp, device, remedy=None):
                         f"torch {torch.__version__}; "
                         f"{remedy or 'use --amp none or the other dtype'}")
     return dtype
+
+
+def native_bf16(capability):
+    """Whether a CUDA device of compute ``capability`` (major, minor) computes bfloat16 in
+    hardware: Ampere (8.0) and newer. Older GPUs (V100 7.0, T4 7.5) emulate it, which
+    ``torch.cuda.is_bf16_supported()`` accepts by default."""
+    return tuple(capability) >= (8, 0)
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, scheduler, SSH gone
@@ -202,14 +235,16 @@ class StopRequest:
 
     def agreed(self, procs):
         """Whether to stop now; under DDP every process stops at the same step (a signal
-        to one process stops them all)."""
+        to one process stops them all). Called after every step: the processes agree on
+        a CPU tensor over ``procs.host_group``, so no GPU is waited for (under NCCL a CUDA
+        tensor's value would have to be read back, a device sync each step)."""
         wanted = self.signum is not None
         if procs.world_size > 1:
-            flag = torch.tensor([int(wanted)], device=procs.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if flag.item() and self.signum is None:
+            flag = torch.tensor([int(wanted)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=procs.host_group)
+            wanted = bool(flag[0])
+            if wanted and self.signum is None:
                 self.signum = signal.SIGTERM
-            wanted = bool(flag.item())
         return wanted
 
     @property

@@ -664,7 +664,7 @@ def evaluate_and_export(args):
     """The script: flags, checkpoint, evaluation, report, export; returns the exit code."""
     # 1. Flags, checked before any slow work.
     suffix = check_args(args)
-    device = runtime.parse_device(args.device)
+    device = runtime.select_device(runtime.parse_device(args.device))
     check_outputs(args)
     if args.model is not None:
         return evaluate_model_file(args)

@@ -123,7 +123,7 @@ class Training:
     val_loader: torch.utils.data.DataLoader
     datasets: tuple               # (train, val)
     flops_per_sample: int         # forward + backward, for the TFLOP/s figure
-    peak_tflops: float            # the GPU's datasheet peak (for MFU), or None
+    peak_tflops: float            # the datasheet peak of the run's GPUs (MFU), or None
 
 
 def fit(config, argv, resume_path, saved, directory, stop):
@@ -181,9 +181,15 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None):
     net, model = build_model(config, train_set, procs.device, procs.world_size, log,
                              resuming=saved is not None)
     criterion = build_criterion(config)
-    optimizer = build_optimizer(net, config)
+    optimizer = build_optimizer(net, config, procs.device)
     ema = recipes.build_ema(config, net)  # --ema-decay: None when off
-    loop = build_loop(config, procs, train_set, sampler)
+    prefetch = config["prefetch"]
+    if prefetch and isinstance(train_loader, device_data.DeviceLoader):
+        log("note: --prefetch does nothing on the device path: its batches are made on the "
+            "device, where a thread in front would only move their kernels into the step's "
+            "timing")
+        prefetch = 0
+    loop = build_loop(config, procs, train_set, sampler, prefetch)
     flops = ops.train_flops_per_sample(  # before the restore: it must not touch the RNG
         net, (train_set.in_channels, train_set.image_size, train_set.image_size), procs.device)
 
@@ -202,7 +208,7 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None):
     training = Training(config, procs, net, model, optimizer, ema, loop, state,
                         engine.LossMeter(loop.counters, procs.world_size), saver, run_log,
                         val_loader, (train_set, val_set), flops,
-                        peak_tflops(procs.device, loop.amp_dtype))
+                        peak_tflops(procs.device, loop.amp_dtype, gpu_count(config, procs)))
     return training, train_loader, criterion
 
 
@@ -445,7 +451,7 @@ def build_loaders(config, procs, train_set, val_set, sampler):
     return train_loader, val_loader
 
 
-def build_loop(config, procs, train_set, sampler):
+def build_loop(config, procs, train_set, sampler, prefetch=0):
     """The loop's fixed settings: accumulation, precision, LR schedule, timers, mixing."""
     device = procs.device
     dtype = runtime.amp_dtype(config["amp"], device)
@@ -458,7 +464,7 @@ def build_loop(config, procs, train_set, sampler):
         device=device, accum=accum, world_size=procs.world_size,
         amp_dtype=dtype, scaler=torch.amp.GradScaler(device.type,
                                                      enabled=dtype == torch.float16),
-        grad_clip=config["grad_clip"], prefetch=config["prefetch"],
+        grad_clip=config["grad_clip"], prefetch=prefetch,
         memory_format=torch.channels_last if config["channels_last"]
         else torch.contiguous_format,
         show_progress=procs.is_main,
@@ -469,11 +475,29 @@ def build_loop(config, procs, train_set, sampler):
         mix=recipes.build_batch_mix(config, train_set.num_classes))
 
 
-def peak_tflops(device, amp_dtype):
-    """The training GPU's datasheet peak in TFLOP/s (for MFU), or None where unknown."""
+def peak_tflops(device, amp_dtype, devices=1):
+    """The datasheet peak in TFLOP/s of the GPUs the run's throughput counts (MFU), or
+    None where unknown.
+
+    Args:
+        device: this process's device (its name picks the peak).
+        amp_dtype: the autocast dtype; None (--amp none) means TF32 tensor cores when
+            cuDNN may use them (its default), plain fp32 otherwise.
+        devices: GPUs that share the work: the processes (DDP) or --gpus (DataParallel).
+    """
     if device.type != "cuda":
         return None
-    return ops.peak_tflops(torch.cuda.get_device_name(device), amp_dtype is not None)
+    precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(amp_dtype) or \
+        ("tf32" if torch.backends.cudnn.allow_tf32 else "fp32")
+    peak = ops.peak_tflops(torch.cuda.get_device_name(device), precision)
+    return None if peak is None else peak * devices
+
+
+def gpu_count(config, procs):
+    """The GPUs one step runs on: the processes under torchrun, --gpus' ids in one."""
+    if procs.world_size > 1:
+        return procs.world_size
+    return len(runtime.gpu_ids(config["gpus"])) if config["gpus"] else 1
 
 
 def build_model(config, train_set, device, world_size, log, resuming=False):
@@ -567,14 +591,20 @@ def load_pretrained(net, path, log, which="ema"):
 
 # ------------------------------------------------------------------------ optimiser
 
-def build_optimizer(net, config):
-    """The optimizer over the trainable parameters; each group keeps its ``base_lr``."""
+def build_optimizer(net, config, device):
+    """The optimizer over the trainable parameters; each group keeps its ``base_lr``.
+
+    On CUDA, and wherever fp16's GradScaler runs, the fused implementation: with any
+    other, ``GradScaler.step`` reads whether the gradients were finite back to the host at
+    every step (a device sync); a fused optimizer takes that flag on the device.
+    """
     params = [p for p in net.parameters() if p.requires_grad]
     if not params:
         raise UserError("every parameter is frozen: nothing to train")
     cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam,
            "adamw": torch.optim.AdamW}[config["optimizer"]]
-    optimizer = cls([{"params": params}], lr=config["lr"])
+    fused = {"fused": True} if device.type == "cuda" or config["amp"] == "fp16" else {}
+    optimizer = cls([{"params": params}], lr=config["lr"], **fused)
     set_hyperparameters(optimizer, config)
     return optimizer
 
@@ -585,6 +615,7 @@ def set_hyperparameters(optimizer, config):
     unfrozen by --unfreeze-at; its learning rate is scaled by --unfreeze-lr-scale."""
     for i, group in enumerate(optimizer.param_groups):
         group["base_lr"] = config["lr"] * (config["unfreeze_lr_scale"] if i else 1.0)
+        group["fused"] = optimizer.defaults["fused"]  # as built here, not as saved
         group["weight_decay"] = config["weight_decay"]
         if config["optimizer"] == "sgd":
             group["momentum"] = config["momentum"]

@@ -38,6 +38,7 @@ from common import setup_device, sync  # noqa: E402  (puts the repository on the
 
 import data  # noqa: E402
 import engine  # noqa: E402
+from config import with_defaults  # noqa: E402
 from losses import build_criterion  # noqa: E402
 from networks import build_network  # noqa: E402
 
@@ -121,9 +122,9 @@ def main(argv=None):
     args = parse_args(argv)
     device, name = setup_device(args)
     size = args.steps * args.batch_size
-    config = {"dataset": "synthetic", "data_dir": "data", "seed": args.seed,
-              "augment": args.augment, "image_size": 32, "synthetic_size": size,
-              "num_classes": 10}
+    config = with_defaults({"dataset": "synthetic", "data_dir": "data", "seed": args.seed,
+                            "augment": args.augment, "image_size": 32,
+                            "synthetic_size": size, "num_classes": 10})
     train_set, _ = data.build_datasets(config)
     criterion = build_criterion({"label_smoothing": 0.1})
     samplers, loaders = {}, {}

@@ -201,7 +201,7 @@ def _per_sample_table(args):
             for name, t in variants.items()}
     names = list(sets)
     for ds in sets.values():
-        for i in range(20):
+        for i in range(min(20, len(ds))):  # warm-up
             ds[(i, 0)]
     times = {name: [] for name in names}
     for r in range(args.repeats):

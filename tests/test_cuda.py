@@ -1,20 +1,32 @@
-"""The CUDA paths, run where a GPU is present (skipped on CPU-only machines)."""
+"""The CUDA paths, run where a GPU is present (skipped on CPU-only machines).
+
+bench/gpu.sh runs this file first. Tests that need two GPUs (DataParallel, NCCL, a device
+other than GPU 0) skip on one.
+"""
 
 import json
+import os
 
 import pytest
 import torch
-from conftest import final_state, tiny_args
+from conftest import assert_states_equal, final_state, tiny_args
 
+import engine
 import train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 
 
-def cuda_args(run_dir, *extra):
+def cuda_args(run_dir, *extra, device="cuda"):
     args = tiny_args(run_dir, *extra, network="simple_cnn", size=256, image=16, epochs=2)
-    args[args.index("--device") + 1] = "cuda"
+    args[args.index("--device") + 1] = device
     return args
+
+
+def records(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 @pytest.mark.parametrize("flags", [
@@ -22,28 +34,133 @@ def cuda_args(run_dir, *extra):
     ("--amp", "bf16", "--channels-last"),
     ("--grad-checkpointing", "--num-workers", "2", "--prefetch", "2"),
     ("--compile",),
+    ("--data-on-device", "off", "--num-workers", "2"),             # pinned per-sample path
+    ("--data-on-device", "off", "--amp", "bf16", "--channels-last"),
+    ("--data-on-device", "on", "--prefetch", "2"),                # prefetch is dropped
 ])
 def test_cuda_training_paths(tmp_path, flags):
     assert train.main(cuda_args(tmp_path, *flags)) == 0
-    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert all(r["train_loss"] == r["train_loss"] for r in records)  # not NaN
-    assert len(records) == 2 and 0 < records[-1]["compute_efficiency"] <= 1
+    logged = records(tmp_path)
+    assert all(r["train_loss"] == r["train_loss"] for r in logged)  # not NaN
+    assert len(logged) == 2 and 0 < logged[-1]["compute_efficiency"] <= 1
     state = final_state(tmp_path)
     assert all(t.device.type == "cpu" for t in state["model"].values())
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in state["model"])
 
 
 def test_fp16_scaler_state_resumes_on_cuda(tmp_path):
-    assert train.main(cuda_args(tmp_path, "--amp", "fp16")) == 0
-    scale = final_state(tmp_path)["scaler"]["scale"]
-    assert train.main(cuda_args(tmp_path, "--amp", "fp16", "--resume", "auto",
-                                "--epochs", "3")) == 0
-    assert final_state(tmp_path)["epoch"] == 3 and scale > 0
+    # --deterministic: the resumed run and the uninterrupted one compute the same steps.
+    flags = ("--amp", "fp16", "--deterministic", "--scheduler", "none")
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert train.main(cuda_args(whole, *flags, "--epochs", "3")) == 0
+    assert train.main(cuda_args(resumed, *flags)) == 0
+    assert train.main(cuda_args(resumed, *flags, "--resume", "auto", "--epochs", "3")) == 0
+    a, b = final_state(resumed), final_state(whole)
+    assert a["epoch"] == b["epoch"] == 3 and a["scaler"]["scale"] > 0
+    assert a["scaler"] == b["scaler"]  # scale and growth tracker continued exactly
+    assert_states_equal(a["model"], b["model"])
+
+
+@pytest.mark.parametrize("network", ["resnet9", "resnet18", "torchvision/resnet18"])
+def test_deterministic_runs_on_cuda_and_repeats_itself(tmp_path, network):
+    # Adaptive pooling has no deterministic CUDA backward: --deterministic swaps it.
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for run in runs:
+        args = cuda_args(run, "--deterministic", "--network", network)
+        args[args.index("--synthetic-size") + 1] = "64"
+        assert train.main(args) == 0
+    assert_states_equal(final_state(runs[0])["model"], final_state(runs[1])["model"])
+
+
+@pytest.mark.parametrize("flags", [
+    (),
+    ("--amp", "fp16", "--grad-clip", "1"),
+    ("--amp", "bf16", "--ema-decay", "0.9", "--mixup-alpha", "0.2"),
+    ("--data-on-device", "off", "--num-workers", "2"),
+])
+def test_no_device_sync_between_log_steps(tmp_path, monkeypatch, flags):
+    # CUDA's sync debug mode raises at any synchronising call while the steps of the second
+    # epoch run; the log steps (which read the counters) and the loader's start are exempt.
+    real_run_epoch, real_log = train.run_epoch, train.log_train
+    real_init = engine._Prefetcher.__init__
+
+    def exempt(call):
+        def run(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode(0)
+            try:
+                return call(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("error")
+        return run
+
+    def run_epoch(training, loader, criterion, epoch, stop):
+        if epoch == 0:  # the first epoch warms up (cuDNN's autotuner, allocations)
+            return real_run_epoch(training, loader, criterion, epoch, stop)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return real_run_epoch(training, loader, criterion, epoch, stop)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    monkeypatch.setattr(train, "run_epoch", run_epoch)
+    monkeypatch.setattr(train, "log_train", exempt(real_log))
+    monkeypatch.setattr(engine._Prefetcher, "__init__", exempt(real_init))
+    assert train.main(cuda_args(tmp_path, "--log-every", "1000", *flags)) == 0
 
 
 def test_mfu_reported_on_a_known_gpu(tmp_path):
-    if train.ops.peak_tflops(torch.cuda.get_device_name(), True) is None:
+    if train.ops.peak_tflops(torch.cuda.get_device_name(), "bf16") is None:
         pytest.skip(f"no datasheet peak for {torch.cuda.get_device_name()}")
     assert train.main(cuda_args(tmp_path, "--amp", "bf16")) == 0
-    record = json.loads(open(tmp_path / "metrics.jsonl").readlines()[-1])
+    record = records(tmp_path)[-1]
     assert 0 < record["mfu"] < 1 and record["tflops"] > 0
+
+
+def test_amp_bf16_follows_the_gpus_native_support():
+    device = torch.device("cuda", 0)
+    native = train.runtime.native_bf16(torch.cuda.get_device_capability(device))
+    if native:
+        assert train.runtime.amp_dtype("bf16", device) == torch.bfloat16
+    else:
+        with pytest.raises(train.UserError, match="no native bfloat16"):
+            train.runtime.amp_dtype("bf16", device)
+
+
+@two_gpus
+def test_a_second_gpu_is_the_one_used(tmp_path):
+    last = torch.cuda.device_count() - 1
+    try:
+        assert train.main(cuda_args(tmp_path, device=f"cuda:{last}")) == 0
+        assert torch.cuda.current_device() == last
+    finally:
+        torch.cuda.set_device(0)
+    assert 0 < records(tmp_path)[-1]["compute_efficiency"] <= 1  # its events, its work
+
+
+@two_gpus
+def test_dataparallel_replicas_compute_in_bfloat16():
+    net = train.build_network("simple_cnn", 10, 3, 16).cuda(0)
+    seen = []
+    net.fc.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    config = {"gpus": "0,1", "amp": "bf16", "compile": False}
+    model = train.wrap_model(net, config, torch.device("cuda", 0), 1)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        model(torch.randn(8, 3, 16, 16, device="cuda:0"))
+    assert seen and set(seen) == {torch.bfloat16}, seen
+
+
+@two_gpus
+def test_nccl_processes_train_like_one_gpu(tmp_path):
+    from test_distributed import torchrun
+
+    flags = ("--no-augment", "--scheduler", "none", "--deterministic")
+    ddp = tmp_path / "ddp"
+    args = tiny_args(ddp, *flags, network="mlp", size=64, batch=16, epochs=2)
+    args[args.index("--device") + 1] = "cuda"
+    out = torchrun(args)
+    assert "process(es), cuda:0)" in out  # NCCL, one GPU a process
+    single = tmp_path / "single"
+    args = tiny_args(single, *flags, network="mlp", size=64, batch=32, epochs=2)
+    args[args.index("--device") + 1] = "cuda"
+    assert train.main(args) == 0
+    torch.testing.assert_close(final_state(ddp)["model"], final_state(single)["model"])

@@ -136,9 +136,27 @@ def test_lr_factor_cosine_and_onecycle_default_warmup():
 
 
 def test_peak_tflops_of_known_gpus():
-    assert ops.peak_tflops("NVIDIA H100 80GB HBM3", low_precision=True) == 989.0
-    assert ops.peak_tflops("NVIDIA A100-SXM4-40GB", low_precision=False) == 19.5
-    assert ops.peak_tflops("Some Future GPU", low_precision=True) is None
+    assert ops.peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.4
+    assert ops.peak_tflops("NVIDIA A100-SXM4-40GB", "fp32") == 19.5
+    assert ops.peak_tflops("Some Future GPU", "bf16") is None
+
+
+@pytest.mark.parametrize("name, precision, peak", [
+    ("NVIDIA H100 80GB HBM3", "tf32", 494.7),    # SXM
+    ("NVIDIA H100 PCIe", "bf16", 756.5),         # not the SXM figure
+    ("NVIDIA H100 NVL", "bf16", 835.5),
+    ("NVIDIA H200", "bf16", 989.4),
+    ("NVIDIA A100-PCIE-40GB", "tf32", 156.0),
+    ("NVIDIA A100 80GB PCIe", "fp16", 312.0),
+    ("NVIDIA RTX A1000 6GB Laptop GPU", "bf16", None),  # "A100" is in its name
+    ("NVIDIA RTX A1000", "fp32", None),
+    ("Tesla V100-SXM2-16GB", "bf16", None),       # no bfloat16 on a V100
+    ("Tesla V100-SXM2-16GB", "tf32", 15.7),       # no TF32: its fp32 peak
+    ("Tesla T4", "fp16", 65.0),
+    ("NVIDIA GeForce RTX 4090", "tf32", 82.6),
+])
+def test_peak_tflops_by_exact_device_name(name, precision, peak):
+    assert ops.peak_tflops(name, precision) == peak
 
 
 def test_saved_tensor_bytes_counts_what_autograd_keeps():

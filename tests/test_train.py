@@ -458,3 +458,105 @@ def test_progress_bar_shows_loss_throughput_and_efficiency(tmp_path, capsys, mon
     bar = capsys.readouterr().err
     assert "epoch 1/1" in bar
     assert re.search(r"eff=\d\.\d\d, loss=\d+\.\d{4}, samples_s=\d+", bar)
+
+
+@pytest.mark.parametrize("amp, tf32, devices, peak", [
+    (torch.bfloat16, True, 1, 756.5),       # H100 PCIe bf16
+    (None, True, 1, 378.0),                 # --amp none: convolutions run in TF32
+    (None, False, 1, 51.2),                 # ... unless cuDNN may not
+    (torch.float16, True, 4, 4 * 756.5),    # 4 processes (or --gpus): 4 GPUs' peak
+])
+def test_mfu_divides_by_the_peak_of_every_gpu_at_the_precision_used(monkeypatch, amp, tf32,
+                                                                      devices, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", tf32)
+    assert train.peak_tflops(torch.device("cuda", 0), amp, devices) == pytest.approx(peak)
+    assert train.peak_tflops(torch.device("cpu"), amp, devices) is None
+    record = train.metrics.epoch_record(1, 10, 5.0, 10, 0.1, (1.0, 3.0, 4.0), 4000,
+                                        flops_per_sample=10**11, peak_tflops=peak)
+    assert record["tflops"] == pytest.approx(100.0)   # 1000 samples/s x 0.1 TFLOP
+    assert record["mfu"] == pytest.approx(100.0 / peak)
+
+
+def test_gpu_count_is_the_processes_or_the_dataparallel_gpus(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    procs = train.runtime.Processes(0, 1, torch.device("cuda", 0))
+    assert train.gpu_count({"gpus": None}, procs) == 1
+    assert train.gpu_count({"gpus": "0,2,3"}, procs) == 3
+    assert train.gpu_count({"gpus": None}, procs._replace(world_size=8)) == 8
+
+
+class _Readbacks(torch.overrides.TorchFunctionMode):
+    """Counts the calls that read a tensor's value back to the host (on CUDA: a sync)."""
+
+    READS = {"item", "__bool__", "__float__", "__int__", "__index__", "tolist", "numpy",
+             "cpu", "__array__"}
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.paused = [], 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if not self.paused and name in self.READS:
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("flags", [
+    (),
+    ("--amp", "fp16", "--grad-clip", "1", "--virtual-batch-size", "32"),  # the GradScaler
+    ("--ema-decay", "0.9", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0"),
+    ("--data-on-device", "on", "--network", "simple_cnn"),
+])
+def test_no_value_is_read_back_between_log_steps(tmp_path, monkeypatch, flags):
+    # The hot path (the step, and run_epoch's decisions after it) reads nothing back to the
+    # host: on CUDA each read is a device sync. Log steps read the counters, once. (The
+    # per-sample DataLoader works on CPU tensors before they reach the device: not counted;
+    # the device path, which makes its batches on the device, is.)
+    counter, logs = _Readbacks(), []
+    real_log = train.log_train
+
+    def log_train(training, bar):  # the log step's own reads are allowed: not counted
+        counter.paused += 1
+        try:
+            logs.append(training.state.step)
+            return real_log(training, bar)
+        finally:
+            counter.paused -= 1
+
+    def run_epoch(*args):
+        with counter:
+            return real_run_epoch(*args)
+
+    def batches(prefetcher):  # the DataLoader's own work on CPU tensors is not counted
+        it = real_iter(prefetcher)
+        while True:
+            counter.paused += 1
+            try:
+                batch = next(it, None)
+            finally:
+                counter.paused -= 1
+            if batch is None:
+                return
+            yield batch
+
+    def start(prefetcher, loader, depth):  # iter(DataLoader) draws its base seed
+        counter.paused += 1
+        try:
+            real_init(prefetcher, loader, depth)
+        finally:
+            counter.paused -= 1
+
+    real_run_epoch, real_iter = train.run_epoch, engine._Prefetcher.__iter__
+    real_init = engine._Prefetcher.__init__
+    monkeypatch.setattr(train, "log_train", log_train)
+    monkeypatch.setattr(train, "run_epoch", run_epoch)
+    monkeypatch.setattr(engine._Prefetcher, "__iter__", batches)
+    monkeypatch.setattr(engine._Prefetcher, "__init__", start)
+    args = tiny_args(tmp_path, "--log-every", "1000", "--no-augment", *flags, size=160,
+                     epochs=2)
+    assert train.main(args) == 0
+    assert final_state(tmp_path)["step"] >= 10 and len(logs) == 2  # one log per epoch end
+    assert counter.calls == []
