@@ -539,7 +539,7 @@ class Kind(enum.Enum):
     STOP = "stop"    # a signal or --max-steps inside an epoch: last.pt
 
 
-def training_state(net, optimizer, scaler, progress, rngs, config, ema=None):
+def training_state(net, optimizer, scaler, progress, rngs, config, ema=None, data=None):
     """The checkpoint dict of a training run: what exact resumption needs.
 
     Args:
@@ -550,6 +550,8 @@ def training_state(net, optimizer, scaler, progress, rngs, config, ema=None):
         rngs: ``rng_state()`` of every process, by rank.
         config: the resolved config.
         ema: the ``recipes.EMA`` of the weights, or None.
+        data: ``{"train": data.set_identity(train_set)}`` (a resume onto another set says
+            so), or None.
 
     Returns:
         A dict of tensors and plain values (``weights_only``-loadable once saved).
@@ -568,6 +570,8 @@ def training_state(net, optimizer, scaler, progress, rngs, config, ema=None):
     }
     if ema is not None:
         state["ema"] = ema.state_dict()  # the model's keys
+    if data is not None:
+        state["data"] = data
     return state
 
 
@@ -586,13 +590,14 @@ class Saver:
         state: the run's ``engine.TrainState``.
         procs: ``runtime.Processes``.
         last_saved: the checkpoint resumed from, if any.
+        data: what the checkpoint records of the data (``training_state``'s ``data``).
     """
 
     def __init__(self, run_dir, config, net, optimizer, scaler, state, procs, last_saved,
-                 ema=None):
+                 ema=None, data=None):
         self.dir = os.path.join(run_dir, "checkpoints")
         self.config, self.net, self.optimizer, self.scaler = config, net, optimizer, scaler
-        self.state, self.procs, self.ema = state, procs, ema
+        self.state, self.procs, self.ema, self.data = state, procs, ema, data
         self.last_saved = last_saved
         self.writer = BackgroundWriter()
         if procs.is_main:  # temporary files of a save that was killed half-way
@@ -628,7 +633,7 @@ class Saver:
             self.last_saved = path  # what the main process writes
             return
         state = training_state(self.net, self.optimizer, self.scaler, progress, rngs,
-                               self.config, self.ema)
+                               self.config, self.ema, self.data)
         also = [os.path.join(self.dir, "best.pt")] if best else []
         if self.config["keep_last"] > 0 and kind is not Kind.STOP:
             name = f"epoch-{progress['epoch']:04d}.pt" if kind is Kind.EPOCH \

@@ -266,6 +266,21 @@ class _NoAliasLoader(yaml.SafeLoader):
                 event.start_mark)
         return super().compose_node(parent, index)
 
+    def construct_mapping(self, node, deep=False):
+        """A mapping, refusing a key given twice (YAML would silently keep the last)."""
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                repeated = key in seen
+                seen.add(key)
+            except TypeError:  # an unhashable key: the base class says what is wrong
+                break
+            if repeated:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice", key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
 
 def _yaml_problem(e):
     """One line for a YAMLError: the problem and where (yaml's own text spans lines)."""

@@ -15,7 +15,9 @@ the same arithmetic (``crop_flip_draws``, ``normalise``), so both paths give the
 samples, bit for bit on the CPU.
 """
 
+import contextlib
 import functools
+import hashlib
 import os
 import signal
 import socket
@@ -373,6 +375,41 @@ class SafeImageFolder(tv_datasets.ImageFolder):
         self.unreadable = torch.zeros(len(self.samples), dtype=torch.uint8).share_memory_()
         self[0]  # finds a readable image now, or raises UserError
 
+    def make_dataset(self, directory, class_to_idx, extensions=None, is_valid_file=None,
+                     allow_empty=False):
+        """torchvision's ``make_dataset`` (the same samples in the same order), except that
+        a directory reached a second time (a symbolic link to a parent, to another class
+        folder, to itself) is skipped with one warning each: the set is what is on disk,
+        each image under its own class, once."""
+        if is_valid_file is None:
+            def is_valid_file(path):
+                return tv_datasets.folder.has_file_allowed_extension(path, extensions)
+        seen = {}  # (device, inode) -> the path a directory was first reached by
+        for path in [directory] + [os.path.join(directory, c) for c in class_to_idx]:
+            with contextlib.suppress(OSError):
+                st = os.stat(path)
+                seen.setdefault((st.st_dev, st.st_ino), path)
+        instances, found = [], set()
+        for target_class in sorted(class_to_idx):
+            target_dir = os.path.join(directory, target_class)
+            if not os.path.isdir(target_dir):
+                continue
+            walked = []
+            for root, dirs, fnames in os.walk(target_dir, followlinks=True):
+                dirs[:] = _first_visits(root, sorted(dirs), seen)
+                walked.append((root, fnames))
+            for root, fnames in sorted(walked):
+                for fname in sorted(fnames):
+                    path = os.path.join(root, fname)
+                    if is_valid_file(path):
+                        instances.append((path, class_to_idx[target_class]))
+                        found.add(target_class)
+        empty = set(class_to_idx) - found
+        if empty and not allow_empty:
+            raise FileNotFoundError(f"Found no valid file for the classes "
+                                    f"{', '.join(sorted(empty))}")
+        return instances
+
     def __getitem__(self, index):
         size = len(self.samples)
         for i in (j % size for j in range(index, index + size)):
@@ -390,6 +427,46 @@ class SafeImageFolder(tv_datasets.ImageFolder):
     def unreadable_count(self):
         """The number of distinct files of the set found unreadable so far."""
         return int(self.unreadable.sum())
+
+
+def _first_visits(root, dirs, seen):
+    """The sub-directories of ``root`` not reached before (``seen``, updated); each one
+    reached again is named in a warning."""
+    keep = []
+    for name in dirs:
+        path = os.path.join(root, name)
+        try:
+            st = os.stat(path)
+        except OSError:
+            keep.append(name)  # os.walk reports nothing for it either
+            continue
+        first = seen.setdefault((st.st_dev, st.st_ino), path)
+        if first == path:
+            keep.append(name)
+        else:
+            say(f"warning: skipping {path}: it is {first} again (a symbolic link to a "
+                f"folder already read); its images are read once, under their own folder",
+                file=sys.stderr)
+    return keep
+
+
+def set_identity(dataset):
+    """What a checkpoint records of the training set, to tell a resume onto other data:
+    ``{"size": N, "fingerprint": hex}``. For an image folder the fingerprint hashes every
+    sample's path (relative to the split) and label; for the other sets, their kind and
+    labels (the synthetic set: its recipe)."""
+    base, h = dataset.base, hashlib.sha256()
+    if isinstance(base, SafeImageFolder):
+        for path, label in base.samples:
+            h.update(f"{os.path.relpath(path, base.root)}\0{label}\n".encode())
+    elif isinstance(base, SyntheticImages):
+        h.update(f"synthetic {dataset.seed} {dataset.image_size} {dataset.in_channels} "
+                 f"{dataset.num_classes}".encode())
+        h.update(base.labels.numpy().tobytes())
+    else:
+        h.update(type(base).__name__.encode())
+        h.update(torch.as_tensor(getattr(base, "targets", [])).numpy().tobytes())
+    return {"size": len(dataset), "fingerprint": h.hexdigest()}
 
 
 def mirror_keeps_class(name):

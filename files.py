@@ -82,7 +82,7 @@ def probe_writable(directory):
     os.unlink(probe)
 
 
-def atomic_write(path, write_fn, mode="w", also=()):
+def atomic_write(path, write_fn, mode="w", also=(), prefix=".tmp-"):
     """Replaces ``path`` with what ``write_fn`` writes, all at once or not at all.
 
     The steps: a temporary file ``.tmp-*`` in the same directory; ``write_fn``; flush;
@@ -101,6 +101,8 @@ def atomic_write(path, write_fn, mode="w", also=()):
         also: more final names that get the same file: hard links to it (copies where
             the file system has none), each put in place by an atomic rename before
             ``path`` itself.
+        prefix: of the temporary file's name (it starts with ``.tmp-``; a writer that
+            can be killed adds ``runtime.owner_tag()``, so that its leftover is known).
 
     Returns:
         ``path``.
@@ -110,7 +112,7 @@ def atomic_write(path, write_fn, mode="w", also=()):
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     suffix = os.path.splitext(path)[1]
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=suffix, dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=directory)
     temporaries = [tmp]
     try:
         try:

@@ -18,6 +18,16 @@ class UserError(Exception):
     """A mistake in the user's input, reported as one line without a traceback."""
 
 
+class Interrupted(Exception):
+    """A stop signal (SIGINT, SIGTERM, SIGHUP) came before training began, while something
+    long was built (a decoded cache): it stops at once, leaving nothing half-written; the
+    exit code is 128 + the signal's number."""
+
+    def __init__(self, signum, what):
+        super().__init__(what)
+        self.signum, self.what = int(signum), what
+
+
 class RunFailed(Exception):
     """The run cannot go on: a non-finite loss or weights, a failed write; train.py
     prints its message as one line and exits with code 1."""

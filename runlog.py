@@ -45,9 +45,10 @@ class RunDirectory:
     """The run directory, created and locked for this run by the main process.
 
     Use it as a context manager around the run. One run at a time: a second run in the
-    same directory gets a UserError naming the first (``RunLock``). A run
-    that fails before it wrote a checkpoint removes a directory it created, so an
-    offline typo leaves nothing behind.
+    same directory gets a UserError naming the first (``RunLock``). A run that fails
+    before it wrote a checkpoint removes the directory it created, and the parents it
+    created for it, so an offline typo or a name the file system refuses (too long)
+    leaves nothing behind.
 
     Args:
         path: the directory.
@@ -56,16 +57,19 @@ class RunDirectory:
 
     def __init__(self, path, is_main):
         self.path, self.is_main = path, is_main
-        self.created = False
+        self.created = []  # the directories this run made, the run directory first
         self.lock = None
 
     def __enter__(self):
         if not self.is_main:
             return self
         ckpt_dir = os.path.join(self.path, "checkpoints")
-        self.created = not os.path.lexists(self.path)
         if os.path.lexists(self.path) and not os.path.isdir(self.path):
             raise UserError(f"--run-dir {self.path!r} is a file, not a directory")
+        missing = os.path.abspath(self.path)
+        while not os.path.lexists(missing) and os.path.dirname(missing) != missing:
+            self.created.append(missing)  # from the run directory up to its first parent
+            missing = os.path.dirname(missing)  # that exists
         try:
             os.makedirs(ckpt_dir, exist_ok=True)
             files.probe_writable(ckpt_dir)
@@ -92,9 +96,13 @@ class RunDirectory:
 
     def _remove_if_created(self):
         ckpt_dir = os.path.join(self.path, "checkpoints")
-        if self.created and not (os.path.isdir(ckpt_dir) and any(
+        if not self.created or (os.path.isdir(ckpt_dir) and any(
                 name.endswith(".pt") for name in os.listdir(ckpt_dir))):
-            shutil.rmtree(self.path, ignore_errors=True)
+            return
+        shutil.rmtree(self.created[0], ignore_errors=True)
+        for parent in self.created[1:]:  # the parents made for it, where empty
+            with contextlib.suppress(OSError):  # (or never made: a name too long)
+                os.rmdir(parent)
 
     def record(self, config, argv, resuming):
         """Writes config.yaml and appends to command.txt; a fresh run refuses a directory
@@ -117,39 +125,6 @@ class RunDirectory:
 
 
 # --------------------------------------------------------------------------- run lock
-
-def _process_start(pid):
-    """A Linux process's start time (clock ticks since boot), or None where unknown."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _process_alive(pid, start=None):
-    """Whether process ``pid`` of this host runs (and is the one that started at
-    ``start``, when known: pids are reused). A zombie counts as gone."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # it exists, under another user
-    except OSError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                return False
-    except (OSError, IndexError):
-        pass
-    if start is not None:
-        now = _process_start(pid)
-        if now is not None and now != start:
-            return False  # the pid belongs to a newer process
-    return True
-
 
 class RunLock:
     """One run per run directory: an exclusive ``<run_dir>/.lock`` file.
@@ -204,7 +179,7 @@ class RunLock:
     def _new_record(self):
         return {"pid": os.getpid(), "host": socket.gethostname(),
                 "started": datetime.datetime.now().isoformat(timespec="seconds"),
-                "proc_start": _process_start(os.getpid())}
+                "proc_start": runtime.process_start(os.getpid())}
 
     def _read(self):
         """``(raw bytes, parsed record or None)``; raw is None if there is no file."""
@@ -277,7 +252,7 @@ class RunLock:
                 f"run directory {self.run_dir!r} is locked by a run on another host "
                 f"({self._describe(holder)}), which cannot be checked from here; if that "
                 f"run is gone, delete {self.path!r}, or choose another --run-dir")
-        if _process_alive(holder["pid"], holder.get("proc_start")):
+        if runtime.process_alive(holder["pid"], holder.get("proc_start")):
             raise UserError(
                 f"run directory {self.run_dir!r} is used by another run "
                 f"({self._describe(holder)}); wait for it or choose another --run-dir")

@@ -9,8 +9,10 @@ import os
 import random
 import re
 import signal
+import socket
 import sys
 import threading
+import time
 import warnings
 from typing import NamedTuple
 
@@ -18,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ops import UserError
+from ops import Interrupted, RunFailed, UserError
 
 
 class Processes(NamedTuple):
@@ -44,10 +46,10 @@ def process_rank():
     return int(os.environ.get("RANK", "0"))
 
 
-def main_print(message):
+def main_print(message, file=None):
     """Prints on the main process only (once per run, not once per process)."""
     if process_rank() == 0:
-        say(message)
+        say(message, file)
 
 
 def setup_processes(config):
@@ -118,16 +120,129 @@ def parse_device(text):
     return device
 
 
-def main_process_first(procs, build, *args, **kwargs):
-    """``build(*args, **kwargs)`` on the main process, then, after a barrier, on the others:
-    the main one downloads a dataset or writes a cache that the others then read."""
+def process_start(pid):
+    """A Linux process's start time (clock ticks since boot), or None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def process_alive(pid, start=None):
+    """Whether process ``pid`` of this host runs (and is the one that started at
+    ``start``, when known: pids are reused). A zombie counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, under another user
+    except OSError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return False
+    except (OSError, IndexError):
+        pass
+    if start is not None:
+        now = process_start(pid)
+        if now is not None and now != start:
+            return False  # the pid belongs to a newer process
+    return True
+
+
+def owner_tag():
+    """``<pid>.<start>.<host>``: names a temporary file so that another process can tell
+    whether the one writing it still runs (``orphan``)."""
+    start = process_start(os.getpid())
+    return f"{os.getpid()}.{'x' if start is None else start}.{socket.gethostname()}"
+
+
+_OWNER = re.compile(r"(\d+)\.(\d+|x)\.([^~]+)~")
+
+
+def orphan(name):
+    """Whether a file named ``<anything><owner_tag()>~...`` was left by a process of this
+    host that is gone (False where it is not of that form, or of another host)."""
+    match = _OWNER.search(name)
+    if match is None or match.group(3) != socket.gethostname():
+        return False
+    start = None if match.group(2) == "x" else int(match.group(2))
+    return not process_alive(int(match.group(1)), start)
+
+
+def main_process_first(procs, what, build, *args, stop=None, **kwargs):
+    """``build(*args, **kwargs)`` on the main process, then on the others: the main one
+    downloads a dataset or writes a cache that the others then read.
+
+    The others wait for as long as it takes (a large image folder's cache takes hours; a
+    barrier would fail at the process group's timeout, 10 minutes with NCCL): they poll
+    the process group's store once a second, so that they still answer a stop signal
+    (torchrun's SIGTERM when a peer died: ``ops.Interrupted``), and end with one line
+    when the main process failed (``RunFailed``).
+
+    Args:
+        procs: ``Processes``.
+        what: what the main process does, for the messages (e.g. "downloading cifar10").
+        build: the function; its result is returned on every process.
+        stop: returns the signal number of a stop request, or None (``StopRequest.
+            pending``); None: waiting cannot be interrupted.
+    """
+    if procs.world_size == 1:
+        return build(*args, **kwargs)
+    key = _next_key("main_process_first")
+    store = dist.distributed_c10d._get_default_store()
     if procs.is_main:
-        result = build(*args, **kwargs)
-    if procs.world_size > 1:
-        dist.barrier()
-    if not procs.is_main:
-        result = build(*args, **kwargs)
-    return result
+        main_print(f"process 0 is {what}; the other {procs.world_size - 1} wait for it, "
+                   f"however long it takes")
+        try:
+            result = build(*args, **kwargs)
+        except BaseException as e:
+            store.set(key, f"failed: {type(e).__name__}: {e}"[:500])
+            raise
+        store.set(key, "done")
+        return result
+    while not store.check([key]):
+        if stop is not None and stop() is not None:
+            raise Interrupted(stop(), f"while process 0 was {what}")
+        time.sleep(1.0)
+    state = store.get(key).decode()
+    if state != "done":
+        raise RunFailed(f"process 0 failed while {what} ({state[len('failed: '):]})")
+    return build(*args, **kwargs)
+
+
+_KEYS = {}
+
+
+def _next_key(name):
+    """A store key that every process computes alike: the name, the torchrun restart (a
+    restarted group shares the agent's store with the group before it) and a count."""
+    _KEYS[name] = _KEYS.get(name, 0) + 1
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"styleguide/{name}/{restart}/{_KEYS[name]}"
+
+
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Connection refused",
+              "Broken pipe", "gloo", "NCCL", "ProcessGroup", "c10d")
+
+
+def lost_peer(error):
+    """Whether ``error`` is a collective that failed because another process of a
+    torch.distributed run is gone (what gloo and NCCL raise then)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and (
+        isinstance(error, dist.DistError) or any(k in str(error) for k in _PEER_LOST))
+
+
+def first_sentence(error, width=200):
+    """The first sentence of an error's message, without the source location gloo puts
+    in front ("[.../pair.cc:545] Read error ...")."""
+    text = " ".join(str(error).split())
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)
+    text = text.split(". ", 1)[0]
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def check_same_resume_point(saved, procs):
@@ -246,6 +361,10 @@ class StopRequest:
             if wanted and self.signum is None:
                 self.signum = signal.SIGTERM
         return wanted
+
+    def pending(self):
+        """The number of the stop signal received, or None (this process only)."""
+        return self.signum
 
     @property
     def exit_code(self):

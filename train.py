@@ -53,7 +53,7 @@ from checkpoint import Kind
 from config import check_config, merge_resumed_config, parse_config, with_defaults
 from losses import build_criterion
 from networks import build_network
-from ops import RunFailed, UserError
+from ops import Interrupted, RunFailed, UserError
 
 EXIT_USER_ERROR, EXIT_FAILED = 2, 1  # a signal exits with 128 + its number (130, 143, 129)
 
@@ -78,9 +78,21 @@ def main(argv=None):
     except RunFailed as e:
         runtime.say(f"error: {e}", file=sys.stderr)
         return EXIT_FAILED
+    except Interrupted as e:  # a signal before training began: nothing to save
+        runtime.say(f"{signal.Signals(e.signum).name}: stopped {e.what}; no step was "
+                    f"taken, so nothing was saved and nothing half-written is left",
+                    file=sys.stderr)
+        return 128 + e.signum
     except OSError as e:  # a file system that failed mid-run: full, gone, read-only
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
         runtime.say(f"error: {e.strerror or e}{where}", file=sys.stderr)
+        return EXIT_FAILED
+    except RuntimeError as e:  # a collective whose peer process died (gloo, NCCL)
+        if not runtime.lost_peer(e):
+            raise
+        runtime.say(f"error: process {runtime.process_rank()} lost another process of the "
+                    f"run ({runtime.first_sentence(e)}); the checkpoints are intact: "
+                    f"continue with --resume auto", file=sys.stderr)
         return EXIT_FAILED
     finally:
         stop.restore()
@@ -139,7 +151,7 @@ def fit(config, argv, resume_path, saved, directory, stop):
     elif config["resume"] == "auto":
         log(f"no valid checkpoint in {directory.path}: starting fresh")
     training, train_loader, criterion = build_training(config, procs, directory.path, saved,
-                                                       resume_path)
+                                                       resume_path, stop.pending)
     log(f"training {config['network']} on {config['dataset']} ({len(training.datasets[0])} "
         f"samples, {procs.world_size} process(es), {procs.device}) into {directory.path}")
     try:
@@ -165,19 +177,22 @@ def fit(config, argv, resume_path, saved, directory, stop):
     return 0
 
 
-def build_training(config, procs, run_dir, saved=None, resume_path=None):
+def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=None):
     """Data, network, optimizer, the loop's settings and the run's writers, then the
-    resume (``restore``) when ``saved`` is a checkpoint.
+    resume (``restore``) when ``saved`` is a checkpoint. ``stop`` (``StopRequest.pending``)
+    interrupts what takes long before the first step (a decoded cache's build).
 
     Returns:
         ``(training, train_loader, criterion)``: a ``Training``, the training batches
         and the loss.
     """
     log = runtime.main_print
-    train_set, val_set = runtime.main_process_first(procs, data.build_datasets, config)
+    train_set, val_set = runtime.main_process_first(
+        procs, f"reading {config['dataset']} (downloading it if needed)", data.build_datasets,
+        config, stop=stop)
     sampler = data.EpochBatchSampler(len(train_set), config["batch_size"], config["seed"],
                                      rank=procs.rank, world_size=procs.world_size)
-    train_loader, val_loader = build_loaders(config, procs, train_set, val_set, sampler)
+    train_loader, val_loader = build_loaders(config, procs, train_set, val_set, sampler, stop)
     net, model = build_model(config, train_set, procs.device, procs.world_size, log,
                              resuming=saved is not None)
     criterion = build_criterion(config)
@@ -193,9 +208,11 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None):
     flops = ops.train_flops_per_sample(  # before the restore: it must not touch the RNG
         net, (train_set.in_channels, train_set.image_size, train_set.image_size), procs.device)
 
+    identity = {"train": data.set_identity(train_set)}  # recorded: a resume sees other data
     state = engine.TrainState()
     if saved is not None:  # weights, EMA, optimizer, scaler, position, RNG of the saved step
         restore(saved, resume_path, net, ema, optimizer, loop.scaler, state, config, procs)
+        check_same_data(saved, resume_path, identity)
         if unfrozen_at_resume(config, state):  # wrapped again: DDP must see them
             model = wrap_model(net, config, procs.device, procs.world_size)
     engine.set_lr(optimizer, loop.lr_factor(state.step))
@@ -204,7 +221,7 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None):
     if state.step == 0:
         run_log.first_batch(train_set, sampler)
     saver = checkpoint.Saver(run_dir, config, net, optimizer, loop.scaler, state, procs,
-                             last_saved=resume_path, ema=ema)
+                             last_saved=resume_path, ema=ema, data=identity)
     training = Training(config, procs, net, model, optimizer, ema, loop, state,
                         engine.LossMeter(loop.counters, procs.world_size), saver, run_log,
                         val_loader, (train_set, val_set), flops,
@@ -423,7 +440,7 @@ def _quiet(message):
 
 # --------------------------------------------------------------------- data, network
 
-def build_loaders(config, procs, train_set, val_set, sampler):
+def build_loaders(config, procs, train_set, val_set, sampler, stop=None):
     """Loaders: training batches from the seeded sampler, this process's validation shard.
 
     With --data-on-device (auto decides, and says why), both sets live on the device as
@@ -439,9 +456,10 @@ def build_loaders(config, procs, train_set, val_set, sampler):
         memory_format = torch.channels_last if config["channels_last"] \
             else torch.contiguous_format
         return runtime.main_process_first(  # it builds an image folder's decoded cache
-            procs, device_data.build_device_loaders, config, train_set, val_set, sampler,
+            procs, "holding the data on the device (an image folder: decoding it once)",
+            device_data.build_device_loaders, config, train_set, val_set, sampler,
             procs.device, procs.rank, procs.world_size, memory_format,
-            log=runtime.main_print)
+            log=runtime.main_print, stop=stop, should_stop=stop)
     pin = procs.device.type == "cuda"
     train_loader = data.build_loader(train_set, batch_sampler=sampler,
                                      num_workers=config["num_workers"], pin_memory=pin)
@@ -654,6 +672,22 @@ def unfreeze_into(net, optimizer, config):
 
 
 # ---------------------------------------------------------------------- resume
+
+def check_same_data(saved, path, identity):
+    """Says, in one line, when a run resumes onto another training set than the one its
+    checkpoint was trained on: the epoch's order and the augmentation then follow the new
+    set, so the run is no longer the one that never stopped. It continues."""
+    before = saved.get("data", {}).get("train")
+    now = identity["train"]
+    if before is None or before == now:
+        return
+    change = f"{before['size']} samples then, {now['size']} now" \
+        if before["size"] != now["size"] else f"{now['size']} samples, other files"
+    runtime.main_print(f"warning: the training set is not the one {path!r} was trained on "
+                       f"({change}): the rest of the run follows the new set, so it will "
+                       f"not end as the run that never stopped would have; continuing",
+                       file=sys.stderr)
+
 
 def restore(saved, path, net, ema, optimizer, scaler, state, config, procs):
     """Loads a checkpoint's state into the freshly built objects."""

@@ -2,6 +2,8 @@
 
 import importlib.util
 import os
+import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -73,6 +75,31 @@ def write_image_folder(root, splits=("train", "val"), classes=("cat", "dog", "em
                 pixels = np.array(colour, dtype=np.uint8) + noise
                 Image.fromarray(pixels).save(folder / f"{i}.{formats[i % len(formats)]}")
     return root
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path):
+    """``mount_tmpfs(options, where=None)``: mounts a real tmpfs (``size=256k``, ``ro``...)
+    at ``where`` (default: a new directory in tmp_path) and returns it; unmounted after
+    the test. Skipped where mounting is not permitted (not root, no CAP_SYS_ADMIN)."""
+    mounted = []
+
+    def mount(options, where=None):
+        if os.name != "posix" or not shutil.which("mount"):
+            pytest.skip("needs mount(8)")
+        where = where or tmp_path / f"mnt{len(mounted)}"
+        where.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in reversed(mounted):
+        if subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
 @pytest.fixture(scope="session")

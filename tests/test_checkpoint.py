@@ -4,10 +4,8 @@ run-directory lock. Fast: no training runs."""
 import errno
 import os
 import random
-import shutil
 import stat
 import struct
-import subprocess
 import threading
 import zipfile
 
@@ -413,21 +411,9 @@ def test_a_full_disk_during_torch_save_is_an_enospc_oserror(tmp_path, monkeypatc
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path):
+def small_tmpfs(mount_tmpfs):
     """A 256 KiB tmpfs (needs root and permission to mount), unmounted afterwards."""
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    if shutil.which("mount") is None:
-        pytest.skip("no mount command")
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs",
-                             str(mount_point)], capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
-    try:
-        yield mount_point
-    finally:
-        if subprocess.run(["umount", str(mount_point)]).returncode != 0:
-            subprocess.run(["umount", "-l", str(mount_point)])
+    return mount_tmpfs("size=256k")
 
 
 def test_a_real_full_disk_fails_cleanly(small_tmpfs):

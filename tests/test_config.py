@@ -168,6 +168,9 @@ YAML_ERRORS = [
     ("[" * 5000, "is not valid YAML: nested too deeply"),
     (b"lr: 0.1\n# caf\xe9\n", "is not UTF-8 text (byte 0xe9 at offset 13)"),
     ("- lr\n- 0.1", "must be a mapping of flag names to values"),
+    ("lr: 0.1\nmomentum: 0.8\nlr: 0.5", "is not valid YAML: the key 'lr' is given twice "
+                                        "(line 3, column 1)"),
+    ("augment: false\naugment: true", "the key 'augment' is given twice"),
     ("learning_rate: 0.1", "unknown key 'learning_rate' in"),
     ("config: other.yaml", "unknown key 'config' in"),
     ("epochs: 1" + "0" * 5000, "is not valid YAML: Exceeds the limit"),

@@ -220,3 +220,33 @@ def test_training_finishes_despite_unreadable_images(tmp_path, capfd, workers):
     err = capfd.readouterr().err
     for path in bad:
         assert f"warning: skipping unreadable image {path} (" in err, err
+
+
+def test_a_symlink_loop_in_an_image_folder_is_read_once(tmp_path, capfd):
+    # class0/loop -> .. made torchvision's walk go round: 200 images became 25,400
+    # samples, every other class's images labelled class0.
+    root = write_image_folder(tmp_path, classes=("class0", "class1"), per_class=4,
+                              size=(8, 8))
+    (root / "train" / "class0" / "loop").symlink_to("..")
+    (root / "train" / "class1" / "again").symlink_to(root / "train" / "class1")
+    (root / "train" / "class1" / "more").symlink_to(root / "val" / "class1")  # new images
+    train_set, val_set = data.build_datasets(config(root))
+    warnings = [w for w in capfd.readouterr().err.splitlines() if w.startswith("warning:")]
+    assert len(warnings) == 2, warnings
+    assert f"warning: skipping {root / 'train' / 'class0' / 'loop'}: it is " \
+           f"{root / 'train'} again" in warnings[0]
+    labels = [label for _, label in train_set.base.samples]
+    assert labels == [0] * 4 + [1] * 8  # class1 and, once, the val images it links to
+    assert len(train_set) == 12 and len(val_set) == 8
+
+
+def test_the_walk_gives_torchvisions_samples_in_its_order_without_links(tmp_path):
+    import torchvision
+
+    root = write_image_folder(tmp_path, classes=("b", "a", "c"), per_class=3, size=(8, 8))
+    (root / "train" / "a" / "deeper" / "x").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(root / "train" / "a" / "deeper" / "x" / "0.png")
+    Image.new("RGB", (8, 8)).save(root / "train" / "a" / "deeper" / "1.png")
+    ours = data.SafeImageFolder(str(root / "train"))
+    theirs = torchvision.datasets.ImageFolder(str(root / "train"))
+    assert ours.samples == theirs.samples and ours.classes == theirs.classes

@@ -355,6 +355,63 @@ train.build_criterion = build_criterion
 """
 
 
+SLOW_FIRST = """
+import datetime, time
+import torch.distributed as dist
+import data
+real_init, real_build = dist.init_process_group, data.build_datasets
+def init_process_group(*args, **kwargs):  # a timeout far below the build's length
+    return real_init(*args, timeout=datetime.timedelta(seconds={timeout}), **kwargs)
+def build_datasets(config):
+    if os.environ["RANK"] == "0":
+        {action}
+    return real_build(config)
+dist.init_process_group, data.build_datasets = init_process_group, build_datasets
+"""
+
+
+def test_the_others_wait_for_process_0_longer_than_the_group_timeout(tmp_path):
+    # Process 0 reads (downloads, decodes) for 8 s; a barrier would fail at the group's
+    # 3 s timeout (10 minutes with NCCL), the waiting processes must not.
+    patch = SLOW_FIRST.format(timeout=3, action="time.sleep(8)")
+    launcher = write_launcher(tmp_path / "launch.py", patch)
+    out = torchrun(tiny_args(tmp_path / "run", *FLAGS, size=64, batch=16, epochs=1),
+                   script=launcher)
+    assert "process 0 is reading synthetic (downloading it if needed); the other 1 wait " \
+           "for it, however long it takes" in out
+    assert final_state(tmp_path / "run")["epoch"] == 1
+
+
+def test_when_process_0_dies_while_the_others_wait_they_end_with_one_line(tmp_path):
+    patch = SLOW_FIRST.format(timeout=60, action="time.sleep(3); os.kill(os.getpid(), 9)")
+    launcher = write_launcher(tmp_path / "launch.py", patch)
+    rc, out = finish(start_torchrun(tiny_args(tmp_path / "run", *FLAGS, size=64, batch=16),
+                                    script=launcher))
+    assert rc != 0
+    assert "SIGTERM: stopped while process 0 was reading synthetic" in out, out[-3000:]
+    assert "[rank1]: Traceback" not in out and "[rank1]:" not in out, out[-3000:]
+
+
+def test_a_peer_that_dies_mid_run_is_one_error_line(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_torchrun(tiny_args(run_dir, *FLAGS, size=256, batch=16, epochs=1000))
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not glob.glob(ckpt(run_dir, "epoch-*.pt")) and proc.poll() is None:
+            assert time.monotonic() < deadline, "no progress"
+            time.sleep(0.05)
+        workers = worker_pids(proc.pid)
+        os.kill(workers[1], signal.SIGKILL)
+        rc, out = finish(proc)
+    finally:
+        if proc.poll() is None:
+            _kill(proc)
+    assert rc != 0
+    assert "error: process 0 lost another process of the run (" in out, out[-3000:]
+    assert "[rank0]: Traceback" not in out and "[rank0]:" not in out, out[-3000:]
+    assert checkpoint.load_checkpoint(ckpt(run_dir, "last.pt"))["epoch"] >= 1  # intact
+
+
 def test_a_loss_non_finite_on_one_rank_stops_both(tmp_path):
     # At step 4 rank 1's loss is NaN while rank 0's is still finite; the all-reduced
     # gradient makes both processes' weights NaN. Both must stop at that save, with the

@@ -430,6 +430,30 @@ def test_accuracy_drop_beyond_the_limit_is_a_warning(mlp_run, tmp_path, capsys, 
     assert summary["accuracy_warning"] is True and summary["accuracy_drop"] > 0.05
 
 
+def test_an_accuracy_drop_within_the_limit_gives_no_warning(mlp_run, tmp_path, capsys,
+                                                            monkeypatch):
+    test_py = _test_py()
+    real_load = export.load_onnx
+
+    def worse_int8(path):  # the same stand-in: a drop well above the default 0.01
+        run = real_load(path)
+        return (lambda x: run(x).roll(1, dims=1)) if path.endswith(".int8.onnx") else run
+
+    monkeypatch.setattr(export, "load_onnx", worse_int8)
+    drops = []
+    for limit in ("1", None):  # far above it, then exactly at it ("more than" warns)
+        report = tmp_path / f"r{len(drops)}.json"
+        code = _export(mlp_run, tmp_path / "model.onnx", "--quantize", "int8",
+                       "--max-accuracy-drop", limit or repr(drops[0]), "--json",
+                       str(report), module=test_py)
+        assert code == 0
+        assert capsys.readouterr().err.strip() == ""  # no warning line
+        summary = json.loads(report.read_text())["export"]
+        assert summary["accuracy_warning"] is False
+        drops.append(summary["accuracy_drop"])
+    assert drops[0] == drops[1] > 0.01
+
+
 def test_static_quantization_that_fails_is_one_line_exit_1(mlp_run, tmp_path, monkeypatch,
                                                           capsys):
     from onnxruntime import quantization

@@ -597,3 +597,26 @@ def test_recipes_together_are_exact_on_resume_and_with_any_workers(tmp_path):
     assert_states_equal(mini_run(tmp_path, num_workers=2), straight)
     path = mini_run(tmp_path, stop_after=7)  # inside the second epoch (5 steps each)
     assert_states_equal(mini_run(tmp_path, resume=path), straight)
+
+
+@pytest.mark.parametrize("name", ["imagefolder", "cifar10", "mnist"])
+def test_random_erasing_fills_the_mean_on_the_normalised_sets_as_built(tmp_path, name,
+                                                                      monkeypatch):
+    # Through data.build_datasets (the wiring train.py uses), on sets that are normalised:
+    # the erased box is the dataset's mean, 0 after normalisation (erasing before the
+    # normalisation would leave -mean/std there).
+    import torchvision.datasets.cifar
+    from test_device_data import make_config
+
+    monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda *a, **k: True)
+    cfg = make_config(tmp_path, name)
+    erasing, _ = data.build_datasets({**cfg, "random_erase": 1.0})
+    plain, _ = data.build_datasets(cfg)
+    zero_boxes = 0
+    for i in range(6):
+        erased, kept = erasing[(i, 2)][0], plain[(i, 2)][0]
+        differ = (erased != kept).any(0)
+        assert differ.any()
+        assert (erased[:, differ] == 0).all()
+        zero_boxes += int((kept[:, differ] != 0).any())
+    assert zero_boxes == 6

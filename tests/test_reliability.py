@@ -57,6 +57,33 @@ def test_exploding_weights_are_never_saved_and_the_named_checkpoint_is_good(tmp_
     assert any(name.startswith("step-") for name in saved)  # rotation kept finite ones
 
 
+def test_weights_gone_non_finite_after_a_finite_loss_are_never_saved(tmp_path, capsys):
+    # The loss of a step is computed before its update: the update that makes a weight
+    # NaN comes with a finite loss, and the save after that step must still refuse.
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    steps = []
+
+    def poison(optimizer, args, kwargs):
+        steps.append(1)
+        if len(steps) == 3:
+            with torch.no_grad():
+                optimizer.param_groups[0]["params"][0].view(-1)[0] = float("nan")
+
+    handle = register_optimizer_step_post_hook(poison)
+    try:
+        code = train.main(tiny_args(tmp_path, "--ckpt-every-steps", "1", "--keep-last", "5",
+                                    epochs=2))
+    finally:
+        handle.remove()
+    assert code == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert "the weights are not finite at step 3" in line
+    assert line.endswith(str(tmp_path / "checkpoints" / "last.pt"))  # step 2's, named
+    names = [n for n in os.listdir(tmp_path / "checkpoints") if n.endswith(".pt")]
+    assert ckpt(tmp_path)["step"] == 2 and all(finite(ckpt(tmp_path, n)) for n in names)
+
+
 def test_nonfinite_losses_are_left_out_of_the_logged_mean():
     counters = engine.Counters(torch.device("cpu"))
     counters.add_loss(torch.tensor(float("nan")), 4)
@@ -102,6 +129,26 @@ def test_resuming_an_old_checkpoint_without_run_dir_refuses_to_rewind(tmp_path, 
     assert ckpt(run)["epoch"] == 4
 
 
+def test_an_older_step_checkpoint_of_the_newest_epoch_does_not_rewind_the_run(tmp_path,
+                                                                               capsys):
+    # The newest checkpoint and an older one of the same epoch (steps 7 and 5, both in
+    # the second epoch): comparing epochs would take step 5 for the newest.
+    run = tmp_path / "run"
+    assert train.main(tiny_args(run, "--ckpt-every-steps", "1", "--keep-last", "10",
+                                "--max-steps", "7", size=64, epochs=3)) == 0
+    assert ckpt(run)["step"] == 7 and ckpt(run, "step-00000005.pt")["epoch"] == \
+        ckpt(run)["epoch"] == 1  # 4 steps an epoch: both in the second one
+    last = (run / "checkpoints" / "last.pt").read_bytes()
+    argv = tiny_args(run, "--resume", str(run / "checkpoints" / "step-00000005.pt"),
+                     size=64, epochs=3)
+    del argv[argv.index("--run-dir"):argv.index("--run-dir") + 2]
+    capsys.readouterr()
+    assert train.main(argv) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "(step 5) is not the newest checkpoint" in line and "(step 7)" in line
+    assert (run / "checkpoints" / "last.pt").read_bytes() == last
+
+
 def test_a_checkpoint_from_another_machine_needs_a_run_dir(tmp_path, capsys):
     assert train.main(tiny_args(tmp_path / "run", epochs=1)) == 0
     state = ckpt(tmp_path / "run")
@@ -130,53 +177,48 @@ def test_run_dirs_that_cannot_be_used_are_one_error_line(tmp_path, capsys, case)
     assert (tmp_path / "f").read_text() == "a file"
 
 
-def _mount_tmpfs(path, options):
-    path.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                          capture_output=True)
-    if proc.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+def test_a_run_dir_the_file_system_refuses_creates_nothing(tmp_path, capsys):
+    too_long = tmp_path / "a" / "b" / "c" / ("x" * 300) / "run"  # NAME_MAX is 255 here
+    assert train.main(tiny_args(too_long)) == 2
+    assert "File name too long" in one_error_line(capsys.readouterr().err)
+    assert os.listdir(tmp_path) == []  # not one of the parents it would have made
 
 
-def _unmount(path):
-    subprocess.run(["umount", "-l", str(path)], capture_output=True)
+def test_a_run_that_fails_before_a_checkpoint_removes_the_parents_it_made(tmp_path, capsys):
+    run = tmp_path / "new" / "runs" / "exp"
+    args = tiny_args(run, "--dataset", "imagefolder", "--data-dir", str(tmp_path / "none"))
+    assert train.main(args) == 2
+    one_error_line(capsys.readouterr().err)
+    assert os.listdir(tmp_path) == []
 
 
-def test_a_read_only_run_dir_is_one_error_line(tmp_path, capsys):
-    mount = tmp_path / "ro"
-    _mount_tmpfs(mount, "ro,size=1m")
-    try:
-        assert train.main(tiny_args(mount / "run")) == 2
-        assert str(mount / "run") in one_error_line(capsys.readouterr().err)
+def test_a_read_only_run_dir_is_one_error_line(mount_tmpfs, capsys):
+    mount = mount_tmpfs("ro,size=1m")
+    assert train.main(tiny_args(mount / "run")) == 2
+    assert str(mount / "run") in one_error_line(capsys.readouterr().err)
+
+
+def test_a_full_disk_mid_run_is_one_error_line_and_keeps_the_checkpoints(mount_tmpfs, capsys):
+    mount = mount_tmpfs("size=2m")
+    run = mount / "run"
+    assert train.main(tiny_args(run, epochs=1)) == 0
+    before = (run / "checkpoints" / "last.pt").read_bytes()
+    fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT)
+    try:  # fill the disk to the last byte
+        while True:
+            os.write(fd, b"\0" * 512)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
     finally:
-        _unmount(mount)
-
-
-def test_a_full_disk_mid_run_is_one_error_line_and_keeps_the_checkpoints(tmp_path, capsys):
-    mount = tmp_path / "disk"
-    _mount_tmpfs(mount, "size=2m")
-    try:
-        run = mount / "run"
-        assert train.main(tiny_args(run, epochs=1)) == 0
-        before = (run / "checkpoints" / "last.pt").read_bytes()
-        fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT)
-        try:  # fill the disk to the last byte
-            while True:
-                os.write(fd, b"\0" * 512)
-        except OSError as e:
-            assert e.errno == errno.ENOSPC
-        finally:
-            os.close(fd)
-        capsys.readouterr()
-        code = train.main(tiny_args(run, "--resume", "auto", "--ckpt-every-steps", "1",
-                                    epochs=3))
-        err = capsys.readouterr().err
-        assert code == 1, err
-        assert "No space left" in one_error_line(err)
-        assert (run / "checkpoints" / "last.pt").read_bytes() == before
-        assert not [n for n in os.listdir(run / "checkpoints") if n.startswith(".tmp")]
-    finally:
-        _unmount(mount)
+        os.close(fd)
+    capsys.readouterr()
+    code = train.main(tiny_args(run, "--resume", "auto", "--ckpt-every-steps", "1",
+                                epochs=3))
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "No space left" in one_error_line(err)
+    assert (run / "checkpoints" / "last.pt").read_bytes() == before
+    assert not [n for n in os.listdir(run / "checkpoints") if n.startswith(".tmp")]
 
 
 def test_a_failed_background_write_stops_the_run_at_once(tmp_path, monkeypatch, capsys):

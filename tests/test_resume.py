@@ -418,3 +418,26 @@ def test_a_failed_checkpoint_write_is_one_error_line(tmp_path, monkeypatch, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: writing a checkpoint") and "No space left" in err[-1]
     assert (tmp_path / "checkpoints" / "last.pt").read_bytes() == before
+
+
+def test_a_resume_onto_a_changed_training_set_says_so_and_continues(tmp_path, capsys):
+    from conftest import write_image_folder
+
+    images = write_image_folder(tmp_path / "images", per_class=6, size=(8, 8))
+    args = ("--dataset", "imagefolder", "--data-dir", str(images))
+    run = tmp_path / "run"
+    assert train.main(tiny_args(run, *args, image=8, batch=4, epochs=1)) == 0
+    saved = final_state(run)["data"]["train"]
+    assert saved["size"] == 18 and len(saved["fingerprint"]) == 64
+    capsys.readouterr()
+    assert train.main(tiny_args(run, *args, "--resume", "auto", image=8, batch=4,
+                                epochs=2)) == 0
+    assert "warning: the training set" not in capsys.readouterr().err  # the same set
+    (images / "train" / "cat" / "0.png").unlink()  # deleted between a stop and a resume
+    assert train.main(tiny_args(run, *args, "--resume", "auto", image=8, batch=4,
+                                epochs=3)) == 0
+    err = capsys.readouterr().err
+    changed = [line for line in err.splitlines() if "warning: the training set" in line]
+    assert len(changed) == 1 and "(18 samples then, 17 now)" in changed[0], err
+    assert changed[0].endswith("continuing") and final_state(run)["epoch"] == 3
+    assert final_state(run)["data"]["train"]["size"] == 17

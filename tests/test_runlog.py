@@ -10,6 +10,7 @@ import pytest
 from conftest import ROOT
 
 import runlog
+import runtime
 from ops import UserError
 
 HOLD_LOCK = ("import sys; sys.path.insert(0, {root!r}); import runlog; "
@@ -71,7 +72,7 @@ def test_run_lock_takes_over_a_dead_pid_with_a_warning(tmp_path):
 
 def test_run_lock_treats_a_reused_pid_as_gone(tmp_path):
     # Our own pid, but a process that started at another time: the pid was reused.
-    start = runlog._process_start(os.getpid())
+    start = runtime.process_start(os.getpid())
     if start is None:
         pytest.skip("no /proc here")
     write_lock(tmp_path, proc_start=start - 1)
@@ -117,3 +118,43 @@ def test_run_lock_release_is_idempotent_and_leaves_another_runs_lock(tmp_path):
     write_lock(tmp_path / "new", pid=1, started="other")  # someone replaced it
     lock.release()
     assert json.loads((tmp_path / "new" / ".lock").read_text())["pid"] == 1
+
+
+def test_a_run_of_another_user_that_this_user_may_not_signal_stays_locked():
+    # os.kill(pid, 0) on another user's live process raises PermissionError: it runs.
+    # Here this process (root) holds the lock; a child that became user "nobody" tries.
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to become another user")
+    import pwd
+    import tempfile
+
+    nobody = pwd.getpwnam("nobody")
+    shared = tempfile.mkdtemp(prefix="lock-other-user-")  # tmp_path is private to root
+    try:
+        os.chmod(shared, 0o777)
+        with runlog.RunLock(shared):
+            read, write = os.pipe()
+            child = os.fork()
+            if child == 0:  # the other user's run
+                os.close(read)
+                try:
+                    os.setgid(nobody.pw_gid)
+                    os.setuid(nobody.pw_uid)
+                    try:
+                        runlog.RunLock(shared, warn=lambda message: None).acquire()
+                        outcome = "taken"
+                    except UserError as e:
+                        outcome = f"refused: {e}"
+                except BaseException as e:  # reported to the parent
+                    outcome = f"failed: {e!r}"
+                os.write(write, outcome.encode())
+                os._exit(0)
+            os.close(write)
+            with os.fdopen(read) as f:
+                outcome = f.read()
+            os.waitpid(child, 0)
+            assert outcome.startswith("refused:") and f"pid {os.getpid()}" in outcome, outcome
+            assert json.loads(open(os.path.join(shared, ".lock")).read())["pid"] == \
+                os.getpid()  # not taken over
+    finally:
+        subprocess.run(["rm", "-rf", shared])

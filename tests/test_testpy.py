@@ -5,7 +5,6 @@ import errno
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -285,26 +284,9 @@ def test_unwritable_output_is_refused_before_evaluating(mlp_run, tmp_path, flag,
 
 
 @pytest.fixture
-def mount_point(tmp_path):
-    """Mounts a small tmpfs: ``mount(options)`` returns its directory; skipped where mounting
-    is not permitted (not root, no CAP_SYS_ADMIN)."""
-    mounted = []
-
-    def mount(options):
-        where = tmp_path / f"mnt{len(mounted)}"
-        where.mkdir()
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-        mounted.append(where)
-        return where
-
-    if os.name != "posix" or not shutil.which("mount"):
-        pytest.skip("needs mount(8)")
-    yield mount
-    for where in mounted:
-        subprocess.run(["umount", str(where)], check=True)
+def mount_point(mount_tmpfs):
+    """``mount(options)`` returns the directory of a small tmpfs (conftest.mount_tmpfs)."""
+    return mount_tmpfs
 
 
 @pytest.mark.parametrize("flag, name", [("--json", "r.json"), ("--export", "m.pt2")])
