@@ -227,7 +227,7 @@ sys.path.insert(0, {root!r})
 import device_data, train
 original = device_data._Decoded.__getitem__
 def slow(self, index):
-    time.sleep(0.25)
+    time.sleep(0.1)
     return original(self, index)
 device_data._Decoded.__getitem__ = slow
 sys.exit(train.main({args!r}))
@@ -236,7 +236,7 @@ sys.exit(train.main({args!r}))
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_stop_signal_during_a_build_stops_at_once_and_cleanly(tmp_path, signum):
-    images = write_image_folder(tmp_path / "images", per_class=30)  # 90 + 90: ~45 s
+    images = write_image_folder(tmp_path / "images", per_class=30)  # 90 + 90: ~18 s
     run = tmp_path / "run"
     args = tiny_args(run, "--dataset", "imagefolder", "--data-dir", str(images),
                      "--data-on-device", "on", network="simple_cnn", image=16, batch=6)

@@ -371,9 +371,9 @@ dist.init_process_group, data.build_datasets = init_process_group, build_dataset
 
 
 def test_the_others_wait_for_process_0_longer_than_the_group_timeout(tmp_path):
-    # Process 0 reads (downloads, decodes) for 8 s; a barrier would fail at the group's
-    # 3 s timeout (10 minutes with NCCL), the waiting processes must not.
-    patch = SLOW_FIRST.format(timeout=3, action="time.sleep(8)")
+    # Process 0 reads (downloads, decodes) for 5 s; a barrier would fail at the group's
+    # 2 s timeout (10 minutes with NCCL), the waiting processes must not.
+    patch = SLOW_FIRST.format(timeout=2, action="time.sleep(5)")
     launcher = write_launcher(tmp_path / "launch.py", patch)
     out = torchrun(tiny_args(tmp_path / "run", *FLAGS, size=64, batch=16, epochs=1),
                    script=launcher)
