@@ -19,7 +19,6 @@ import contextlib
 import functools
 import hashlib
 import os
-import signal
 import socket
 import sys
 import threading
@@ -33,6 +32,7 @@ from torchvision import tv_tensors
 from torchvision.transforms import v2
 
 import recipes
+import runtime
 from ops import UserError
 from runtime import say
 
@@ -469,6 +469,15 @@ def set_identity(dataset):
     return {"size": len(dataset), "fingerprint": h.hexdigest()}
 
 
+def unreadable_reason(path):
+    """Why ``load_image`` refuses a file (read again: workers that found it said it once)."""
+    try:
+        load_image(path)
+    except UnreadableImage as e:
+        return str(e)
+    return "unreadable when it was read"
+
+
 def mirror_keeps_class(name):
     """Whether a mirrored image of dataset ``name`` is still of its class (a mirrored digit
     is another digit): training flips and --tta flip apply only where it is."""
@@ -665,14 +674,6 @@ class EpochBatchSampler:
             yield [(i, self.epoch) for i in local.tolist()]
 
 
-def ignore_stop_signals(worker_id):
-    """A DataLoader worker's start: it ignores the signals that stop a run."""
-    # Ctrl-C and schedulers signal the whole process group. Workers ignore it and are shut
-    # down by the main process after it has saved, so the save never sees a dead worker.
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, signal.SIG_IGN)
-
-
 def build_loader(dataset, batch_sampler=None, batch_size=None, num_workers=0,
                  pin_memory=False, sampler=None):
     """A DataLoader that keeps every sample and never draws from the global RNG.
@@ -693,7 +694,7 @@ def build_loader(dataset, batch_sampler=None, batch_size=None, num_workers=0,
         kwargs = dict(batch_sampler=batch_sampler)
     return torch.utils.data.DataLoader(
         dataset, num_workers=num_workers, pin_memory=pin_memory,
-        persistent_workers=num_workers > 0, worker_init_fn=ignore_stop_signals,
+        persistent_workers=num_workers > 0, worker_init_fn=runtime.ignore_stop_signals,
         generator=torch.Generator().manual_seed(0),  # iter() must not draw from torch's RNG
         **kwargs)
 

@@ -8,35 +8,24 @@ a hash of (seed, epoch, index)) and does the same arithmetic (zero padding, inde
 for bit on the CPU. ``device_data_decision`` says which path a run takes and why
 (``--data-on-device``); ``build_device_loaders`` builds this one.
 
-Image folders reach it through a decoded cache (``decoded_folder``): every image decoded
-and resized once into a memory-mapped uint8 array file under ``<data-dir>/.cache``,
-keyed by a fingerprint of the files (``folder_fingerprint``) and written atomically.
+Image folders reach it through their decoded cache (decoded_cache.py): every image
+decoded and resized once into a memory-mapped uint8 array file under
+``<data-dir>/.cache``.
 """
 
-import contextlib
-import glob
-import hashlib
-import json
 import os
-import sys
-import time
-import zlib
 
 import numpy as np
 import torch
-import torch.utils.data
-import torchvision
 from torchvision import datasets as tv_datasets
 from torchvision.transforms import v2
 
 import data
-import files
-import runtime
-from ops import Interrupted, UserError
+import decoded_cache
+from ops import UserError
 from runtime import say
 
 DEVICE_SHARE = 0.25  # --data-on-device auto: the sets may take this share of free memory
-CACHE_VERSION = 2    # of the decoded image-folder cache's layout and record
 
 
 class UnsupportedOnDevice(Exception):
@@ -143,8 +132,12 @@ def source_tensors(dataset, cache_dir=None, num_workers=0, log=say, stop=None):
         return base.data.unsqueeze(1).contiguous(), torch.as_tensor(base.targets).long()
     front = v2.Compose(list(DevicePipeline(dataset).front))
     if cache_dir is None:
-        cache_dir = default_cache_dir(os.path.dirname(os.path.normpath(base.root)))
-    return decoded_folder(base, front, dataset.image_size, cache_dir, num_workers, log, stop)
+        cache_dir = decoded_cache.default_cache_dir(os.path.dirname(os.path.normpath(
+            base.root)))
+    decoded = decoded_cache.decoded_folder(
+        base, decoded_cache.Resized(front, dataset.image_size), cache_dir, num_workers, log,
+        stop, unreadable_reason=data.unreadable_reason)
+    return decoded.images, decoded.labels
 
 
 def crop_flip_batch(images, top, left, flip, padding):
@@ -297,7 +290,7 @@ def device_data_decision(config, train_set, val_set, device):
     kind = "float32" if isinstance(train_set.base, data.SyntheticImages) else "uint8"
     what = f"{config['dataset']} as {kind} tensors ({_mib(need)})"
     if isinstance(train_set.base, data.SafeImageFolder):
-        cache = config.get("cache_dir") or default_cache_dir(config["data_dir"])
+        cache = config.get("cache_dir") or decoded_cache.default_cache_dir(config["data_dir"])
         what += f" decoded once into {cache}"
     how = "each batch gathered, augmented and normalised there, no DataLoader workers"
     if device.type != "cuda":
@@ -346,7 +339,7 @@ def build_device_loaders(config, train_set, val_set, sampler, device, rank=0, wo
             device_pipeline(dataset)
     except UnsupportedOnDevice as e:
         raise UserError(f"--data-on-device: the device path {e}") from None
-    cache_dir = config.get("cache_dir") or default_cache_dir(config["data_dir"])
+    cache_dir = config.get("cache_dir") or decoded_cache.default_cache_dir(config["data_dir"])
     workers = config["num_workers"]
     train_loader = DeviceLoader(train_set, *source_tensors(train_set, cache_dir, workers, log,
                                                            should_stop),
@@ -360,279 +353,3 @@ def build_device_loaders(config, train_set, val_set, sampler, device, rank=0, wo
 
 def _mib(nbytes):
     return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
-
-
-# ------------------------------------------------------ the image folders' decoded cache
-
-ORPHAN_AGE = 3600  # s: a temporary cache file of no known writer, untouched this long, goes
-_UNWRITABLE = set()  # cache directories this process could not write (warned about once)
-
-
-def default_cache_dir(data_dir):
-    """Where decoded caches live by default: ``<data-dir>/.cache``."""
-    return os.path.join(data_dir, ".cache")
-
-
-def folder_fingerprint(folder, front):
-    """A hash of what a decoded cache depends on: every image's relative path, label, size,
-    modification and status-change times and inode, the decoding steps (the image size
-    among them) and the versions of the decoders (torch, torchvision, PIL).
-
-    The status-change time (ctime) and the inode see a file replaced by another of the
-    same size whose modification time was set back to the old one, as ``rsync -a``,
-    ``tar x`` and ``cp -p`` do: no program can set a ctime.
-    """
-    import PIL
-
-    h = hashlib.sha256()
-    h.update(json.dumps({"version": CACHE_VERSION, "front": repr(front),
-                         "classes": folder.classes, "torch": torch.__version__,
-                         "torchvision": torchvision.__version__,
-                         "PIL": PIL.__version__}).encode())
-    for path, label in folder.samples:
-        try:
-            st = os.stat(path)
-            facts = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
-        except OSError:
-            facts = [-1]
-        h.update(json.dumps([os.path.relpath(path, folder.root), label, *facts])
-                 .encode() + b"\n")
-    return h.hexdigest()
-
-
-class _Decoded(torch.utils.data.Dataset):
-    """A folder's images through the decoding steps (what the cache holds)."""
-
-    def __init__(self, folder, front):
-        self.folder, self.front = folder, front
-
-    def __len__(self):
-        return len(self.folder)
-
-    def __getitem__(self, index):
-        image, label = self.folder[index]  # an unreadable image: the next readable one
-        return self.front(image).as_subclass(torch.Tensor), label
-
-
-def _decoded_batches(folder, front, shape, num_workers, stop):
-    """Every image of ``folder`` through ``front``, in order: ``(images, labels)`` numpy
-    batches (uint8 (B, *shape[1:]), int64 (B,)), decoded by ``num_workers`` processes.
-
-    Raises:
-        ops.Interrupted: ``stop()`` named a signal (checked after every batch).
-    """
-    loader = torch.utils.data.DataLoader(
-        _Decoded(folder, front), batch_size=16, num_workers=num_workers,  # a stop: soon
-        worker_init_fn=data.ignore_stop_signals, generator=torch.Generator().manual_seed(0))
-    for x, y in loader:
-        if stop is not None and stop() is not None:
-            raise Interrupted(stop(), f"while decoding {folder.root} into its cache")
-        if tuple(x.shape[1:]) != tuple(shape[1:]):
-            raise ValueError(f"decoded images of shape {tuple(x.shape[1:])}, expected "
-                             f"{tuple(shape[1:])}")
-        yield x.numpy(), y.numpy()
-
-
-def _write_cache(path, shape, batches):
-    """Writes the decoded images to the ``.npy`` file ``path`` as they come, atomically.
-
-    Plain writes, not a memory map: a full disk is then an OSError (ENOSPC), where a
-    memory-mapped sparse file would get SIGBUS. The temporary file's name holds this
-    process's ``runtime.owner_tag()``, so a build killed with SIGKILL leaves a file the
-    next one knows is an orphan (``_remove_orphans``).
-
-    Returns:
-        ``(labels, crc)``: the labels (int64 numpy) and the CRC-32 of the pixels.
-    """
-    labels, crc = [], 0
-
-    def write(f):
-        nonlocal crc
-        np.lib.format.write_array_header_1_0(
-            f, {"descr": "|u1", "fortran_order": False, "shape": tuple(shape)})
-        for x, y in batches:
-            f.write(memoryview(np.ascontiguousarray(x)).cast("B"))
-            crc = zlib.crc32(x, crc)
-            labels.append(y)
-
-    files.atomic_write(path, write, mode="wb", prefix=f".tmp-{runtime.owner_tag()}~")
-    return np.concatenate(labels) if labels else np.empty(0, np.int64), crc
-
-
-def _remove_orphans(cache_dir):
-    """Removes temporary cache files whose writer is gone: of this host and a process that
-    no longer runs (``runtime.orphan``), or, unattributed, untouched for ``ORPHAN_AGE``."""
-    try:
-        names = os.listdir(cache_dir)
-    except OSError:
-        return
-    for name in names:
-        if not name.startswith(".tmp-"):
-            continue
-        path = os.path.join(cache_dir, name)
-        with contextlib.suppress(OSError):
-            stale = "~" not in name and time.time() - os.stat(path).st_mtime > ORPHAN_AGE
-            if runtime.orphan(name) or stale:
-                os.remove(path)
-
-
-def _unreadable_reason(path):
-    """Why ``load_image`` refuses a file (read again: the build's workers said it once)."""
-    try:
-        data.load_image(path)
-    except data.UnreadableImage as e:
-        return str(e)
-    return "unreadable while the cache was built"
-
-
-def _record_checksum(record):
-    """The CRC-32 of a cache record's contents (all but its ``checksum``), canonical JSON."""
-    body = {k: v for k, v in record.items() if k != "checksum"}
-    return zlib.crc32(json.dumps(body, sort_keys=True).encode())
-
-
-def _pixels_checksum(images, chunk=64 * 2**20):
-    """The CRC-32 of a uint8 array's bytes, in chunks (a memory map is read once)."""
-    flat, crc = images.reshape(-1), 0
-    for start in range(0, flat.size, chunk):
-        crc = zlib.crc32(flat[start:start + chunk], crc)
-    return crc
-
-
-def _open_cache(base, fingerprint, shape, folder):
-    """The cache ``base``.npy (memory-mapped) and its record, if it can be trusted.
-
-    Returns:
-        ``(images, record, problem)``: the array and record, or Nones and, when a cache
-        is there but damaged (its record or pixels do not match their checksums, it names
-        files the folder lacks, the array is cut short), why (None when there is none).
-    """
-    try:
-        with open(base + ".json", encoding="utf-8") as f:
-            record = json.load(f)
-    except FileNotFoundError:
-        return None, None, None
-    except (OSError, ValueError) as e:
-        return None, None, f"its record cannot be read ({e})"
-    names = {os.path.relpath(p, folder.root) for p, _ in folder.samples}
-    checksum = record.get("checksum", {}) if isinstance(record, dict) else {}
-    if not isinstance(checksum, dict) or checksum.get("record") != _record_checksum(record):
-        return None, None, "its record does not match its checksum"
-    if record.get("fingerprint") != fingerprint or record.get("shape") != list(shape) \
-            or len(record.get("labels", ())) != shape[0] \
-            or not set(record.get("unreadable", {})) <= names:
-        return None, None, "its record does not describe this folder"
-    try:
-        images = np.load(base + ".npy", mmap_mode="c")  # copy-on-write: torch can wrap it
-    except (OSError, ValueError) as e:
-        return None, None, f"its images cannot be read ({e})"
-    if images.shape != shape or images.dtype != np.uint8:
-        return None, None, f"its images are {images.dtype} {images.shape}, not uint8 {shape}"
-    if _pixels_checksum(images) != checksum.get("pixels"):
-        return None, None, "its images do not match their checksum"
-    return images, record, None
-
-
-def decoded_folder(folder, front, image_size, cache_dir, num_workers=0, log=say, stop=None):
-    """A data.SafeImageFolder decoded once into a uint8 array file, memory-mapped after.
-
-    The file ``<cache_dir>/decoded-<split>-<size>px-<folder>-<fingerprint>.npy`` holds
-    every image after ``front`` (decoded, resized: exactly what the per-sample path
-    crops), with a record ``.json`` beside it (fingerprint, shape, labels, unreadable
-    files, and the CRC-32 checksums of the pixels and of the record). It is used only
-    when its record matches ``folder_fingerprint`` now (an image added, removed, replaced
-    or touched, another image size or another torch / torchvision / PIL version builds a
-    new one and removes the one it replaces) and both checksums match (a damaged cache is
-    a warning, and is rebuilt). Both files are written with ``files.atomic_write``, the
-    record last: an interrupted build leaves no cache that a later run trusts, and its
-    temporary file is removed by the next build (``_remove_orphans``).
-
-    Unreadable images are replaced by the next readable one and counted, as on the
-    per-sample path (``SafeImageFolder``); a reused cache marks them again in
-    ``folder.unreadable`` and warns about each. A cache directory that cannot be written
-    (read-only, full) gets a warning, and the images are decoded into memory instead.
-
-    Args:
-        stop: called between batches; a signal number it returns stops the build
-            (``ops.Interrupted``, nothing left behind). None: never.
-
-    Returns:
-        ``(images, labels)``: uint8 (N, 3, S, S) and int64 (N,) CPU tensors.
-    """
-    n = len(folder.samples)
-    shape = (n, 3, image_size, image_size)
-    split = os.path.basename(os.path.normpath(folder.root))
-    place = hashlib.sha256(os.path.abspath(folder.root).encode()).hexdigest()[:8]
-    prefix = os.path.join(cache_dir, f"decoded-{split}-{image_size}px-{place}-")
-    fingerprint = folder_fingerprint(folder, front)
-    base = prefix + fingerprint[:16]
-    about = f"{n} images of 3x{image_size}x{image_size}, {_mib(n * 3 * image_size ** 2)}"
-    _remove_orphans(cache_dir)
-    images, record, problem = _open_cache(base, fingerprint, shape, folder)
-    if problem is not None:
-        say(f"warning: the decoded cache {base}.npy is damaged ({problem}); rebuilding it",
-            file=sys.stderr)
-    if images is not None:
-        _mark_unreadable(folder, record["unreadable"])
-        log(f"decoded cache: {base}.npy ({about}), reused")
-        return torch.from_numpy(images), torch.as_tensor(record["labels"], dtype=torch.long)
-    start = time.perf_counter()
-    try:
-        os.makedirs(cache_dir, exist_ok=True)
-        labels, crc = _write_cache(base + ".npy", shape,
-                                   _decoded_batches(folder, front, shape, num_workers, stop))
-    except OSError as e:
-        if cache_dir not in _UNWRITABLE:  # once, not once per split
-            say(f"warning: cannot write the decoded cache in {cache_dir} "
-                f"({e.strerror or e}); decoding the images into memory for this run only",
-                file=sys.stderr)
-        _UNWRITABLE.add(cache_dir)
-        return _decode_into_memory(folder, front, shape, num_workers, stop)
-    _write_record(folder, front, fingerprint, shape, labels, crc, base, prefix)
-    log(f"decoded cache: {base}.npy ({about}), built in {time.perf_counter() - start:.1f} s")
-    return (torch.from_numpy(np.load(base + ".npy", mmap_mode="c")),
-            torch.from_numpy(labels))
-
-
-def _mark_unreadable(folder, unreadable):
-    """Flags, and warns about, the images a reused cache found unreadable."""
-    where = {os.path.relpath(p, folder.root): i for i, (p, _) in enumerate(folder.samples)}
-    for rel, reason in unreadable.items():
-        folder.unreadable[where[rel]] = 1
-        say(f"warning: skipping unreadable image {os.path.join(folder.root, rel)} "
-            f"({reason}; as found when the decoded cache was built); the next "
-            f"readable image of the set stands in for it", file=sys.stderr)
-
-
-def _decode_into_memory(folder, front, shape, num_workers, stop):
-    """The images decoded into a numpy array, for a run whose cache cannot be written."""
-    images, labels, pos = np.empty(shape, dtype=np.uint8), [], 0
-    for x, y in _decoded_batches(folder, front, shape, num_workers, stop):
-        images[pos:pos + len(x)] = x
-        labels.append(y)
-        pos += len(x)
-    return torch.from_numpy(images), torch.from_numpy(np.concatenate(labels))
-
-
-def _write_record(folder, front, fingerprint, shape, labels, crc, base, prefix):
-    """Writes the record that makes a built cache trusted (unless the folder changed
-    meanwhile), then removes the caches of the folder's older contents."""
-    unreadable = {os.path.relpath(p, folder.root): _unreadable_reason(p)
-                  for (p, _), bad in zip(folder.samples, folder.unreadable.tolist()) if bad}
-    if folder_fingerprint(folder, front) != fingerprint:
-        say(f"warning: {folder.root} changed while it was decoded; its cache will be "
-            f"rebuilt by the next run", file=sys.stderr)
-        return
-    record = {"version": CACHE_VERSION, "fingerprint": fingerprint, "shape": list(shape),
-              "root": folder.root, "labels": labels.tolist(), "unreadable": unreadable}
-    record["checksum"] = {"pixels": crc, "record": _record_checksum(record)}
-    try:
-        files.atomic_write(base + ".json", lambda f: json.dump(record, f))
-    except OSError as e:  # the images are whole: use them, the next run rebuilds
-        say(f"warning: cannot write {base}.json ({e.strerror or e}); the decoded "
-            f"cache will be rebuilt by the next run", file=sys.stderr)
-        return
-    for old in glob.glob(glob.escape(prefix) + "*"):  # caches of older contents
-        if not old.startswith(base + "."):
-            with contextlib.suppress(OSError):
-                os.remove(old)

@@ -375,6 +375,14 @@ class StopRequest:
             signal.signal(signum, handler)
 
 
+def ignore_stop_signals(worker_id=None):
+    """A DataLoader worker's start: it ignores the signals that stop a run. Ctrl-C and
+    schedulers signal the whole process group; the main process saves, then shuts its
+    workers down, so the save never sees a dead worker."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def say(message, file=None):
     """Prints a line; a closed stdout/stderr (``train.py | head``) never stops the run.
 

@@ -14,7 +14,7 @@ from conftest import ROOT, tiny_args, write_image_folder
 from PIL import Image
 from test_device_data import check_against_per_sample, make_config
 
-import device_data
+import decoded_cache
 import train
 
 
@@ -71,12 +71,13 @@ SLOW_BUILD = """
 import sys, time
 sys.path.insert(0, {root!r})
 import data
+import decoded_cache
 import device_data
-original = device_data._Decoded.__getitem__
+original = decoded_cache._Decoding.__getitem__
 def slow(self, index):
     time.sleep(0.2)
     return original(self, index)
-device_data._Decoded.__getitem__ = slow
+decoded_cache._Decoding.__getitem__ = slow
 train_set, _ = data.build_datasets({cfg!r})
 device_data.source_tensors(train_set, {cache!r})
 """
@@ -147,7 +148,7 @@ def name_a_missing_file(cfg, consistent=False):
     record = json.load(open(path))
     record["unreadable"]["a/not-there.png"] = "cannot identify image file"
     if consistent:  # its checksum made to match: what the folder holds must, too
-        record["checksum"]["record"] = device_data._record_checksum(record)
+        record["checksum"]["record"] = decoded_cache._record_checksum(record)
     json.dump(record, open(path, "w"))
 
 
@@ -224,12 +225,12 @@ def test_an_image_replaced_with_its_old_size_and_time_rebuilds(tmp_path, how):
 SLOW_RUN = """
 import sys, time
 sys.path.insert(0, {root!r})
-import device_data, train
-original = device_data._Decoded.__getitem__
+import decoded_cache, train
+original = decoded_cache._Decoding.__getitem__
 def slow(self, index):
     time.sleep(0.1)
     return original(self, index)
-device_data._Decoded.__getitem__ = slow
+decoded_cache._Decoding.__getitem__ = slow
 sys.exit(train.main({args!r}))
 """
 

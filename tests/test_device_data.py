@@ -22,6 +22,7 @@ from PIL import Image
 from torchvision.transforms import v2
 
 import data
+import decoded_cache
 import device_data
 import engine
 import networks
@@ -453,7 +454,7 @@ def test_a_changed_folder_rebuilds_its_cache(tmp_path, change):
 def test_an_interrupted_build_leaves_no_cache_to_trust(tmp_path, monkeypatch):
     cfg = make_config(tmp_path, "imagefolder")
     calls = 0
-    original = device_data._Decoded.__getitem__
+    original = decoded_cache._Decoding.__getitem__
 
     def failing(self, index):
         nonlocal calls
@@ -462,11 +463,11 @@ def test_an_interrupted_build_leaves_no_cache_to_trust(tmp_path, monkeypatch):
             raise KeyboardInterrupt  # Ctrl-C in the middle of the build
         return original(self, index)
 
-    monkeypatch.setattr(device_data._Decoded, "__getitem__", failing)
+    monkeypatch.setattr(decoded_cache._Decoding, "__getitem__", failing)
     with pytest.raises(KeyboardInterrupt):
         folder_loaders(cfg, lambda line: None)
     assert os.listdir(tmp_path / ".cache") == []  # the temporary file is gone too
-    monkeypatch.setattr(device_data._Decoded, "__getitem__", original)
+    monkeypatch.setattr(decoded_cache._Decoding, "__getitem__", original)
     lines = []
     check_against_per_sample(cfg, lines.append)
     assert all("built in" in line for line in lines)
@@ -476,12 +477,13 @@ KILLED_BUILD = """
 import sys, time
 sys.path.insert(0, {root!r})
 import data
+import decoded_cache
 import device_data
-original = device_data._Decoded.__getitem__
+original = decoded_cache._Decoding.__getitem__
 def slow(self, index):
     time.sleep(0.2)
     return original(self, index)
-device_data._Decoded.__getitem__ = slow
+decoded_cache._Decoding.__getitem__ = slow
 train_set, _ = data.build_datasets({cfg!r})
 device_data.source_tensors(train_set, {cache!r})
 """
@@ -550,13 +552,14 @@ def test_the_fingerprint_covers_paths_sizes_and_times(tmp_path):
                        size=None, formats=("jpg", "png"))
     folder = data.SafeImageFolder(str(tmp_path / "train"))
     front = v2.Compose([v2.ToImage(), v2.Resize((16, 16), antialias=True)])
-    first = device_data.folder_fingerprint(folder, front)
-    assert device_data.folder_fingerprint(folder, front) == first
+    fingerprint = decoded_cache.folder_fingerprint
+    first = fingerprint(folder, decoded_cache.Resized(front, 16))
+    assert fingerprint(folder, decoded_cache.Resized(front, 16)) == first
     other = v2.Compose([v2.ToImage(), v2.Resize((12, 12), antialias=True)])
-    assert device_data.folder_fingerprint(folder, other) != first
+    assert fingerprint(folder, decoded_cache.Resized(other, 12)) != first
     os.rename(tmp_path / "train" / "a" / "0.jpg", tmp_path / "train" / "a" / "9.jpg")
     moved = data.SafeImageFolder(str(tmp_path / "train"))
-    assert device_data.folder_fingerprint(moved, front) != first
+    assert fingerprint(moved, decoded_cache.Resized(front, 16)) != first
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
