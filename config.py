@@ -15,6 +15,7 @@ import torch
 import yaml
 
 import data
+import presets
 import runtime
 from networks import NETWORKS
 from ops import UserError
@@ -59,7 +60,16 @@ def _data_flags(g):
     g.add_argument("--synthetic-size", type=int, default=512,
                    help="training samples of the synthetic set (validation: a fifth)")
     g.add_argument("--image-size", type=int, default=32,
-                   help="image side for synthetic and imagefolder data")
+                   help="image side for synthetic and imagefolder data; an image folder at "
+                   "64 and above is photos: a random-resized crop for training, the "
+                   "centre crop for evaluation (with --pretrained torchvision: the "
+                   "weights' own crop, e.g. 224)")
+    g.add_argument("--crop-pct", type=float, default=0.875, help="photos: evaluation "
+                   "crops the centre image-size of the image resized to image-size / "
+                   "crop-pct on its short side (224 of 256); the decoded cache keeps that "
+                   "(default with --pretrained torchvision: the weights' own)")
+    g.add_argument("--crop-min-scale", type=float, default=0.08, help="photos: the "
+                   "smallest area fraction of the training random-resized crop")
     g.add_argument("--num-classes", type=int, default=10, help="classes of the synthetic set")
     g.add_argument("--augment", action=argparse.BooleanOptionalAction, default=True,
                    help="random crop with padding and horizontal flip while training")
@@ -91,9 +101,13 @@ def _network_flags(g):
     g.add_argument("--network", default=None, help="simple_cnn, resnet18, resnet9, mlp, or "
                    "torchvision/<name>; default: resnet18, or simple_cnn for --dataset "
                    "synthetic (a smoke test that finishes in seconds on a CPU)")
-    g.add_argument("--pretrained", default=None, help="start from the weights in this file "
-                   "(a checkpoint of this project or a plain state_dict; default: the "
-                   "network's own initialisation)")
+    g.add_argument("--pretrained", default=None, metavar="PATH|torchvision[:NAME]",
+                   help="start from the weights in this file (a checkpoint of this project "
+                   "or a plain state_dict), or, for --network torchvision/<name>, "
+                   "torchvision's pretrained ones (DEFAULT or NAME, e.g. IMAGENET1K_V1; "
+                   "downloaded once into TORCH_HOME, hash-checked; the classifier head is "
+                   "replaced, the normalisation and crop follow the weights); a path that "
+                   "exists wins (default: the network's own initialisation)")
     g.add_argument("--pretrained-weights", default="ema", choices=["ema", "raw"],
                    help="from a --pretrained checkpoint with a moving average (--ema-decay), "
                    "take the average (ema) or the trained weights (raw)")
@@ -349,20 +363,46 @@ def parse_config(argv):
     from_yaml = _read_yaml(known.config, parser) if known.config else {}
     parser.set_defaults(**from_yaml)
     config = vars(parser.parse_args(argv))
-    if config["network"] is None:
-        config["network"] = default_network(config["dataset"])
     # The same parser with no defaults tells which flags were given on the command line.
     bare = build_parser()
     for action in bare._actions:  # no public way: set_defaults would type-convert SUPPRESS
         action.default = argparse.SUPPRESS
     explicit = set(vars(bare.parse_args(argv))) | set(from_yaml)
-    return config, explicit - {"config"}
+    if config["network"] is None:
+        config["network"] = default_network(config["dataset"], config["image_size"],
+                                            config["pretrained"])
+    return apply_pretrained_preset(config, explicit), explicit - {"config"}
 
 
-def default_network(dataset):
-    """The network a run gets without --network: resnet18, or simple_cnn for the synthetic
-    set (the README's smoke run takes seconds)."""
-    return "simple_cnn" if dataset == "synthetic" else "resnet18"
+def default_network(dataset, image_size=32, pretrained=None):
+    """The network a run gets without --network: resnet18 (the CIFAR one: full
+    resolution), simple_cnn for the synthetic set (the README's smoke run takes seconds),
+    and for photos (an image folder at 64 px and above) or ``--pretrained torchvision``
+    torchvision's resnet18, whose ImageNet stem downsamples 4x at once (the CIFAR
+    resnet18 would cost 15x its FLOPs at 224 px)."""
+    if str(pretrained).startswith("torchvision") and not os.path.exists(str(pretrained)):
+        return "torchvision/resnet18"
+    if dataset == "synthetic":
+        return "simple_cnn"
+    if dataset == "imagefolder" and image_size >= data.PHOTO_SIDE:
+        return "torchvision/resnet18"
+    return "resnet18"
+
+
+def apply_pretrained_preset(config, explicit):
+    """``--pretrained torchvision``: the image size and crop fraction the weights were
+    trained with, where the user set none (their own transforms' crop and resize)."""
+    if config["pretrained"] is None or os.path.exists(config["pretrained"]):
+        return config  # a file (a path that exists wins over the name)
+    weights = presets.torchvision_weights(config["network"], config["pretrained"])
+    if weights is None:
+        return config
+    t = weights.transforms()
+    if "image_size" not in explicit:
+        config["image_size"] = t.crop_size[0]
+    if "crop_pct" not in explicit:
+        config["crop_pct"] = t.crop_size[0] / t.resize_size[0]
+    return config
 
 
 def with_defaults(stored):
@@ -378,7 +418,7 @@ def with_defaults(stored):
     """
     config = {**vars(build_parser().parse_args([])), **stored}
     if config["network"] is None:
-        config["network"] = default_network(config["dataset"])
+        config["network"] = default_network(config["dataset"], config["image_size"])
     return config
 
 
@@ -401,6 +441,8 @@ MAX_SYNTHETIC_BYTES = 8 * 2**30  # the synthetic set lives in memory as float32
 RANGES = {  # every numeric flag's allowed values
     "synthetic_size": _at_least(1),
     "image_size": _within(4, 4096),  # every network takes any side; 4096 is already huge
+    "crop_pct": ((lambda v: 0 < v <= 1), "must be in (0, 1]"),
+    "crop_min_scale": ((lambda v: 0 < v <= 1), "must be in (0, 1]"),
     "num_classes": _within(2, 100_000),
     "num_workers": _at_least(0),
     "prefetch": _at_least(0),

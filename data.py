@@ -18,6 +18,7 @@ samples, bit for bit on the CPU.
 import contextlib
 import functools
 import hashlib
+import math
 import os
 import socket
 import sys
@@ -26,11 +27,13 @@ import warnings
 
 import torch
 import torch.utils.data
-from PIL import Image
+from PIL import Image, ImageOps
 from torchvision import datasets as tv_datasets
 from torchvision import tv_tensors
+from torchvision.transforms import functional as tv_functional
 from torchvision.transforms import v2
 
+import decoded_cache
 import recipes
 import runtime
 from ops import UserError
@@ -50,6 +53,7 @@ DATASETS = sorted(TORCHVISION_SETS) + ["imagefolder", "synthetic"]
 # The raster formats an ImageFolder image may be in. Left free, PIL.Image.open tries about
 # forty formats on any file, EPS among them (which runs Ghostscript on the file).
 IMAGE_FORMATS = ("JPEG", "PNG", "BMP", "GIF", "TIFF", "WEBP", "PPM")
+PHOTO_SIDE = 64  # image folders at this --image-size and above are photos (presets.py)
 
 
 def sample_seed(seed, epoch, index):
@@ -324,15 +328,21 @@ def _to_rgb(image):
     return image.convert("RGB")  # palette, LA, RGBA, CMYK... (and always a copy)
 
 
-def load_image(path):
+def load_image(path, short_side=None, interpolation=None):
     """Reads an image file fully into an 8-bit RGB PIL image (ImageFolder's loader).
 
     Only ``IMAGE_FORMATS`` are tried (never EPS/PostScript or PDF). A decompression bomb
     (more than ``PIL.Image.MAX_IMAGE_PIXELS`` pixels) counts as unreadable. The whole image
-    is decoded here, so a truncated file fails here and not later in a transform.
+    is decoded here, so a truncated file fails here and not later in a transform. An EXIF
+    orientation (what a phone's camera writes) is applied, as users expect.
 
     Args:
         path: the image file.
+        short_side: resize so that the short side is this (aspect kept; the long side
+            truncated, as torchvision's ``Resize(int)``); a JPEG much larger than that is
+            decoded at 1/2, 1/4 or 1/8 of its size first (PIL's draft mode: no smaller
+            than needed), several times faster. None: the image as it is.
+        interpolation: a ``v2.InterpolationMode`` for that resize (default bilinear).
 
     Returns:
         The RGB image (see ``_to_rgb`` for 16-bit, 32-bit and float grayscale).
@@ -344,11 +354,31 @@ def load_image(path):
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(path, formats=IMAGE_FORMATS) as image:
+                if short_side is not None and image.format == "JPEG":
+                    scale = short_side / min(image.size)
+                    if scale < 0.5:  # only then can the decoder skip work
+                        image.draft("RGB", tuple(math.ceil(s * scale) for s in image.size))
                 image.load()
-                return _to_rgb(image)
+                image = _to_rgb(ImageOps.exif_transpose(image))
     except Exception as e:  # PIL raises OSError, ValueError, SyntaxError, EOFError...
         reason = str(e).splitlines()[0] if str(e) else "no message"
         raise UnreadableImage(f"{type(e).__name__}: {reason}") from e
+    if short_side is None:
+        return image
+    if min(image.size) < short_side:
+        say(f"warning: {path} is {image.size[0]}x{image.size[1]}, smaller than the "
+            f"{short_side} px its short side is kept at: upscaled", file=sys.stderr)
+    mode = interpolation or v2.InterpolationMode.BILINEAR
+    return image.resize(stored_size(*image.size, short_side),
+                        tv_functional.pil_modes_mapping[mode])
+
+
+def stored_size(width, height, side):
+    """``(width, height)`` with the short side at ``side``, the long one in proportion
+    (truncated, as torchvision's ``Resize(int)``)."""
+    if width <= height:
+        return side, int(side * height / width)
+    return int(side * width / height), side
 
 
 class SafeImageFolder(tv_datasets.ImageFolder):
@@ -411,13 +441,18 @@ class SafeImageFolder(tv_datasets.ImageFolder):
         return instances
 
     def __getitem__(self, index):
+        return self.read(index, self.loader)
+
+    def read(self, index, loader):
+        """Sample ``index`` read with ``loader`` (a path -> image function), or, where its
+        file is unreadable, the next readable one (see the class)."""
         size = len(self.samples)
         for i in (j % size for j in range(index, index + size)):
             if self.unreadable[i]:
                 continue
             path, label = self.samples[i]
             try:
-                return self.loader(path), label
+                return loader(path), label
             except UnreadableImage as e:
                 self.unreadable[i] = 1
                 say(f"warning: skipping unreadable image {path} ({e}); the next readable "
@@ -532,7 +567,9 @@ def _torchvision_split(name, data_dir, train):
         socket.setdefaulttimeout(old_timeout)
 
 
-def _imagefolder_splits(data_dir, image_size, augment, seed, policy):
+def _imagefolder_splits(config, policy, log, stop):
+    data_dir, image_size = config["data_dir"], config["image_size"]
+    augment, seed = config["augment"], config["seed"]
     train_dir = os.path.join(data_dir, "train")
     val_dir = next((os.path.join(data_dir, s) for s in ("val", "test")
                     if os.path.isdir(os.path.join(data_dir, s))), None)
@@ -553,12 +590,48 @@ def _imagefolder_splits(data_dir, image_size, augment, seed, policy):
     if len(train.classes) == 1:
         say(f"warning: {train_dir!r} has a single class folder ({train.classes[0]!r}): "
             f"every label is the same, so there is nothing to learn", file=sys.stderr)
-    t_train, t_eval = _transforms("imagefolder", image_size, augment, policy=policy)
+    if image_size >= PHOTO_SIDE:  # photos: decoded once into the cache, read from there
+        import presets  # (it builds on this module)
+
+        t_train, t_eval = presets.transforms(config, policy)
+        p = presets.preset(config)
+        decoder = presets.ShortSide(presets.stored_side(image_size, config["crop_pct"]),
+                                    p["interpolation"])
+        cache_dir = config.get("cache_dir") or decoded_cache.default_cache_dir(data_dir)
+        train, val = (CachedImages(folder, decoded_cache.decoded_folder(
+            folder, decoder, cache_dir, config["num_workers"], log, stop,
+            unreadable_reason)) for folder in (train, val))
+    else:
+        t_train, t_eval = _transforms("imagefolder", image_size, augment, policy=policy)
     return (SeededDataset(train, t_train, seed, augment, train.classes, 3, image_size),
             SeededDataset(val, t_eval, seed, False, val.classes, 3, image_size))
 
 
-def build_datasets(config):
+class CachedImages(torch.utils.data.Dataset):
+    """An image folder's photos from its decoded cache: ``(image, label)`` with a (3, h, w)
+    uint8 image (short side ``presets.stored_side``), read from a memory map.
+
+    Args:
+        folder: the SafeImageFolder (its classes; its unreadable images, flagged while
+            the cache was built or named by its record).
+        decoded: its ``decoded_cache.Decoded``.
+    """
+
+    def __init__(self, folder, decoded):
+        self.folder, self.decoded = folder, decoded
+        self.classes, self.root = folder.classes, folder.root
+
+    def __len__(self):
+        return len(self.decoded)
+
+    def __getitem__(self, index):
+        return self.decoded.image(index), int(self.decoded.labels[index])
+
+    def unreadable_count(self):
+        return self.folder.unreadable_count()
+
+
+def build_datasets(config, log=say, stop=None):
     """Builds the training and validation datasets named by the config.
 
     Args:
@@ -575,7 +648,14 @@ def build_datasets(config):
 
         An image folder reads its images with ``load_image``; unreadable ones are replaced
         and counted (see ``SafeImageFolder``, ``SeededDataset.unreadable_count``). One with a
-        single class gets a ``warning:`` line on stderr.
+        single class gets a ``warning:`` line on stderr. At ``image_size`` 64 and above
+        it is photos (presets.py): both splits are decoded once into their decoded cache
+        (``crop_pct``, ``crop_min_scale``, ``num_workers``; ``cache_dir``, not a flag,
+        defaults to ``<data-dir>/.cache``) and read from there.
+
+    Args (more):
+        log: prints where a decoded cache is and how big.
+        stop: returns a signal's number to stop a cache build at (``ops.Interrupted``).
 
     Raises:
         UserError: unknown dataset, missing directory, download impossible, an image
@@ -599,7 +679,7 @@ def build_datasets(config):
     if name == "imagefolder":
         if not os.path.isdir(data_dir):
             raise UserError(f"--data-dir {data_dir!r} does not exist")
-        return _imagefolder_splits(data_dir, image_size, augment, seed, policy)
+        return _imagefolder_splits(config, policy, log, stop)
     if name not in TORCHVISION_SETS:
         raise UserError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
     train, val = (_torchvision_split(name, data_dir, split) for split in (True, False))

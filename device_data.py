@@ -22,6 +22,8 @@ from torchvision.transforms import v2
 
 import data
 import decoded_cache
+import presets
+import runtime
 from ops import UserError
 from runtime import say
 
@@ -56,8 +58,16 @@ class DevicePipeline:
                 dataset.base, data.SafeImageFolder):
             raise UnsupportedOnDevice("resizes only image folders (through their cache)")
         self.padding, self.flip, self.mean, self.std = 0, False, None, None
+        self.photo = None  # photos: "train" (random-resized crop) or "eval" (centre crop)
         if i < len(steps) and isinstance(steps[i], data.SampleCrop):
             self.padding, i = steps[i].padding, i + 1
+        elif i < len(steps) and isinstance(steps[i], (presets.RandomResizedCrop,
+                                                      presets.CenterCrop)):
+            crop = steps[i]
+            self.photo = "train" if isinstance(crop, presets.RandomResizedCrop) else "eval"
+            self.size, i = crop.size, i + 1
+            self.min_scale = getattr(crop, "min_scale", None)
+            self.interpolation = getattr(crop, "interpolation", None)
         if i < len(steps) and isinstance(steps[i], data.SampleFlip):
             self.flip, i = True, i + 1
         if i < len(steps) and isinstance(steps[i], data.Normalise):
@@ -66,7 +76,8 @@ class DevicePipeline:
             step = getattr(steps[i], "policy", steps[i])  # recipes wraps float-image policies
             raise UnsupportedOnDevice(f"cannot apply {type(step).__name__} to whole batches "
                                       f"(it does crop, flip and normalisation only)")
-        self.random = dataset.random and (self.padding > 0 or self.flip)
+        self.random = dataset.random and (self.padding > 0 or self.flip or
+                                          self.photo == "train")
 
 
 def device_pipeline(dataset):
@@ -88,6 +99,8 @@ def _source_kind(dataset):
         return "mnist"
     if isinstance(base, data.SafeImageFolder):
         return "folder"
+    if isinstance(base, data.CachedImages):
+        return "photos"
     raise UnsupportedOnDevice(f"has no tensor source for {type(base).__name__}")
 
 
@@ -101,11 +114,14 @@ def source_nbytes(dataset):
         return int(base.data.nbytes)
     if kind == "mnist":
         return base.data.numel()
+    if kind == "photos":
+        return base.decoded.nbytes
     return len(base) * 3 * dataset.image_size ** 2
 
 
 def source_tensors(dataset, cache_dir=None, num_workers=0, log=say, stop=None):
-    """A set's images and labels as CPU tensors: ``(images (N, C, H, W), labels (N,))``.
+    """A set's images and labels as CPU tensors: ``(images (N, C, H, W), labels (N,))``;
+    for photos, ``images`` is their ``decoded_cache.Decoded`` (images of many sizes).
 
     uint8 images for CIFAR (``.data``), MNIST (``.data``) and image folders (the decoded
     cache, ``decoded_folder``: memory-mapped); float32 for the synthetic set. The values
@@ -130,6 +146,8 @@ def source_tensors(dataset, cache_dir=None, num_workers=0, log=say, stop=None):
         return images, torch.as_tensor(base.targets, dtype=torch.long)
     if kind == "mnist":
         return base.data.unsqueeze(1).contiguous(), torch.as_tensor(base.targets).long()
+    if kind == "photos":  # decoded into their cache when the set was built
+        return base.decoded, base.decoded.labels
     front = v2.Compose(list(DevicePipeline(dataset).front))
     if cache_dir is None:
         cache_dir = decoded_cache.default_cache_dir(os.path.dirname(os.path.normpath(
@@ -193,12 +211,18 @@ class DeviceLoader:
                  batch_size=None, memory_format=torch.contiguous_format):
         if (batch_sampler is None) == (indices is None):
             raise ValueError("DeviceLoader takes a batch_sampler or indices, not both")
-        if len(images) != len(dataset) or len(labels) != len(dataset):
+        if len(images) != len(dataset) or len(labels) != len(dataset):  # (Decoded too)
             raise ValueError(f"{len(images)} images and {len(labels)} labels for a set of "
                              f"{len(dataset)}")
         self.dataset = dataset
         self.pipeline = device_pipeline(dataset)
         self.device = torch.device(device)
+        self.shapes = self.offsets = None
+        if isinstance(images, decoded_cache.Decoded):  # photos: many sizes, one buffer
+            self.shapes, self.offsets = images.shapes, images.offsets  # (on the CPU)
+            self._shape_list = images.shapes.numpy()
+            self._offset_list = images.offsets.numpy()
+            images = images.images
         self.images = images.to(self.device)  # a CPU tensor (maybe memory-mapped) stays
         self.labels = labels.to(self.device, torch.long)
         self.batch_sampler, self.batch_size = batch_sampler, batch_size
@@ -230,6 +254,9 @@ class DeviceLoader:
         index = torch.cat(batches)
         columns = [index]
         p = self.pipeline
+        if p.photo is not None:
+            yield from self._photo_batches(batches, index, epoch)
+            return
         if p.random:
             zero = torch.zeros_like(index)
             top, left = data.crop_offsets(self.dataset.seed, epoch, index, p.padding) \
@@ -242,6 +269,44 @@ class DeviceLoader:
         packed = packed.to(self.device, non_blocking=True)
         for part in packed.split([len(b) for b in batches], dim=1):
             yield self._batch(part)
+
+    def _photo_batches(self, batches, index, epoch):
+        """Photos: each image cropped (and resized) on its own, on the device, with the
+        per-sample path's boxes (``presets.crop_boxes``) and the same resize kernel; the
+        epoch's indices and flips reach the device in one copy."""
+        p, seed = self.pipeline, self.dataset.seed
+        shapes = self.shapes[index]
+        flip = data.flip_draw(seed, epoch, index) if p.random and p.flip else \
+            torch.zeros_like(index)
+        boxes = [b.tolist() for b in presets.crop_boxes(
+            seed, epoch, index, shapes[:, 1], shapes[:, 2], p.min_scale)] \
+            if p.photo == "train" and p.random else None
+        packed = torch.stack([index, flip])
+        if self.device.type == "cuda":
+            packed = packed.pin_memory()
+        packed = packed.to(self.device, non_blocking=True)
+        where, start = index.tolist(), 0
+        for part in packed.split([len(b) for b in batches], dim=1):
+            crops = []
+            for k in range(start, start + part.shape[1]):
+                image = self._image(where[k])
+                crops.append(presets.resized_crop(image, *(b[k] for b in boxes), p.size,
+                                                  p.interpolation) if boxes is not None
+                             else presets.center_crop(image, p.size))
+            start += part.shape[1]
+            x = torch.stack(crops)  # (N, C, size, size) uint8
+            if boxes is not None and p.flip:
+                x = torch.where(part[1].bool().view(-1, 1, 1, 1), x.flip(-1), x)
+            x = x.contiguous(memory_format=self.memory_format)
+            if self._stats is not None:
+                x = data.normalise(x, *self._stats)
+            yield x, self.labels.index_select(0, part[0])
+
+    def _image(self, i):
+        """Photo ``i`` as a (C, H, W) view of the buffer on the device."""
+        c, h, w = (int(v) for v in self._shape_list[i])
+        start = int(self._offset_list[i])
+        return self.images[start:start + c * h * w].view(c, h, w)
 
     def _batch(self, part):
         x = self.images.index_select(0, part[0])
@@ -257,9 +322,10 @@ def device_data_decision(config, train_set, val_set, device):
     """Whether a run takes the device path (``--data-on-device``), and one line saying why.
 
     ``off``: never. ``on``: always, or a UserError when it cannot (a transform or a set it
-    cannot do; on CUDA, sets larger than the free memory). ``auto``: on CUDA devices when
-    both sets take at most ``DEVICE_SHARE`` (a quarter) of the free device memory and
-    every transform is one the device path does; never on other devices.
+    cannot do; on CUDA, sets larger than the free memory). ``auto``: when both sets take
+    at most ``DEVICE_SHARE`` (a quarter) of the free memory of the device (on the CPU:
+    of the memory available) and every transform is one the device path does; on the
+    CPU, not for photos, which the DataLoader's workers crop and resize in parallel.
 
     Args:
         config: the resolved config (``data_on_device``, ``dataset``, ``num_workers``,
@@ -294,10 +360,18 @@ def device_data_decision(config, train_set, val_set, device):
         what += f" decoded once into {cache}"
     how = "each batch gathered, augmented and normalised there, no DataLoader workers"
     if device.type != "cuda":
-        if mode == "auto":
-            return False, f"{loader} (--data-on-device auto holds data on CUDA devices " \
-                          f"only; this run is on {device})"
-        return True, f"data path: on {device}: {what} in memory; {how}"
+        if mode == "on":
+            return True, f"data path: on {device}: {what} in memory; {how}"
+        if isinstance(train_set.base, data.CachedImages):
+            return False, f"{loader} (--data-on-device auto: photos are cropped and resized " \
+                          f"one by one, which the workers do in parallel on the CPU)"
+        free = runtime.available_memory()
+        share = need / max(free, 1)
+        if share > DEVICE_SHARE:
+            return False, f"{loader} ({what} would take {share:.0%} of the {_mib(free)} " \
+                          f"of memory available; auto allows {DEVICE_SHARE:.0%})"
+        return True, f"data path: in memory ({device}): {what}, {share:.1%} of the " \
+                     f"{_mib(free)} available; {how} (--data-on-device auto)"
     free, _ = torch.cuda.mem_get_info(device)
     share = need / max(free, 1)
     if mode == "auto" and share > DEVICE_SHARE:

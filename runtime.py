@@ -395,6 +395,22 @@ def say(message, file=None):
         _silence(file)
 
 
+def available_memory():
+    """Bytes of memory available to new allocations (Linux's MemAvailable; elsewhere the
+    free pages), the measure of what ``--data-on-device auto`` may hold on the CPU."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 def shown(value, width=60):
     """``repr(value)`` cut to ``width`` characters, for a message that quotes a value."""
     text = repr(value)

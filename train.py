@@ -46,6 +46,7 @@ import engine
 import layers
 import metrics
 import ops
+import presets
 import recipes
 import runlog
 import runtime
@@ -534,7 +535,8 @@ def build_model(config, train_set, device, world_size, log, resuming=False):
     except ValueError as e:
         raise UserError(str(e)) from None
     if config["pretrained"] and not resuming:
-        load_pretrained(net, config["pretrained"], log, config["pretrained_weights"])
+        load_pretrained(net, config["pretrained"], log, config["pretrained_weights"],
+                        config["network"])
     if config["freeze"]:
         frozen = ops.freeze(net, config["freeze"])
         log(f"frozen: {len(frozen)} parameter tensors matching {' '.join(config['freeze'])}")
@@ -576,14 +578,21 @@ def wrap_model(net, config, device, world_size):
     return model
 
 
-def load_pretrained(net, path, log, which="ema"):
-    """Initialises ``net`` from a checkpoint of this project or a plain state_dict.
+def load_pretrained(net, path, log, which="ema", network=None):
+    """Initialises ``net`` from a checkpoint of this project or a plain state_dict, or,
+    where ``path`` is ``torchvision[:NAME]`` and no such file exists, from torchvision's
+    pretrained weights of ``network`` (``presets.fetch_weights``).
 
     From a checkpoint with a moving average of the weights, ``which="ema"`` takes the
     average. A classifier head of another size (another number of classes) keeps its
     fresh initialisation and is listed; any other mismatch is a UserError listing the keys.
     """
-    state = checkpoint.load_checkpoint(path)
+    tv_weights = None if os.path.exists(path) else presets.torchvision_weights(network, path)
+    if tv_weights is not None:
+        state = presets.fetch_weights(tv_weights)
+        path = f"torchvision's {tv_weights}"
+    else:
+        state = checkpoint.load_checkpoint(path)
     weights = state["model"] if "model" in state else state
     if which == "ema" and "model" in state and "ema" in state:
         weights = state["ema"]

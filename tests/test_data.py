@@ -214,7 +214,8 @@ def test_training_finishes_despite_unreadable_images(tmp_path, capfd, workers):
         bad[-2].write_bytes(b"")
         truncated_jpeg(bad[-1])
     args = tiny_args(tmp_path / "run", "--dataset", "imagefolder", "--data-dir", str(root),
-                     "--num-workers", str(workers), network="simple_cnn", image=16, batch=4,
+                     "--num-workers", str(workers), "--data-on-device", "off",
+                     network="simple_cnn", image=16, batch=4,
                      epochs=2)
     assert train.main(args) == 0
     err = capfd.readouterr().err

@@ -336,11 +336,12 @@ def test_the_decision_off_auto_and_on_on_the_cpu(tmp_path):
                               "(--data-on-device off)"
     use, why = device_data.device_data_decision({**cfg, "data_on_device": "auto"}, train_set,
                                          val_set, cpu)
-    assert not use and "CUDA devices only" in why and "\n" not in why
+    assert use and why.startswith("data path: in memory (cpu): synthetic as float32 "
+                                  "tensors") and "available" in why and "\n" not in why
     use, why = device_data.device_data_decision({**cfg, "data_on_device": "on"}, train_set,
                                          val_set, cpu)
     assert use and why.startswith("data path: on cpu: synthetic as float32 tensors")
-    assert device_data.device_data_decision(cfg, train_set, val_set, cpu)[0] is False  # auto
+    assert device_data.device_data_decision(cfg, train_set, val_set, cpu)[0] is True  # auto
 
 
 def test_the_decision_on_cuda_follows_free_memory(tmp_path, cifar_integrity, monkeypatch):
@@ -647,11 +648,17 @@ def test_train_resumes_exactly_on_the_device_path(tmp_path):
                         final_state(tmp_path / "whole")["model"])
 
 
-def test_auto_picks_the_loader_path_on_the_cpu_and_says_why(tmp_path, capsys):
+def test_auto_holds_small_sets_in_memory_on_the_cpu_and_says_why(tmp_path, capsys,
+                                                                 monkeypatch):
+    import runtime
     import train
 
-    assert train.main(tiny_args(tmp_path, "--data-on-device", "auto")) == 0
-    assert "data path: per-sample DataLoader" in capsys.readouterr().out
+    assert train.main(tiny_args(tmp_path / "a", "--data-on-device", "auto")) == 0
+    assert "data path: in memory (cpu)" in capsys.readouterr().out
+    monkeypatch.setattr(runtime, "available_memory", lambda: 1000)  # it would not fit
+    assert train.main(tiny_args(tmp_path / "b", "--data-on-device", "auto")) == 0
+    out = capsys.readouterr().out
+    assert "data path: per-sample DataLoader" in out and "of memory available" in out
 
 
 def test_on_with_an_augmentation_the_device_cannot_do_is_one_error_line(tmp_path, capsys):

@@ -19,12 +19,14 @@ import checkpoint
 import networks
 import train
 
-# simple_cnn (BatchNorm) with augmentation: 96 samples, 6 steps an epoch, 2 epochs.
+# simple_cnn (BatchNorm) with augmentation: 96 samples, 6 steps an epoch, 2 epochs; the
+# per-sample DataLoader (with workers, or not), which the device path's own tests mirror.
 CNN = dict(network="simple_cnn", size=96, image=16, batch=16, epochs=2)
 
 
 def cnn_args(run_dir, *extra, workers=0, epochs=2):
-    args = tiny_args(run_dir, *extra, **{**CNN, "epochs": epochs})
+    args = tiny_args(run_dir, "--data-on-device", "off", *extra,
+                     **{**CNN, "epochs": epochs})
     args[args.index("--num-workers") + 1] = str(workers)
     return args
 

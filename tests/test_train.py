@@ -272,7 +272,8 @@ def test_imagefolder_end_to_end(tmp_path):
     code = train.main(["--dataset", "imagefolder", "--data-dir", str(tmp_path / "images"),
                        "--image-size", "16", "--network", "simple_cnn", "--epochs", "3",
                        "--batch-size", "6", "--optimizer", "adam", "--lr", "1e-2",
-                       "--num-workers", "2", "--run-dir", str(run_dir), "--device", "cpu"])
+                       "--num-workers", "2", "--data-on-device", "off", "--run-dir",
+                       str(run_dir), "--device", "cpu"])
     assert code == 0
     records = read_metrics(run_dir)
     assert len(records) == 3 and records[-1]["val_acc"] > 0.6  # chance is 1/3

@@ -1,0 +1,268 @@
+"""The geometry of photos, in one place: what training, evaluation, the device path, test.py
+and export do with an image folder at ``--image-size 64`` and above, and what a
+pretrained torchvision network expects (as torchvision's reference presets).
+
+Each photo is decoded once (at reduced size where it is a JPEG much larger than needed:
+PIL's draft mode) into the decoded cache with its short side at ``stored_side``:
+``image_size / --crop-pct`` (256 for 224), aspect kept (``ShortSide``). From there:
+
+* training: a random-resized crop (its area a fraction in ``[--crop-min-scale, 1]`` of
+  the stored image's, its aspect ratio log-uniform in [3/4, 4/3], ten tries then the
+  centre, as ``v2.RandomResizedCrop``) resized to ``image_size``, then a flip;
+* evaluation: the centre ``image_size`` crop of the stored image (torchvision's
+  ``Resize(256)`` + ``CenterCrop(224)``).
+
+The crop's draws come from a hash of (seed, epoch, index) (``data.sample_hash``), like the
+small images' crop and flip, and the boxes are computed with the same float64 tensor
+arithmetic (+, *, /, sqrt, round: exact in IEEE) on every path: the DataLoader workers,
+the device path, any worker count, after a resume, give the same crops. Below 64 px an
+image folder keeps the small-image geometry (resize to a square, pad-and-crop).
+"""
+
+import math
+import os
+
+import torch
+import torch.hub
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as TF
+
+import data
+
+PHOTO_SIDE = data.PHOTO_SIDE  # image folders at this --image-size and above
+RATIO = (3 / 4, 4 / 3)  # the random-resized crop's aspect ratios, as torchvision's
+ATTEMPTS = 10          # tries at a crop that fits, as torchvision's; then the centre
+STREAM = 100           # attempt a's draws: streams STREAM + 4a (area) ... + 3 (left)
+_RATIOS = 4096         # the aspect ratio is one of these many log-uniform values
+
+
+def is_photo(config):
+    """Whether a run's image folder takes the photo geometry (64 px and above)."""
+    return config["dataset"] == "imagefolder" and config["image_size"] >= PHOTO_SIDE
+
+
+def stored_side(image_size, crop_pct):
+    """The short side a photo is kept at: ``floor(image_size / crop_pct)`` (as timm)."""
+    return max(image_size, math.floor(image_size / crop_pct + 1e-6))
+
+
+_LOG_RATIOS = None
+
+
+def _ratio_table():
+    """The log-uniform aspect ratios (float64), computed once in Python: the same values
+    on every device, with no exp or log (whose last bit varies between libraries)."""
+    global _LOG_RATIOS
+    if _LOG_RATIOS is None:
+        low, high = math.log(RATIO[0]), math.log(RATIO[1])
+        _LOG_RATIOS = torch.tensor([math.exp(low + (k + 0.5) / _RATIOS * (high - low))
+                                    for k in range(_RATIOS)], dtype=torch.float64)
+    return _LOG_RATIOS
+
+
+def crop_boxes(seed, epoch, index, heights, widths, min_scale):
+    """The random-resized crop of samples: ``(top, left, height, width)``, int64 tensors.
+
+    Args:
+        seed, epoch: the run's seed and the epoch.
+        index: int64 tensor of sample indices.
+        heights, widths: int64 tensors, the stored images' sizes.
+        min_scale: the smallest area fraction (``--crop-min-scale``).
+    """
+    index = torch.as_tensor(index, dtype=torch.long).reshape(-1)
+    H = torch.as_tensor(heights, dtype=torch.long).reshape(-1)
+    W = torch.as_tensor(widths, dtype=torch.long).reshape(-1)
+    area = (H * W).to(torch.float64)
+    ratios = _ratio_table()
+    top, left, h, w = (torch.full_like(index, -1) for _ in range(4))
+    for attempt in reversed(range(ATTEMPTS)):  # the first attempt that fits wins
+        draw = [data.sample_hash(seed, epoch, index, STREAM + 4 * attempt + k)
+                for k in range(4)]
+        scale = min_scale + (1.0 - min_scale) * (draw[0].to(torch.float64) / 2.0**32)
+        ratio = ratios[draw[1] % _RATIOS]
+        target = area * scale
+        cw = torch.round(torch.sqrt(target * ratio)).to(torch.long)
+        ch = torch.round(torch.sqrt(target / ratio)).to(torch.long)
+        fits = (cw > 0) & (cw <= W) & (ch > 0) & (ch <= H)
+        ct = draw[2] % (H - ch + 1).clamp(min=1)
+        cl = draw[3] % (W - cw + 1).clamp(min=1)
+        top, left = torch.where(fits, ct, top), torch.where(fits, cl, left)
+        h, w = torch.where(fits, ch, h), torch.where(fits, cw, w)
+    # None fits (a very long image): the centre, at the nearest ratio allowed.
+    Hf, Wf = H.to(torch.float64), W.to(torch.float64)
+    in_ratio = Wf / Hf
+    fw = torch.where(in_ratio > RATIO[1], torch.round(Hf * RATIO[1]).to(torch.long), W)
+    fh = torch.where(in_ratio < RATIO[0], torch.round(Wf / RATIO[0]).to(torch.long), H)
+    none = h < 0
+    h, w = torch.where(none, fh, h), torch.where(none, fw, w)
+    top = torch.where(none, (H - h) // 2, top)
+    left = torch.where(none, (W - w) // 2, left)
+    return top, left, h, w
+
+
+def resized_crop(image, top, left, height, width, size, interpolation):
+    """A (C, H, W) uint8 crop resized to ``size`` x ``size``, antialiased: what both paths
+    call on each image (the same kernel: the same bits on the CPU)."""
+    return TF.resized_crop(image, int(top), int(left), int(height), int(width),
+                           [size, size], interpolation=interpolation, antialias=True)
+
+
+def center_crop(image, size):
+    """The centre ``size`` x ``size`` crop of a (C, H, W) image (torchvision's offsets)."""
+    return TF.center_crop(image, [size, size])
+
+
+class RandomResizedCrop:
+    """The photo training crop of the sample being transformed (``data.current_sample``:
+    its draws are ``crop_boxes``'), on a (C, H, W) uint8 tensor."""
+
+    def __init__(self, size, min_scale, interpolation):
+        self.size, self.min_scale, self.interpolation = size, min_scale, interpolation
+
+    def __call__(self, image):
+        seed, epoch, index = data.current_sample()
+        h, w = image.shape[-2:]
+        box = crop_boxes(seed, epoch, torch.tensor([index]), torch.tensor([h]),
+                         torch.tensor([w]), self.min_scale)
+        out = resized_crop(image.as_subclass(torch.Tensor), *(int(b[0]) for b in box),
+                           self.size, self.interpolation)
+        return out
+
+    def __repr__(self):
+        return (f"RandomResizedCrop(size={self.size}, min_scale={self.min_scale}, "
+                f"interpolation={self.interpolation.value})")
+
+
+class CenterCrop:
+    """The photo evaluation crop (of the stored image: its short side resized already)."""
+
+    def __init__(self, size):
+        self.size = size
+
+    def __call__(self, image):
+        return center_crop(image.as_subclass(torch.Tensor), self.size)
+
+    def __repr__(self):
+        return f"CenterCrop(size={self.size})"
+
+
+class ShortSide:
+    """A decoded-cache decoder for photos: each image read at reduced size where it is a
+    JPEG much larger than needed (``data.load_image``'s ``short_side``), turned as its
+    EXIF orientation says, its short side resized to ``side``: a (3, h, w) uint8."""
+
+    shape = None  # many sizes
+
+    def __init__(self, side, interpolation):
+        self.side, self.interpolation = side, interpolation
+        self.name = f"short{side}-{interpolation.value}"
+
+    def describe(self):
+        return f"ShortSide(side={self.side}, interpolation={self.interpolation.value}, draft)"
+
+    def __call__(self, folder, index):
+        loader = _PhotoLoader(self.side, self.interpolation)
+        image, label = folder.read(index, loader)
+        return TF.pil_to_tensor(image), label
+
+
+class _PhotoLoader:
+    """``data.load_image`` with a short side (picklable, for decoding workers)."""
+
+    def __init__(self, side, interpolation):
+        self.side, self.interpolation = side, interpolation
+
+    def __call__(self, path):
+        return data.load_image(path, short_side=self.side, interpolation=self.interpolation)
+
+
+# ---------------------------------------------------------- pretrained torchvision weights
+
+def torchvision_weights(network, pretrained):
+    """The torchvision weights that ``--pretrained torchvision[:NAME]`` names for
+    ``--network torchvision/<name>``, or None when ``pretrained`` names no such thing.
+
+    Raises:
+        ops.UserError: another network, or a NAME the architecture has not.
+    """
+    from ops import UserError
+
+    if not (pretrained == "torchvision" or str(pretrained).startswith("torchvision:")):
+        return None
+    if not str(network).startswith("torchvision/"):
+        raise UserError(f"--pretrained {pretrained} takes torchvision's own weights: it "
+                        f"needs --network torchvision/<name>, not {network}")
+    import torchvision
+
+    name = network.split("/", 1)[1]
+    try:
+        enum = torchvision.models.get_model_weights(name)
+    except (ValueError, KeyError):
+        raise UserError(f"torchvision has no pretrained weights for {name}") from None
+    which = pretrained.split(":", 1)[1] if ":" in pretrained else "DEFAULT"
+    if which == "DEFAULT":
+        return enum.DEFAULT
+    try:
+        return enum[which]
+    except KeyError:
+        raise UserError(f"--pretrained {pretrained}: {name} has no weights {which!r}; it has "
+                        f"{', '.join(w.name for w in enum)} (or DEFAULT)") from None
+
+
+def fetch_weights(weights):
+    """torchvision's state_dict of ``weights``: read from TORCH_HOME's hub/checkpoints
+    where it is, else downloaded there once and hash-checked (torch.hub, as torchvision
+    does; a progress bar in a terminal).
+
+    Raises:
+        ops.UserError: offline (or any download failure) with no copy there: one line
+            naming the file expected; a copy there that does not load.
+    """
+    import sys
+    import urllib.error
+    import urllib.parse
+
+    from ops import UserError
+
+    filename = os.path.basename(urllib.parse.urlparse(weights.url).path)
+    path = os.path.join(torch.hub.get_dir(), "checkpoints", filename)
+    had_copy = os.path.exists(path)
+    try:
+        return weights.get_state_dict(progress=sys.stderr.isatty(), check_hash=True)
+    except (urllib.error.URLError, OSError, TimeoutError) as e:
+        reason = getattr(e, "reason", None) or e.strerror or e
+        raise UserError(f"--pretrained torchvision: cannot download {weights} from "
+                        f"{weights.url} ({reason}); offline? Put the file at {path} "
+                        f"(TORCH_HOME), or pass --pretrained PATH") from None
+    except Exception as e:  # a hash that does not match, a copy that does not load
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        where = f"the copy at {path} does not load" if had_copy else \
+            f"the download of {weights.url} failed its check"
+        raise UserError(f"--pretrained torchvision: {where} ({first[:200]}); delete it and "
+                        f"try again, or pass --pretrained PATH") from None
+
+
+def preset(config):
+    """What the photos of a run get: ``{"mean", "std", "interpolation", "crop", "resize"}``
+    from the pretrained torchvision weights' own transforms where ``--pretrained
+    torchvision`` is used, else ImageNet's statistics (data.STATS) and bilinear."""
+    weights = torchvision_weights(config["network"], config["pretrained"]) \
+        if config.get("pretrained") else None
+    if weights is None:
+        mean, std = data.STATS["imagefolder"]
+        return {"mean": tuple(mean), "std": tuple(std),
+                "interpolation": v2.InterpolationMode.BILINEAR, "crop": None, "resize": None}
+    t = weights.transforms()
+    return {"mean": tuple(t.mean), "std": tuple(t.std), "interpolation": t.interpolation,
+            "crop": t.crop_size[0], "resize": t.resize_size[0]}
+
+
+def transforms(config, policy=((), ())):
+    """The photo training and evaluation transforms of a run (of cached uint8 images)."""
+    p, size = preset(config), config["image_size"]
+    normalise = data.Normalise(p["mean"], p["std"])
+    train = [RandomResizedCrop(size, config["crop_min_scale"], p["interpolation"]),
+             data.SampleFlip(), *policy[0], normalise, *policy[1]]
+    if not config["augment"]:
+        train = [CenterCrop(size), normalise]
+    return v2.Compose(train), v2.Compose([CenterCrop(size), normalise])
