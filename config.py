@@ -380,7 +380,7 @@ def default_network(dataset, image_size=32, pretrained=None):
     and for photos (an image folder at 64 px and above) or ``--pretrained torchvision``
     torchvision's resnet18, whose ImageNet stem downsamples 4x at once (the CIFAR
     resnet18 would cost 15x its FLOPs at 224 px)."""
-    if str(pretrained).startswith("torchvision") and not os.path.exists(str(pretrained)):
+    if pretrained and presets.torchvision_weights("torchvision/resnet18", pretrained):
         return "torchvision/resnet18"
     if dataset == "synthetic":
         return "simple_cnn"
@@ -392,8 +392,6 @@ def default_network(dataset, image_size=32, pretrained=None):
 def apply_pretrained_preset(config, explicit):
     """``--pretrained torchvision``: the image size and crop fraction the weights were
     trained with, where the user set none (their own transforms' crop and resize)."""
-    if config["pretrained"] is None or os.path.exists(config["pretrained"]):
-        return config  # a file (a path that exists wins over the name)
     weights = presets.torchvision_weights(config["network"], config["pretrained"])
     if weights is None:
         return config

@@ -400,10 +400,11 @@ class SafeImageFolder(tv_datasets.ImageFolder):
             first image on, in the process that builds it).
     """
 
-    def __init__(self, root):
+    def __init__(self, root, check=True):
         super().__init__(root, loader=load_image)
         self.unreadable = torch.zeros(len(self.samples), dtype=torch.uint8).share_memory_()
-        self[0]  # finds a readable image now, or raises UserError
+        if check:  # (photos skip it: their decoded cache reads them all, or reuses)
+            self[0]  # finds a readable image now, or raises UserError
 
     def make_dataset(self, directory, class_to_idx, extensions=None, is_valid_file=None,
                      allow_empty=False):
@@ -577,8 +578,9 @@ def _imagefolder_splits(config, policy, log, stop):
         raise UserError(f"--dataset imagefolder needs {data_dir!r} to hold train/ and val/ "
                         f"(or test/) folders with one sub-folder per class")
     try:
-        train = SafeImageFolder(train_dir)
-        val = SafeImageFolder(val_dir)
+        photos = image_size >= PHOTO_SIDE
+        train = SafeImageFolder(train_dir, check=not photos)
+        val = SafeImageFolder(val_dir, check=not photos)
     except (FileNotFoundError, RuntimeError) as e:
         raise UserError(f"cannot read image folders in {data_dir!r}: {e}") from None
     if train.classes != val.classes:

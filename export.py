@@ -33,6 +33,7 @@ import torch
 
 import data
 import files
+import presets
 from ops import UserError
 from runtime import say, shown
 
@@ -47,7 +48,8 @@ QUANTIZE_KINDS = {"int8": "static int8 (QDQ, per-channel int8 weights, uint8 act
 CALIBRATION_SAMPLES = 256   # --calibration-samples default
 CALIBRATION_BATCH = 32      # images per calibration batch (MinMax: the batching changes nothing)
 METADATA_FILE = "metadata.json"  # the extra file of .pt2 and .ts that holds the metadata
-STORED_CONFIG = ("network", "dataset", "data_dir", "seed", "batch_size", "synthetic_size")
+STORED_CONFIG = ("network", "dataset", "data_dir", "seed", "batch_size", "synthetic_size",
+                 "crop_pct", "pretrained")  # (the last two: how photos are cropped)
 INPUT_NAME, OUTPUT_NAME = "images", "logits"
 
 
@@ -163,10 +165,26 @@ EXPORTERS = {".pt2": (_save_pt2, _load_pt2), ".ts": (_save_ts, _load_ts),
              ".onnx": (_save_onnx, load_onnx)}
 
 
-def normalisation(dataset):
-    """The ``normalize`` entry of a dataset's metadata: ``{"mean", "std"}``, or None."""
-    stats = data.STATS.get(dataset)
+def normalisation(config):
+    """The ``normalize`` entry of a run's metadata: ``{"mean", "std"}``, or None (photos:
+    the pretrained weights' own, presets.preset)."""
+    if presets.is_photo(config):
+        p = presets.preset(config)
+        return {"mean": list(p["mean"]), "std": list(p["std"])}
+    stats = data.STATS.get(config["dataset"])
     return None if stats is None else {"mean": list(stats[0]), "std": list(stats[1])}
+
+
+def preprocessing(config):
+    """How an image becomes the input, for whoever serves the file (``preprocess``)."""
+    size = config["image_size"]
+    if presets.is_photo(config):
+        p = presets.preset(config)
+        return (f"resize the short side to {presets.stored_side(size, config['crop_pct'])} "
+                f"({p['interpolation'].value}, aspect kept), then crop the centre "
+                f"{size}x{size}")
+    return f"resize to {size}x{size}" if config["dataset"] == "imagefolder" else \
+        "as the dataset's images are"
 
 
 def export_metadata(config, val_set, state, source):
@@ -182,13 +200,14 @@ def export_metadata(config, val_set, state, source):
         stored.pop("synthetic_size", None)
     stored.update(image_size=val_set.image_size, in_channels=val_set.in_channels,
                   num_classes=val_set.num_classes)
-    normalize = normalisation(config["dataset"])
+    normalize = normalisation(config)
     side, channels = val_set.image_size, val_set.in_channels
     scaling = ("pixels scaled to [0, 1], then (x - mean) / std per channel (see normalize)"
                if normalize else "as the dataset makes them (not normalised)")
     return {"training_config": json.dumps(stored), "classes": json.dumps(val_set.classes),
             "normalize": json.dumps(normalize),
             "input": f"{INPUT_NAME}: float32 (batch, {channels}, {side}, {side}), {scaling}",
+            "preprocess": preprocessing(config),
             "output": f"{OUTPUT_NAME}: float32 (batch, {val_set.num_classes}); the argmax "
                       f"indexes classes",
             "quantization": "none",
@@ -345,15 +364,15 @@ def stored_value(metadata, key, path, default=None):
                         f"({shown(metadata[key])})") from None
 
 
-def check_exported_data(path, metadata, val_set, dataset, shape):
+def check_exported_data(path, metadata, val_set, config, shape):
     """The data must be what the file at ``path`` was exported for: its input ``shape``,
-    its classes and its normalisation (``dataset``'s); a mismatch (a wrong --data-dir or
+    its classes and its normalisation (``config``'s); a mismatch (a wrong --data-dir or
     --dataset) is a UserError."""
     if "normalize" in metadata:
-        stored, now = stored_value(metadata, "normalize", path), normalisation(dataset)
+        stored, now = stored_value(metadata, "normalize", path), normalisation(config)
         if stored != now:
             raise UserError(f"--model {path!r} was exported for inputs {_normalised(stored)}; "
-                            f"--dataset {dataset} {_normalised(now, 'them ')}")
+                            f"--dataset {config['dataset']} {_normalised(now, 'them ')}")
     have = (val_set.in_channels, val_set.image_size, val_set.image_size)
     if shape is not None and tuple(shape) != have:
         raise UserError(f"--model {path!r} takes {_shape(shape)} images; the data gives "

@@ -180,14 +180,16 @@ class _PhotoLoader:
 
 def torchvision_weights(network, pretrained):
     """The torchvision weights that ``--pretrained torchvision[:NAME]`` names for
-    ``--network torchvision/<name>``, or None when ``pretrained`` names no such thing.
+    ``--network torchvision/<name>``, or None when ``pretrained`` names no such thing (a
+    file of that name that exists wins: it is a path).
 
     Raises:
         ops.UserError: another network, or a NAME the architecture has not.
     """
     from ops import UserError
 
-    if not (pretrained == "torchvision" or str(pretrained).startswith("torchvision:")):
+    if not (pretrained == "torchvision" or str(pretrained).startswith("torchvision:")) \
+            or os.path.exists(pretrained):
         return None
     if not str(network).startswith("torchvision/"):
         raise UserError(f"--pretrained {pretrained} takes torchvision's own weights: it "

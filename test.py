@@ -610,7 +610,7 @@ def evaluate_model_file(args):
     check_stored_config(config, path, need_batch_size=False)
     batch_size = args.batch_size or config["batch_size"]
     _, val_set = data.build_datasets(config)
-    export.check_exported_data(path, metadata, val_set, config["dataset"], shape)
+    export.check_exported_data(path, metadata, val_set, config, shape)
     result = evaluate_exported(run, val_set, batch_size, args.num_workers)
     report = make_report(path, result, val_set.classes, key="model")
     sample_shape = (val_set.in_channels, val_set.image_size, val_set.image_size)

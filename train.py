@@ -115,6 +115,11 @@ def train(argv, stop):
             config = merge_resumed_config(saved["config"], config, explicit)
         config = {**config, "run_dir": run_dir}
         check_config(config)
+        if "network" not in explicit and presets.is_photo(config) and saved is None:
+            runtime.main_print(f"network: {config['network']}, built for "
+                               f"{config['image_size']} px photos (an ImageNet stem); "
+                               f"--network to choose another, --pretrained torchvision to "
+                               f"start from ImageNet's weights")
         return fit(config, argv, resume_path, saved, directory, stop)
 
 
@@ -208,6 +213,12 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
     loop = build_loop(config, procs, train_set, sampler, prefetch)
     flops = ops.train_flops_per_sample(  # before the restore: it must not touch the RNG
         net, (train_set.in_channels, train_set.image_size, train_set.image_size), procs.device)
+    if presets.is_photo(config) and not config["network"].startswith("torchvision/"):
+        size = config["image_size"]
+        log(f"note: {config['network']} keeps the full resolution of its {size} px input: "
+            f"{flops / 3e9:.1f} GFLOPs a forward pass per sample; torchvision/resnet18, "
+            f"built for such images (a 4x stem), costs about {3.6 * (size / 224) ** 2:.1f}: "
+            f"pass --network torchvision/resnet18")
 
     identity = {"train": data.set_identity(train_set)}  # recorded: a resume sees other data
     state = engine.TrainState()
@@ -587,7 +598,7 @@ def load_pretrained(net, path, log, which="ema", network=None):
     average. A classifier head of another size (another number of classes) keeps its
     fresh initialisation and is listed; any other mismatch is a UserError listing the keys.
     """
-    tv_weights = None if os.path.exists(path) else presets.torchvision_weights(network, path)
+    tv_weights = presets.torchvision_weights(network, path)  # (a file of that name wins)
     if tv_weights is not None:
         state = presets.fetch_weights(tv_weights)
         path = f"torchvision's {tv_weights}"

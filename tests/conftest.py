@@ -46,7 +46,7 @@ _CLASS_COLOURS = {"cat": (200, 30, 30), "dog": (30, 200, 30), "emu": (30, 30, 20
 
 def write_image_folder(root, splits=("train", "val"), classes=("cat", "dog", "emu"),
                        per_class=6, val_per_class=None, size=(20, 24), formats=("png",),
-                       seed=0):
+                       seed=0, size_range=(6, 30)):
     """A small ImageFolder tree: ``root/<split>/<class>/<i>.<format>``, a colour per class
     plus noise (learnable).
 
@@ -54,8 +54,8 @@ def write_image_folder(root, splits=("train", "val"), classes=("cat", "dog", "em
         root: where the tree goes (a pathlib.Path; created).
         splits, classes: the split and class folders.
         per_class: images per class; ``val_per_class`` for splits other than train.
-        size: ``(height, width)`` of every image, or None for assorted sizes (6-29 px a
-            side), which makes resizing matter.
+        size: ``(height, width)`` of every image, or None for assorted sizes (each side
+            drawn from ``size_range``: 6-29 px by default), which makes resizing matter.
         formats: file suffixes taken in turn (``("jpg", "png")``: 0.jpg, 1.png, ...).
         seed: the noise and sizes.
 
@@ -70,7 +70,8 @@ def write_image_folder(root, splits=("train", "val"), classes=("cat", "dog", "em
             folder = root / split / name
             folder.mkdir(parents=True)
             for i in range(count):
-                h, w = size if size is not None else (int(v) for v in g.integers(6, 30, 2))
+                h, w = size if size is not None else (int(v) for v in
+                                                      g.integers(*size_range, 2))
                 noise = g.integers(0, 40, (h, w, 3), dtype=np.uint8)
                 pixels = np.array(colour, dtype=np.uint8) + noise
                 Image.fromarray(pixels).save(folder / f"{i}.{formats[i % len(formats)]}")
