@@ -324,8 +324,9 @@ def device_data_decision(config, train_set, val_set, device):
     ``off``: never. ``on``: always, or a UserError when it cannot (a transform or a set it
     cannot do; on CUDA, sets larger than the free memory). ``auto``: when both sets take
     at most ``DEVICE_SHARE`` (a quarter) of the free memory of the device (on the CPU:
-    of the memory available) and every transform is one the device path does; on the
-    CPU, not for photos, which the DataLoader's workers crop and resize in parallel.
+    of the memory available) and every transform is one the device path does (on the
+    CPU too: one process gathering whole batches from memory beats workers that send
+    each sample through a pipe, by 4x for photos here: bench/photos.py).
 
     Args:
         config: the resolved config (``data_on_device``, ``dataset``, ``num_workers``,
@@ -362,9 +363,6 @@ def device_data_decision(config, train_set, val_set, device):
     if device.type != "cuda":
         if mode == "on":
             return True, f"data path: on {device}: {what} in memory; {how}"
-        if isinstance(train_set.base, data.CachedImages):
-            return False, f"{loader} (--data-on-device auto: photos are cropped and resized " \
-                          f"one by one, which the workers do in parallel on the CPU)"
         free = runtime.available_memory()
         share = need / max(free, 1)
         if share > DEVICE_SHARE:

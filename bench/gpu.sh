@@ -49,7 +49,7 @@ if [ "$device" = cuda ]; then
   check python bench/train_paths.py --device cuda --workers 8 --repeats 2
   check python bench/recipes.py --device cuda --repeats 3
   check python bench/export.py --networks simple_cnn,resnet18 --steps 12
-  if [ -f bench/photos.py ]; then check python bench/photos.py --device cuda; fi
+  check python bench/photos.py --device cuda --workers 8 --finetune-steps 20
 else
   check python bench/data.py --samples 256 --batch-size 64 --workers 0 --repeats 1
 fi

@@ -26,6 +26,8 @@ SMALLEST = {
     "overhead.py": (["--network", "mlp", "--image-size", "8", "--batch-size", "16", "--steps",
                      "4", "--chunk", "2", "--repeats", "1", "--warmup", "1", "--prefetch",
                      "0,2"], "engine --prefetch 2"),
+    "photos.py": (["--images", "2", "--sizes", "1mp", "--image-size", "64", "--workers", "0",
+                   "--finetune-steps", "2"], "targets, per core: first pass"),
     "precision.py": (["--device", "cpu", "--network", "mlp", "--batch-size", "4",
                       "--image-size", "8", "--steps", "2", "--warmup", "1", "--repeats", "1",
                       "--compile", "off", "--amp", "fp32,bf16"], "bf16"),
@@ -37,7 +39,7 @@ SMALLEST = {
     "train_paths.py": (["--images", "40", "--batch-size", "16", "--workers", "0", "--repeats",
                         "1"], "device path / per-sample path:"),
 }
-WRITES_INTO = {"checkpoint.py": "--dir", "export.py": "--dir"}  # default: the repository
+WRITES_INTO = {"checkpoint.py": "--dir", "export.py": "--dir", "photos.py": "--dir"}
 
 
 def test_every_bench_script_has_a_smallest_run():
