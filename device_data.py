@@ -326,7 +326,7 @@ def device_data_decision(config, train_set, val_set, device):
     at most ``DEVICE_SHARE`` (a quarter) of the free memory of the device (on the CPU:
     of the memory available) and every transform is one the device path does (on the
     CPU too: one process gathering whole batches from memory beats workers that send
-    each sample through a pipe, by 4x for photos here: bench/photos.py).
+    each sample through a pipe: bench/data.py; photos come out even, bench/photos.py).
 
     Args:
         config: the resolved config (``data_on_device``, ``dataset``, ``num_workers``,

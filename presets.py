@@ -100,6 +100,33 @@ def crop_boxes(seed, epoch, index, heights, widths, min_scale):
     return top, left, h, w
 
 
+def crop_box(seed, epoch, index, height, width, min_scale):
+    """``crop_boxes`` of one sample, in Python numbers: the same float64 operations (IEEE
+    +, *, /, sqrt and round to even give the same bits as the tensor ones), without the
+    cost of a hundred one-element tensor operations per sample."""
+    global _RATIO_LIST
+    if _RATIO_LIST is None:
+        _RATIO_LIST = _ratio_table().tolist()
+    ratios, area = _RATIO_LIST, float(height * width)
+    for attempt in range(ATTEMPTS):
+        draw = [data.sample_hash(seed, epoch, index, STREAM + 4 * attempt + k)
+                for k in range(4)]
+        scale = min_scale + (1.0 - min_scale) * (draw[0] / 2.0**32)
+        ratio = ratios[draw[1] % _RATIOS]
+        target = area * scale
+        cw, ch = round(math.sqrt(target * ratio)), round(math.sqrt(target / ratio))
+        if 0 < cw <= width and 0 < ch <= height:
+            return (draw[2] % max(height - ch + 1, 1), draw[3] % max(width - cw + 1, 1),
+                    ch, cw)
+    in_ratio = width / height
+    w = round(height * RATIO[1]) if in_ratio > RATIO[1] else width
+    h = round(width / RATIO[0]) if in_ratio < RATIO[0] else height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+_RATIO_LIST = None
+
+
 def resized_crop(image, top, left, height, width, size, interpolation):
     """A (C, H, W) uint8 crop resized to ``size`` x ``size``, antialiased: what both paths
     call on each image (the same kernel: the same bits on the CPU)."""
@@ -122,11 +149,9 @@ class RandomResizedCrop:
     def __call__(self, image):
         seed, epoch, index = data.current_sample()
         h, w = image.shape[-2:]
-        box = crop_boxes(seed, epoch, torch.tensor([index]), torch.tensor([h]),
-                         torch.tensor([w]), self.min_scale)
-        out = resized_crop(image.as_subclass(torch.Tensor), *(int(b[0]) for b in box),
-                           self.size, self.interpolation)
-        return out
+        box = crop_box(seed, epoch, index, int(h), int(w), self.min_scale)
+        return resized_crop(image.as_subclass(torch.Tensor), *box, self.size,
+                            self.interpolation)
 
     def __repr__(self):
         return (f"RandomResizedCrop(size={self.size}, min_scale={self.min_scale}, "

@@ -9,7 +9,8 @@ camera's, several megabytes at 12 MP), then, per resolution, in images/s:
 
 * plain: a naive loop, one process: PIL decodes the whole JPEG, converts to RGB and
   resizes the short side to 256 (what ``v2.Resize(256)`` of torchvision's reference
-  preset does on a PIL image, every epoch);
+  preset does on a PIL image, every epoch); it and the cache builds below take --repeats
+  turns, side by side, and their medians are printed;
 * first epoch: the decoded cache built from it (JPEG draft mode: decoded at 1/2, 1/4 or
   1/8 size when that is still large enough; EXIF orientation; short side 256), with 0 and
   then --workers DataLoader workers (0 workers: one core);
@@ -60,6 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=32, help="batches of the data paths")
     p.add_argument("--finetune-steps", type=int, default=6, help="train.py steps of "
                    "torchvision/resnet18 (0: skip)")
+    p.add_argument("--repeats", type=int, default=3, help="turns of the plain loop and the "
+                   "cache build (medians)")
     p.add_argument("--device", default="cpu", help="cpu or cuda: the device path's device")
     p.add_argument("--dir", default=None, help="where to write; default: a temporary "
                    "directory")
@@ -175,12 +178,18 @@ def main(argv=None):
         root = make_photos(os.path.join(work.name, key), args.images, SIZES[key])
         folder = data.SafeImageFolder(os.path.join(root, "train"), check=False)
         n = len(folder.samples)
-        plain = plain_pass(folder, side)
-        rows = [("plain PIL decode + resize, 1 process", plain)]
         cache_dir = os.path.join(root, ".cache")
-        for w in sorted({0, args.workers}):
-            rows.append((f"first epoch (cache build), {w} workers",
-                         first_pass(folder, side, cache_dir, w)))
+        workers = sorted({0, args.workers})
+        runs = {"plain": [], **{w: [] for w in workers}}
+        plain_pass(folder, side)  # warm-up (file cache, the allocator's large blocks)
+        for _ in range(args.repeats):  # side by side, in turns: the machine's load hits all
+            runs["plain"].append(plain_pass(folder, side))
+            for w in workers:
+                runs[w].append(first_pass(folder, side, cache_dir, w))
+        plain = statistics.median(runs["plain"])
+        rows = [("plain PIL decode + resize, 1 process", plain)]
+        for w in workers:
+            rows.append((f"first epoch (cache build), {w} workers", statistics.median(runs[w])))
         cfg = with_defaults({"dataset": "imagefolder", "data_dir": root, "image_size":
                              args.image_size, "num_workers": args.workers, "seed": 0})
         with contextlib.redirect_stderr(io.StringIO()):

@@ -27,7 +27,7 @@ SMALLEST = {
                      "4", "--chunk", "2", "--repeats", "1", "--warmup", "1", "--prefetch",
                      "0,2"], "engine --prefetch 2"),
     "photos.py": (["--images", "2", "--sizes", "1mp", "--image-size", "64", "--workers", "0",
-                   "--finetune-steps", "2"], "targets, per core: first pass"),
+                   "--finetune-steps", "2", "--repeats", "1"], "targets, per core: first pass"),
     "precision.py": (["--device", "cpu", "--network", "mlp", "--batch-size", "4",
                       "--image-size", "8", "--steps", "2", "--warmup", "1", "--repeats", "1",
                       "--compile", "off", "--amp", "fp32,bf16"], "bf16"),

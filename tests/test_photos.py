@@ -53,10 +53,14 @@ def test_crop_boxes_follow_torchvisions_rules_and_the_hash():
     assert abs(ratio.log().mean() - their_ratio.log().mean()) < 0.02
     again = presets.crop_boxes(5, 1, index, heights, widths, 0.08)
     assert all(torch.equal(a, b) for a, b in zip(again, (top, left, h, w)))
-    for i in (0, 7, 1999):  # one sample alone: the same box (what the per-sample path asks)
-        one = presets.crop_boxes(5, 1, torch.tensor([i]), torch.tensor([300]),
-                                 torch.tensor([200]), 0.08)
-        assert tuple(int(b) for b in one) == (int(top[i]), int(left[i]), int(h[i]), int(w[i]))
+    for i in range(2000):  # one sample in Python numbers (the per-sample path): the same
+        one = presets.crop_box(5, 1, i, 300, 200, 0.08)
+        assert one == (int(top[i]), int(left[i]), int(h[i]), int(w[i]))
+    many = torch.randint(8, 3000, (2, 500), generator=torch.Generator().manual_seed(1))
+    boxes = presets.crop_boxes(9, 4, torch.arange(500), many[0], many[1], 0.3)
+    for i in range(500):  # any sizes (the long and thin fall back to the centre)
+        assert presets.crop_box(9, 4, i, int(many[0, i]), int(many[1, i]), 0.3) == \
+            tuple(int(b[i]) for b in boxes)
     other = presets.crop_boxes(5, 2, index, heights, widths, 0.08)  # another epoch
     assert (other[0] != top).float().mean() > 0.9
 
