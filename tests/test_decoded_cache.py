@@ -12,6 +12,7 @@ import time
 import pytest
 from conftest import ROOT, tiny_args, write_image_folder
 from PIL import Image
+from test_device_data import KILLED_BUILD as SLOW_BUILD
 from test_device_data import check_against_per_sample, make_config
 
 import decoded_cache
@@ -67,20 +68,6 @@ def test_a_run_on_a_full_disk_trains_from_memory_with_one_warning(tmp_path, moun
 
 # ------------------------------------------------------------------ a killed build
 
-SLOW_BUILD = """
-import sys, time
-sys.path.insert(0, {root!r})
-import data
-import decoded_cache
-import device_data
-original = decoded_cache._Decoding.__getitem__
-def slow(self, index):
-    time.sleep(0.2)
-    return original(self, index)
-decoded_cache._Decoding.__getitem__ = slow
-train_set, _ = data.build_datasets({cfg!r})
-device_data.source_tensors(train_set, {cache!r})
-"""
 
 
 def start_slow_build(cfg):
