@@ -36,6 +36,8 @@ from ops import RunFailed, UserError
 
 ROTATING = re.compile(r"^(epoch-\d{4,}|step-\d{8,})\.pt$")
 
+FORMAT_VERSION = 2       # of the training checkpoint dict; 1: files without "format"
+PROJECT_VERSION = "0.2.0"  # pyproject.toml's (a test keeps them equal)
 CHECKSUM_KEY = "checksum"
 CHECKSUM_ALGORITHM = "crc32-v1"  # the encoding of state_checksum; change the name with it
 
@@ -376,6 +378,34 @@ def load_checkpoint(path, map_location="cpu"):
     if not isinstance(state, dict):
         raise CheckpointError(f"{path!r} holds a {type(state).__name__}, not a checkpoint dict")
     _verify_checksum(state, path)
+    return upgrade(state, path)
+
+
+def upgrade(state, path):
+    """A loaded checkpoint in today's format: the one place older formats are upgraded.
+
+    A training checkpoint records ``format`` (``FORMAT_VERSION``) and ``version`` (the
+    project's). Format 1 (before versions were recorded: no ``format``) has every key of
+    format 2 but those two. A newer format is refused: this code cannot know its keys.
+    Plain state_dicts (``--pretrained`` files) are returned as they are.
+
+    Raises:
+        CheckpointError: a format newer than ``FORMAT_VERSION``, in one line naming both.
+    """
+    if "progress" not in state and "format" not in state:
+        return state  # not a training checkpoint
+    found = state.get("format", 1)
+    if not isinstance(found, int) or isinstance(found, bool) or found < 1:
+        raise CheckpointError(f"checkpoint {path!r} has a malformed format entry "
+                              f"{str(found)[:40]!r}")
+    if found > FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path!r} is of format {found} (written by version "
+            f"{state.get('version', '?')} of this project); this is version "
+            f"{PROJECT_VERSION}, which reads formats up to {FORMAT_VERSION}: update the "
+            f"project to continue or evaluate it")
+    if found == 1:  # format 1 -> 2: only the two version entries were added
+        state = {**state, "format": 2, "version": state.get("version", "before 0.2.0")}
     return state
 
 
@@ -557,6 +587,9 @@ def training_state(net, optimizer, scaler, progress, rngs, config, ema=None, dat
         A dict of tensors and plain values (``weights_only``-loadable once saved).
     """
     state = {
+        "format": FORMAT_VERSION,
+        "version": PROJECT_VERSION,
+        "threads": torch.get_num_threads(),  # CPU kernels reduce in an order of their own
         "model": unwrap_state_dict(net.state_dict()),
         "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict(),

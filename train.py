@@ -225,6 +225,7 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
     if saved is not None:  # weights, EMA, optimizer, scaler, position, RNG of the saved step
         restore(saved, resume_path, net, ema, optimizer, loop.scaler, state, config, procs)
         check_same_data(saved, resume_path, identity)
+        check_same_threads(saved, resume_path, procs.device)
         if unfrozen_at_resume(config, state):  # wrapped again: DDP must see them
             model = wrap_model(net, config, procs.device, procs.world_size)
     engine.set_lr(optimizer, loop.lr_factor(state.step))
@@ -692,6 +693,19 @@ def unfreeze_into(net, optimizer, config):
 
 
 # ---------------------------------------------------------------------- resume
+
+def check_same_threads(saved, path, device):
+    """On the CPU a kernel's reduction order follows the thread count: a run resumed with
+    another count than its checkpoint's ends about 1e-3 away from the run that never
+    stopped. Says so, with the setting that restores it (torchrun sets one a process)."""
+    before, now = saved.get("threads"), torch.get_num_threads()
+    if device.type != "cpu" or before is None or before == now:
+        return
+    runtime.main_print(f"warning: {path!r} was trained with {before} CPU thread(s) per "
+                       f"process, this run has {now}: its kernels add up in another order, "
+                       f"so it will not end bit for bit as the run that never stopped; "
+                       f"OMP_NUM_THREADS={before} restores it", file=sys.stderr)
+
 
 def check_same_data(saved, path, identity):
     """Says, in one line, when a run resumes onto another training set than the one its

@@ -467,3 +467,79 @@ def test_rotate_goes_by_mtime_first_and_never_deletes_the_newest(tmp_path):
     assert checkpoint.rotate(str(tmp_path), 0) == [str(tmp_path / "step-00000050.pt")]
     assert checkpoint.rotate(str(tmp_path), 1) == []
     assert (tmp_path / "step-00000005.pt").exists() and (tmp_path / "epoch-0009.pt").is_dir()
+
+
+# ------------------------------------------------------------- 8. format versions
+
+FORMAT_1 = os.path.join(os.path.dirname(__file__), "data", "checkpoint-format-1.pt")
+
+
+def test_the_project_version_is_pyprojects():
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml")) as f:
+        assert f'version = "{checkpoint.PROJECT_VERSION}"' in f.read()
+
+
+def test_a_checkpoint_records_its_format_and_version(tmp_path):
+    from conftest import final_state, tiny_args
+
+    import train
+
+    assert train.main(tiny_args(tmp_path, size=32, image=4, batch=16)) == 0
+    state = final_state(tmp_path)
+    assert state["format"] == checkpoint.FORMAT_VERSION == 2
+    assert state["version"] == checkpoint.PROJECT_VERSION and state["threads"] >= 1
+
+
+def test_a_checkpoint_of_format_1_still_loads_and_resumes(tmp_path, capsys):
+    # Written by the code of 2026-12-01 before formats were recorded; kept from now on.
+    from conftest import final_state, load_test_py, tiny_args
+
+    import train
+
+    state = checkpoint.load_checkpoint(FORMAT_1)
+    assert "format" not in torch.load(FORMAT_1, weights_only=True)
+    assert state["format"] == 2 and state["version"] == "before 0.2.0"
+    assert load_test_py().main(["--checkpoint", FORMAT_1, "--device", "cpu",
+                                "--num-workers", "0"]) == 0
+    args = tiny_args(tmp_path, "--resume", FORMAT_1, "--no-augment", size=32, image=4,
+                     batch=16, epochs=2)
+    assert train.main(args) == 0
+    assert final_state(tmp_path)["epoch"] == 2 and final_state(tmp_path)["format"] == 2
+
+
+def test_a_checkpoint_of_a_newer_format_is_refused_in_one_line(tmp_path, capsys):
+    from conftest import tiny_args
+
+    import train
+
+    state = torch.load(FORMAT_1, weights_only=True)
+    state.pop("checksum")
+    state.update(format=checkpoint.FORMAT_VERSION + 1, version="9.9.9")
+    newer = tmp_path / "newer.pt"
+    checkpoint.save_checkpoint(state, newer)
+    with pytest.raises(checkpoint.CheckpointError, match=r"is of format 3 \(written by "
+                       r"version 9\.9\.9 of this project\); this is version 0\.2\.0, which "
+                       r"reads formats up to 2"):
+        checkpoint.load_checkpoint(newer)
+    assert train.main(tiny_args(tmp_path / "run", "--resume", str(newer))) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "format 3" in err[0] and "version 0.2.0" in err[0]
+
+
+def test_a_resume_with_another_thread_count_says_how_to_restore_it(tmp_path, capsys):
+    from conftest import tiny_args
+
+    import train
+
+    assert train.main(tiny_args(tmp_path, size=32, image=4, batch=16)) == 0
+    threads = torch.get_num_threads()
+    capsys.readouterr()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert train.main(tiny_args(tmp_path, "--resume", "auto", size=32, image=4,
+                                    batch=16, epochs=2)) == 0
+    finally:
+        torch.set_num_threads(threads)
+    err = capsys.readouterr().err
+    assert f"was trained with {threads} CPU thread(s) per process, this run has " \
+           f"{threads + 1}" in err and f"OMP_NUM_THREADS={threads} restores it" in err
