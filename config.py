@@ -185,6 +185,11 @@ def _run_flags(g):
     g.add_argument("--resume", default=None, metavar="PATH|auto", help="continue from a "
                    "checkpoint; auto = the newest valid one in --run-dir, or a fresh start "
                    "if there is none (default: a fresh run)")
+    g.add_argument("--requeue-signal", default="USR1",
+                   choices=["USR1", "USR2", "TERM", "INT", "HUP"],
+                   help="the signal that, like SIGTERM, saves at the next step and exits, and "
+                   "under SLURM then requeues the job (scontrol requeue): sbatch's "
+                   "--signal=USR1@90 warns before a time limit")
     g.add_argument("--ckpt-every-steps", type=int, default=0, help="also checkpoint every "
                    "N optimizer steps (0 = at epoch ends only)")
     g.add_argument("--keep-last", type=int, default=2, help="rotating checkpoints "

@@ -8,8 +8,10 @@ at a step boundary (SIGINT, SIGTERM, SIGHUP).
 import os
 import random
 import re
+import shutil
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -325,7 +327,9 @@ def native_bf16(capability):
     return tuple(capability) >= (8, 0)
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, scheduler, SSH gone
+# Ctrl-C, schedulers, a dropped SSH session, SLURM's warning before a time limit
+# (--signal=USR1@90) or another signal chosen for it (--requeue-signal).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class StopRequest:
@@ -354,12 +358,12 @@ class StopRequest:
         a CPU tensor over ``procs.host_group``, so no GPU is waited for (under NCCL a CUDA
         tensor's value would have to be read back, a device sync each step)."""
         wanted = self.signum is not None
-        if procs.world_size > 1:
-            flag = torch.tensor([int(wanted)])
+        if procs.world_size > 1:  # the signal's number too: every process exits alike
+            flag = torch.tensor([int(self.signum or 0)])
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=procs.host_group)
             wanted = bool(flag[0])
-            if wanted and self.signum is None:
-                self.signum = signal.SIGTERM
+            if wanted:
+                self.signum = int(flag[0])
         return wanted
 
     def pending(self):
@@ -373,6 +377,31 @@ class StopRequest:
     def restore(self):
         for signum, handler in self._old.items():
             signal.signal(signum, handler)
+
+
+def slurm_requeue():
+    """Under SLURM (``SLURM_JOB_ID`` set), ``scontrol requeue`` of this job (of an array's
+    task: ``<SLURM_ARRAY_JOB_ID>_<SLURM_ARRAY_TASK_ID>``), once; the line to print, or
+    None outside SLURM. Where scontrol is missing (a container) or fails, the line says
+    how to requeue from outside."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return None
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    name = f"{array}_{task}" if array and task else job
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        return (f"SLURM job {name}: scontrol is not on this machine's PATH (in a container?): "
+                f"requeue it from outside with: scontrol requeue {name}")
+    try:
+        result = subprocess.run([scontrol, "requeue", name], capture_output=True, text=True,
+                                timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"SLURM job {name}: scontrol requeue failed ({e}); run: scontrol requeue {name}"
+    if result.returncode != 0:
+        why = (result.stderr.strip().splitlines() or [f"exit {result.returncode}"])[0]
+        return f"SLURM job {name}: scontrol requeue failed ({why}); run: scontrol requeue {name}"
+    return f"SLURM job {name}: requeued (scontrol requeue {name}); it continues with --resume auto"
 
 
 def ignore_stop_signals(worker_id=None):

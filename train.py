@@ -177,6 +177,10 @@ def fit(config, argv, resume_path, saved, directory, stop):
             "torchrun <same options> train.py"
         log(f"{signal.Signals(stop.signum).name}: saved {training.saver.last_saved}. Resume "
             f"with:\n  {launcher} --resume auto --run-dir {shlex.quote(directory.path)}")
+        if procs.is_main and stop.signum == signal.Signals[f"SIG{config['requeue_signal']}"]:
+            requeued = runtime.slurm_requeue()  # under SLURM: the job goes back in its queue
+            if requeued:
+                log(requeued)
         return stop.exit_code
     training.run_log.close(config, final, training.state.step)
     log(f"done: {directory.path}")

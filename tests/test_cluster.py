@@ -1,0 +1,110 @@
+"""Runs that live on clusters (issue 21): SLURM's warning signal saves, requeues the job
+and the requeued job continues exactly."""
+
+import os
+import signal
+
+import pytest
+from conftest import assert_states_equal, final_state, tiny_args
+from test_resume import stop_at_step
+
+import train
+
+
+@pytest.fixture
+def scontrol(tmp_path, monkeypatch):
+    """A stand-in scontrol on PATH that writes down its arguments."""
+    shim, log = tmp_path / "bin", tmp_path / "scontrol.log"
+    shim.mkdir()
+    (shim / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {log}\n')
+    (shim / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim}{os.pathsep}{os.environ['PATH']}")
+    return log
+
+
+ARGS = dict(network="simple_cnn", size=96, image=16, batch=16, epochs=2)
+
+
+@pytest.mark.parametrize("env, job", [({"SLURM_JOB_ID": "123"}, "123"),
+                                      ({"SLURM_JOB_ID": "130", "SLURM_ARRAY_JOB_ID": "77",
+                                        "SLURM_ARRAY_TASK_ID": "3"}, "77_3")])
+def test_sigusr1_under_slurm_saves_requeues_and_the_requeued_job_continues(
+        tmp_path, monkeypatch, capsys, scontrol, env, job):
+    assert train.main(tiny_args(tmp_path / "whole", **ARGS)) == 0
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    run = tmp_path / "run"
+    with stop_at_step(3, signal.SIGUSR1):  # SLURM's --signal=USR1@90
+        assert train.main(tiny_args(run, **ARGS)) == 128 + signal.SIGUSR1
+    out = capsys.readouterr().out
+    assert "SIGUSR1: saved" in out
+    assert f"SLURM job {job}: requeued (scontrol requeue {job})" in out
+    assert scontrol.read_text().splitlines() == [f"requeue {job}"]  # once
+    assert train.main(tiny_args(run, "--resume", "auto", **ARGS)) == 0  # the requeued job
+    assert_states_equal(final_state(run)["model"], final_state(tmp_path / "whole")["model"])
+
+
+def test_sigusr1_without_slurm_saves_and_exits_like_sigterm(tmp_path, monkeypatch, capsys,
+                                                            scontrol):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    with stop_at_step(2, signal.SIGUSR1):
+        assert train.main(tiny_args(tmp_path, **ARGS)) == 138
+    assert "SIGUSR1: saved" in capsys.readouterr().out and not scontrol.exists()
+    assert final_state(tmp_path)["step"] == 2
+
+
+def test_without_scontrol_the_line_says_to_requeue_from_outside(tmp_path, monkeypatch,
+                                                               capsys):
+    monkeypatch.setenv("SLURM_JOB_ID", "55")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol (a container)
+    with stop_at_step(2, signal.SIGUSR1):
+        assert train.main(tiny_args(tmp_path / "run", **ARGS)) == 138
+    assert "scontrol is not on this machine's PATH (in a container?): requeue it from " \
+           "outside with: scontrol requeue 55" in capsys.readouterr().out
+
+
+def test_requeue_signal_picks_another_signal(tmp_path, monkeypatch, capsys, scontrol):
+    monkeypatch.setenv("SLURM_JOB_ID", "9")
+    with stop_at_step(2, signal.SIGTERM):
+        assert train.main(tiny_args(tmp_path / "a", "--requeue-signal", "TERM", **ARGS)) == 143
+    assert scontrol.read_text().splitlines() == ["requeue 9"]
+    with stop_at_step(2, signal.SIGTERM):  # by default SIGTERM does not requeue
+        assert train.main(tiny_args(tmp_path / "b", **ARGS)) == 143
+    assert scontrol.read_text().splitlines() == ["requeue 9"]
+
+
+def test_under_torchrun_sigusr1_to_one_process_stops_all_and_requeues_once(tmp_path,
+                                                                          scontrol):
+    import glob
+    import time
+
+    from test_distributed import (
+        FLAGS,
+        TIMEOUT,
+        _kill,
+        assert_exit_codes,
+        ckpt,
+        finish,
+        start_torchrun,
+        worker_pids,
+    )
+
+    os.environ["SLURM_JOB_ID"] = "4242"  # the workers inherit it (and the stand-in's PATH)
+    try:
+        proc = start_torchrun(tiny_args(tmp_path / "run", *FLAGS, size=256, batch=16,
+                                        epochs=1000))
+    finally:
+        del os.environ["SLURM_JOB_ID"]
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not glob.glob(ckpt(tmp_path / "run", "epoch-*.pt")) and proc.poll() is None:
+            assert time.monotonic() < deadline, "no progress"
+            time.sleep(0.05)
+        os.kill(worker_pids(proc.pid)[1], signal.SIGUSR1)  # to process 1 only
+        rc, out = finish(proc)
+    finally:
+        if proc.poll() is None:
+            _kill(proc)
+    assert_exit_codes(out, 128 + signal.SIGUSR1)
+    assert out.count("SIGUSR1: saved") == 1 and "SLURM job 4242: requeued" in out
+    assert scontrol.read_text().splitlines() == ["requeue 4242"]
