@@ -108,3 +108,59 @@ def test_under_torchrun_sigusr1_to_one_process_stops_all_and_requeues_once(tmp_p
     assert_exit_codes(out, 128 + signal.SIGUSR1)
     assert out.count("SIGUSR1: saved") == 1 and "SLURM job 4242: requeued" in out
     assert scontrol.read_text().splitlines() == ["requeue 4242"]
+
+
+def doc_scripts():
+    """The bash blocks of docs/cluster.md, in order."""
+    from conftest import ROOT
+
+    text = open(os.path.join(ROOT, "docs", "cluster.md")).read()
+    return [block.split("\n", 1)[1] for block in text.split("```")[1::2]
+            if block.startswith("bash\n")]
+
+
+TINY_RECIPE = ("dataset: synthetic\nnetwork: mlp\nsynthetic_size: 64\nimage_size: 8\n"
+               "batch_size: 16\nepochs: 1\ndevice: cpu\nlog_every: 1\n")
+
+
+def run_doc_script(script, tmp_path, env):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    shim = tmp_path / "bin"
+    shim.mkdir(exist_ok=True)
+    (shim / "srun").write_text('#!/bin/sh\nexec "$@"\n')  # one task, here
+    (shim / "scontrol").write_text('#!/bin/sh\necho localhost\n')  # show hostnames
+    for tool in ("srun", "scontrol"):
+        (shim / tool).chmod(0o755)
+    (tmp_path / "recipe.yaml").write_text(TINY_RECIPE)
+    path = f"{shim}{os.pathsep}{os.path.dirname(sys.executable)}{os.pathsep}" \
+           f"{os.environ['PATH']}"
+    env = {**{k: v for k, v in os.environ.items()
+              if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}, "PATH": path,
+           "RECIPE": str(tmp_path / "recipe.yaml"), "RUN": str(tmp_path / "run"),
+           "OMP_NUM_THREADS": "1", **env}
+    return subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_the_one_node_sbatch_script_trains_and_resumes(tmp_path):
+    script = doc_scripts()[0]
+    env = {"SLURM_JOB_ID": "31", "SLURM_CPUS_PER_TASK": "0", "SLURM_JOB_NODELIST": "n1"}
+    out = run_doc_script(script, tmp_path, env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "no valid checkpoint" in out.stdout and final_state(tmp_path / "run")["epoch"] == 1
+    out = run_doc_script(script, tmp_path, {**env, "EXTRA": "--epochs 2"})  # requeued
+    assert out.returncode == 0 and "resuming from" in out.stdout
+    assert final_state(tmp_path / "run")["epoch"] == 2
+
+
+def test_the_several_nodes_sbatch_script_runs_torchrun_with_c10d(tmp_path):
+    script = doc_scripts()[1]
+    env = {"SLURM_JOB_ID": "32", "SLURM_NNODES": "1", "GPUS": "2",
+           "SLURM_JOB_NODELIST": "n1", "EXTRA": "--data-on-device off"}
+    out = run_doc_script(script, tmp_path, env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "2 process(es), cpu" in out.stdout and final_state(tmp_path / "run")["epoch"] == 1
