@@ -471,7 +471,7 @@ def test_rotate_goes_by_mtime_first_and_never_deletes_the_newest(tmp_path):
 
 # ------------------------------------------------------------- 8. format versions
 
-FORMAT_1 = os.path.join(os.path.dirname(__file__), "data", "checkpoint-format-1.pt")
+FORMAT_1 = os.path.join(os.path.dirname(__file__), "fixtures", "checkpoint-format-1.pt")
 
 
 def test_the_project_version_is_pyprojects():
