@@ -75,36 +75,15 @@ def test_requeue_signal_picks_another_signal(tmp_path, monkeypatch, capsys, scon
 
 def test_under_torchrun_sigusr1_to_one_process_stops_all_and_requeues_once(tmp_path,
                                                                           scontrol):
-    import glob
-    import time
+    from test_distributed import FLAGS, assert_exit_codes, signal_a_worker_once_an_epoch_is_saved
 
-    from test_distributed import (
-        FLAGS,
-        TIMEOUT,
-        _kill,
-        assert_exit_codes,
-        ckpt,
-        finish,
-        start_torchrun,
-        worker_pids,
-    )
-
+    run = tmp_path / "run"
     os.environ["SLURM_JOB_ID"] = "4242"  # the workers inherit it (and the stand-in's PATH)
     try:
-        proc = start_torchrun(tiny_args(tmp_path / "run", *FLAGS, size=256, batch=16,
-                                        epochs=1000))
+        rc, out, _ = signal_a_worker_once_an_epoch_is_saved(
+            run, tiny_args(run, *FLAGS, size=256, batch=16, epochs=1000), signal.SIGUSR1)
     finally:
         del os.environ["SLURM_JOB_ID"]
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while not glob.glob(ckpt(tmp_path / "run", "epoch-*.pt")) and proc.poll() is None:
-            assert time.monotonic() < deadline, "no progress"
-            time.sleep(0.05)
-        os.kill(worker_pids(proc.pid)[1], signal.SIGUSR1)  # to process 1 only
-        rc, out = finish(proc)
-    finally:
-        if proc.poll() is None:
-            _kill(proc)
     assert_exit_codes(out, 128 + signal.SIGUSR1)
     assert out.count("SIGUSR1: saved") == 1 and "SLURM job 4242: requeued" in out
     assert scontrol.read_text().splitlines() == ["requeue 4242"]

@@ -271,6 +271,27 @@ def test_gradual_unfreezing_under_ddp_trains_like_one_process(tmp_path, train_ma
     torch.testing.assert_close(final_state(stopped)["model"], final_state(single)["model"])
 
 
+def signal_a_worker_once_an_epoch_is_saved(run_dir, args, signum, script="train.py",
+                                           rank=1):
+    """Starts torchrun with ``args``, waits for its first epoch checkpoint, sends ``signum``
+    to worker ``rank`` only and returns ``(exit code, output, {rank: pid})``; kills it all
+    if it hangs."""
+    proc = start_torchrun(args, script=script)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not glob.glob(ckpt(run_dir, "epoch-*.pt")) and proc.poll() is None:
+            assert time.monotonic() < deadline, "no progress"
+            time.sleep(0.05)
+        workers = worker_pids(proc.pid)
+        assert sorted(workers) == [0, 1], proc.poll()
+        os.kill(workers[rank], signum)
+        rc, out = finish(proc)
+    finally:
+        if proc.poll() is None:
+            _kill(proc)
+    return rc, out, workers
+
+
 def write_launcher(path, patch):
     """A script that runs train.main() under torchrun after ``patch`` (Python source) ran:
     the child-process counterpart of monkeypatch."""
@@ -296,20 +317,9 @@ def test_sigterm_to_one_rank_stops_both_with_one_save(tmp_path, train_main):
     run_dir, log = tmp_path / "ddp", tmp_path / "saves.jsonl"
     launcher = write_launcher(tmp_path / "launch.py", RECORD_SAVES.format(log=str(log)))
     # 1000 epochs would take minutes: the signal comes once an epoch is saved.
-    proc = start_torchrun(tiny_args(run_dir, *FLAGS, size=256, batch=16, epochs=1000),
-                          script=launcher)
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while not glob.glob(ckpt(run_dir, "epoch-*.pt")) and proc.poll() is None:
-            assert time.monotonic() < deadline, "no progress"
-            time.sleep(0.05)
-        workers = worker_pids(proc.pid)
-        assert sorted(workers) == [0, 1], proc.poll()
-        os.kill(workers[1], signal.SIGTERM)
-        rc, out = finish(proc)
-    finally:
-        if proc.poll() is None:
-            _kill(proc)
+    rc, out, workers = signal_a_worker_once_an_epoch_is_saved(
+        run_dir, tiny_args(run_dir, *FLAGS, size=256, batch=16, epochs=1000), signal.SIGTERM,
+        script=launcher)
     assert rc != 0
     # Both leave through the save-and-exit path (143); torchrun, seeing one exit, sends
     # SIGTERM to the other, which may then end by it (-15) once its own exit has begun.
@@ -395,18 +405,8 @@ def test_when_process_0_dies_while_the_others_wait_they_end_with_one_line(tmp_pa
 
 def test_a_peer_that_dies_mid_run_is_one_error_line(tmp_path):
     run_dir = tmp_path / "run"
-    proc = start_torchrun(tiny_args(run_dir, *FLAGS, size=256, batch=16, epochs=1000))
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while not glob.glob(ckpt(run_dir, "epoch-*.pt")) and proc.poll() is None:
-            assert time.monotonic() < deadline, "no progress"
-            time.sleep(0.05)
-        workers = worker_pids(proc.pid)
-        os.kill(workers[1], signal.SIGKILL)
-        rc, out = finish(proc)
-    finally:
-        if proc.poll() is None:
-            _kill(proc)
+    rc, out, _ = signal_a_worker_once_an_epoch_is_saved(
+        run_dir, tiny_args(run_dir, *FLAGS, size=256, batch=16, epochs=1000), signal.SIGKILL)
     assert rc != 0
     assert "error: process 0 lost another process of the run (" in out, out[-3000:]
     assert "[rank0]: Traceback" not in out and "[rank0]:" not in out, out[-3000:]
