@@ -395,12 +395,15 @@ def evaluate(model, loader, loop, num_classes, tta=False):
 
     Returns:
         A dict with ``loss`` (mean cross-entropy), ``acc`` (0..1), ``count`` and
-        ``confusion`` (a num_classes x num_classes tensor, rows are true classes).
+        ``confusion`` (a num_classes x num_classes tensor, rows are true classes) and,
+        with more than ``TOP_K`` classes, ``acc5``: the share whose class is among the
+        ``TOP_K`` (5) largest logits.
     """
     model.eval()
     device = loop.device
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     confusion = torch.zeros(num_classes * num_classes, device=device, dtype=torch.long)
+    in_top = torch.zeros((), device=device, dtype=torch.long)  # counted on the device
     for x, y in loader:
         x = x.to(device, non_blocking=True, memory_format=loop.memory_format)
         y = y.to(device, non_blocking=True)
@@ -411,14 +414,24 @@ def evaluate(model, loader, loop, num_classes, tta=False):
         loss_sum += torch.nn.functional.cross_entropy(logits.float(), y, reduction="sum")
         pred = logits.argmax(dim=1)  # counted on the device (bincount reads back its size)
         confusion.index_add_(0, y * num_classes + pred, torch.ones_like(pred))
+        if num_classes > TOP_K:
+            top = logits.topk(TOP_K, dim=1).indices  # (N, 5)
+            in_top += (top == y[:, None]).any(dim=1).sum()
     if loop.world_size > 1:
         dist.all_reduce(loss_sum)
         dist.all_reduce(confusion)
+        dist.all_reduce(in_top)
     confusion = confusion.view(num_classes, num_classes).cpu()
     count = int(confusion.sum())
-    return {"loss": float(loss_sum) / max(count, 1),
-            "acc": float(confusion.diag().sum()) / max(count, 1),
-            "count": count, "confusion": confusion}
+    result = {"loss": float(loss_sum) / max(count, 1),
+              "acc": float(confusion.diag().sum()) / max(count, 1),
+              "count": count, "confusion": confusion}
+    if num_classes > TOP_K:
+        result["acc5"] = float(in_top) / max(count, 1)
+    return result
+
+
+TOP_K = 5  # evaluate's acc5 (where there are more classes than that)
 
 
 def per_class_accuracy(confusion):

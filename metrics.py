@@ -7,7 +7,8 @@ by metrics.jsonl key, which runlog.py writes. A tag or a key is spelled once, be
 TensorBoard scalars (``scalars`` dicts: tag -> value):
 
     train/loss, train/lr, train/scaler_skips (fp16)      every --log-every steps
-    val/loss, val/acc; val_ema/loss, val_ema/acc (EMA)   at each validation
+    val/loss, val/acc, val/acc5 (over 5 classes);       at each validation
+    val_ema/loss, val_ema/acc, val_ema/acc5 (EMA)
     perf/compute_efficiency, perf/samples_per_sec,       at each epoch's end
     perf/tflops, perf/mfu (known GPUs)
     hparam/<final figure>                                 when the run finishes
@@ -20,8 +21,9 @@ import engine
 # TensorBoard tags
 TRAIN_LOSS, TRAIN_LR, SCALER_SKIPS = "train/loss", "train/lr", "train/scaler_skips"
 FIRST_BATCH = "train/first_batch"  # the image grid of the first training batch
-VALIDATION_TAGS = {"val_loss": "val/loss", "val_acc": "val/acc",
-                   "val_loss_ema": "val_ema/loss", "val_acc_ema": "val_ema/acc"}
+VALIDATION_TAGS = {"val_loss": "val/loss", "val_acc": "val/acc", "val_acc5": "val/acc5",
+                   "val_loss_ema": "val_ema/loss", "val_acc_ema": "val_ema/acc",
+                   "val_acc5_ema": "val_ema/acc5"}
 PERF_TAGS = {"compute_efficiency": "perf/compute_efficiency",
              "samples_per_sec": "perf/samples_per_sec", "tflops": "perf/tflops",
              "mfu": "perf/mfu"}
@@ -41,11 +43,16 @@ def train_scalars(loss, lr, scaler_skips=None):
 
 
 def validation_figures(result, ema_result=None):
-    """The metrics.jsonl figures of a validation: ``val_loss``, ``val_acc`` and, with EMA,
-    ``val_loss_ema``, ``val_acc_ema`` (from ``engine.evaluate``'s dicts)."""
+    """The metrics.jsonl figures of a validation: ``val_loss``, ``val_acc``, ``val_acc5``
+    (more than 5 classes) and, with EMA, the same with ``_ema`` (from ``engine.evaluate``'s
+    dicts)."""
     figures = {"val_loss": result["loss"], "val_acc": result["acc"]}
+    if "acc5" in result:
+        figures["val_acc5"] = result["acc5"]
     if ema_result is not None:
         figures.update(val_loss_ema=ema_result["loss"], val_acc_ema=ema_result["acc"])
+        if "acc5" in ema_result:
+            figures["val_acc5_ema"] = ema_result["acc5"]
     return figures
 
 

@@ -379,7 +379,8 @@ def make_report(path, result, classes, key="checkpoint"):
     ``key`` names what was evaluated: ``checkpoint``, or ``model`` for an exported file.
     """
     per_class = engine.per_class_accuracy(result["confusion"])
-    return {key: path, "loss": result["loss"], "accuracy": result["acc"],
+    top5 = {"accuracy_top5": result["acc5"]} if "acc5" in result else {}
+    return {key: path, "loss": result["loss"], "accuracy": result["acc"], **top5,
             "per_class": {name: None if math.isnan(acc) else acc
                           for name, acc in zip(classes, per_class)},
             "confusion": result["confusion"].tolist(), "count": result["count"]}
@@ -399,9 +400,11 @@ def format_report(report, state, config, title=None):
     title = title or (f"checkpoint {report['checkpoint']} (epoch {state.get('epoch', '?')}, "
                       f"step {state.get('step', '?')}{extras}): {config['network']} on "
                       f"{config['dataset']}")
+    top5 = f"  top-5 accuracy {report['accuracy_top5']:.4f}" if "accuracy_top5" in report \
+        else ""
     lines = [title,
              f"loss {report['loss']:.4f}  accuracy {report['accuracy']:.4f} "
-             f"({correct}/{report['count']})", "per-class accuracy:"]
+             f"({correct}/{report['count']}){top5}", "per-class accuracy:"]
     width = max(len(n) for n in names)
     for i, name in enumerate(names):
         acc = report["per_class"][name]

@@ -561,3 +561,32 @@ def test_no_value_is_read_back_between_log_steps(tmp_path, monkeypatch, flags):
     assert train.main(args) == 0
     assert final_state(tmp_path)["step"] >= 10 and len(logs) == 2  # one log per epoch end
     assert counter.calls == []
+
+
+def test_top5_accuracy_is_logged_where_there_are_more_than_five_classes(tmp_path):
+    run = tmp_path / "ten"
+    assert train.main(tiny_args(run, "--ema-decay", "0.9", "--no-augment", epochs=2)) == 0
+    records = read_metrics(run)
+    assert all(r["val_acc5"] >= r["val_acc"] and 0 <= r["val_acc5"] <= 1 for r in records)
+    assert all(r["val_acc5_ema"] >= r["val_acc_ema"] for r in records)
+    logged = scalars(run)
+    assert [e.value for e in logged.Scalars("val/acc5")] == pytest.approx(
+        [r["val_acc5"] for r in records])
+    assert "val_ema/acc5" in logged.Tags()["scalars"]
+    out = tmp_path / "r.json"
+    assert load_test_py().main(["--checkpoint", str(run / "checkpoints" / "last.pt"),
+                                "--weights", "raw", "--num-workers", "0", "--device", "cpu",
+                                "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["accuracy_top5"] == records[-1]["val_acc5"]
+    few = tmp_path / "four"
+    assert train.main(tiny_args(few, "--num-classes", "4")) == 0
+    assert "val_acc5" not in read_metrics(few)[-1]
+    assert "val/acc5" not in scalars(few).Tags()["scalars"]
+
+
+def test_top5_counts_a_class_among_the_five_largest_logits():
+    loop = engine.LoopSettings(device=torch.device("cpu"), show_progress=False)
+    logits = torch.tensor([[9., 8, 7, 6, 5, 4, 0], [0., 1, 2, 3, 4, 5, 6]])
+    net = torch.nn.Identity()
+    result = engine.evaluate(net, [(logits, torch.tensor([4, 0]))], loop, 7)
+    assert result["acc"] == 0.0 and result["acc5"] == 0.5  # class 4 is 5th; class 0 last
