@@ -348,11 +348,11 @@ def _about(decoded):
     n = len(decoded)
     if decoded.shapes is None:
         c, h, w = decoded.images.shape[1:]
-        return f"{n} images of {c}x{h}x{w}, {_mib(decoded.nbytes)}"
-    return f"{n} images of many sizes, {_mib(decoded.nbytes)}"
+        return f"{n} images of {c}x{h}x{w}, {mib(decoded.nbytes)}"
+    return f"{n} images of many sizes, {mib(decoded.nbytes)}"
 
 
-def _mib(nbytes):
+def mib(nbytes):
     return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 

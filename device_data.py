@@ -24,6 +24,7 @@ import data
 import decoded_cache
 import presets
 import runtime
+from decoded_cache import mib as _mib
 from ops import UserError
 from runtime import say
 
@@ -217,9 +218,9 @@ class DeviceLoader:
         self.dataset = dataset
         self.pipeline = device_pipeline(dataset)
         self.device = torch.device(device)
-        self.shapes = self.offsets = None
+        self.shapes = None
         if isinstance(images, decoded_cache.Decoded):  # photos: many sizes, one buffer
-            self.shapes, self.offsets = images.shapes, images.offsets  # (on the CPU)
+            self.shapes = images.shapes  # (on the CPU)
             self._shape_list = images.shapes.numpy()
             self._offset_list = images.offsets.numpy()
             images = images.images
@@ -421,7 +422,3 @@ def build_device_loaders(config, train_set, val_set, sampler, device, rank=0, wo
                               device, indices=data.shard_indices(len(val_set), rank, world_size),
                               batch_size=config["batch_size"], memory_format=memory_format)
     return train_loader, val_loader
-
-
-def _mib(nbytes):
-    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
