@@ -49,6 +49,8 @@ def build_parser():
     _optimisation_flags(p.add_argument_group("optimisation"))
     _hardware_flags(p.add_argument_group("hardware and speed"))
     _run_flags(p.add_argument_group("run directory, checkpoints and logging"))
+    _inspection_flags(p.add_argument_group("looking into a run: early stopping, profiler, "
+                                           "LR range test"))
     return p
 
 
@@ -172,6 +174,15 @@ def _hardware_flags(g):
                    "initialisation")
     g.add_argument("--deterministic", action="store_true",
                    help="deterministic algorithms (slower on CUDA)")
+    g.add_argument("--gpu-memory-fraction", type=float, default=0.0, metavar="F",
+                   help="cap this process's share of its GPU's memory to F (0..1] so that "
+                   "several runs share one GPU (torch.cuda.set_per_process_memory_fraction; "
+                   "the CUDA context, a few hundred MiB, is not counted); 0 = no cap; "
+                   "without CUDA a warning")
+    g.add_argument("--memory-snapshot", action="store_true",
+                   help="CUDA: record the allocator's history and, on an out-of-memory "
+                   "error, write memory_snapshot.pickle into the run directory for "
+                   "https://pytorch.org/memory_viz")
 
     g.add_argument("--tta", default="none", choices=["none", "flip"],
                    help="test-time augmentation for validation: flip averages the logits of "
@@ -198,6 +209,33 @@ def _run_flags(g):
                    "(and after the last)")
     g.add_argument("--log-every", type=int, default=50,
                    help="log the training loss every N optimizer steps")
+    g.add_argument("--mlflow", nargs="?", const="local", default=None, metavar="URI",
+                   help="also record the run in MLflow: params, metrics, artifacts; "
+                   "without URI a local file store beside the runs (mlruns/), or any "
+                   "tracking server URI (default: off)")
+
+
+def _inspection_flags(g):
+    """Early stopping, the profiler, the LR range test."""
+    g.add_argument("--early-stop-patience", type=int, default=0, metavar="N",
+                   help="stop after N validations without improvement of the metric "
+                   "best.pt follows (val_acc, or val_acc_ema with --ema-decay); 0 = off")
+    g.add_argument("--early-stop-min-delta", type=float, default=0.0, metavar="D",
+                   help="an improvement smaller than D (accuracy, 0..1) does not count")
+    g.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                   help="record N optimizer steps (after a short wait and warm-up) with "
+                   "torch.profiler into <run-dir>/profile/ (TensorBoard, Perfetto) and "
+                   "print the top operators; 0 = off")
+    g.add_argument("--find-lr", action="store_true",
+                   help="LR range test instead of training: sweep the learning rate "
+                   "exponentially, write lr_find.png and lr_find.json, suggest --lr, "
+                   "save no checkpoint")
+    g.add_argument("--find-lr-steps", type=int, default=200,
+                   help="optimizer steps of the LR range test")
+    g.add_argument("--find-lr-min", type=float, default=1e-7,
+                   help="the learning rate the range test starts from")
+    g.add_argument("--find-lr-max", type=float, default=10.0,
+                   help="the learning rate the range test ends at")
 
 
 
@@ -473,6 +511,13 @@ RANGES = {  # every numeric flag's allowed values
     "cutmix_alpha": _at_least(0),
     "mix_prob": _within(0, 1),
     "ema_decay": _within(0, 1, high_open=True),
+    "gpu_memory_fraction": _within(0, 1),
+    "early_stop_patience": _at_least(0),
+    "early_stop_min_delta": _at_least(0),
+    "profile_steps": _at_least(0),
+    "find_lr_steps": _at_least(2),
+    "find_lr_min": ((lambda v: v > 0), "must be above 0"),
+    "find_lr_max": ((lambda v: v > 0), "must be above 0"),
 }
 
 _warned = set()  # warnings already shown for this run (check_config runs twice on resume)
@@ -522,6 +567,9 @@ def check_config(c):
     _check_device(c["device"])
     if c["dataset"] == "synthetic":
         _check_synthetic(c)
+    if c["find_lr_min"] >= c["find_lr_max"]:
+        raise UserError(f"--find-lr-min {c['find_lr_min']} must be below --find-lr-max "
+                        f"{c['find_lr_max']}")
     if c["unfreeze_at"] > c["epochs"]:
         _warn(f"--unfreeze-at {c['unfreeze_at']} is beyond --epochs {c['epochs']}: the "
               f"frozen parameters stay frozen for the whole run")
