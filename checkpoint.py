@@ -632,6 +632,7 @@ class Saver:
         self.config, self.net, self.optimizer, self.scaler = config, net, optimizer, scaler
         self.state, self.procs, self.ema, self.data = state, procs, ema, data
         self.last_saved = last_saved
+        self.mlflow_run_id = None  # --mlflow: kept in every checkpoint (tracking.py)
         self.writer = BackgroundWriter()
         if procs.is_main:  # temporary files of a save that was killed half-way
             for name in os.listdir(self.dir):
@@ -667,6 +668,8 @@ class Saver:
             return
         state = training_state(self.net, self.optimizer, self.scaler, progress, rngs,
                                self.config, self.ema, self.data)
+        if self.mlflow_run_id:  # a resumed run continues this MLflow run
+            state["mlflow_run_id"] = self.mlflow_run_id
         also = [os.path.join(self.dir, "best.pt")] if best else []
         if self.config["keep_last"] > 0 and kind is not Kind.STOP:
             name = f"epoch-{progress['epoch']:04d}.pt" if kind is Kind.EPOCH \

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from prefetch_generator import BackgroundGenerator
 from tqdm import tqdm
 
-from ops import keep_frozen_norms_eval
+from ops import OutOfMemory, keep_frozen_norms_eval, memory_error
 
 
 class StepTimer:
@@ -127,6 +127,12 @@ class TrainState:
     loss_count: int = 0        # ... over this many samples
     best_val_acc: float = -1.0
     scaler_skips: int = 0      # fp16 steps the GradScaler skipped (inf/nan gradients)
+    grad_norm_sum: float = 0.0  # the current epoch's finite gradient norms, summed ...
+    grad_norm_count: int = 0    # ... over this many optimizer steps
+    grad_clipped: int = 0       # of which clipped by --grad-clip
+    best_epoch: int = 0         # the epoch of best.pt (0: none yet)
+    early_stop_best: float = -1.0  # --early-stop-*: the best figure so far ...
+    early_stop_waited: int = 0     # ... and validations since it improved
 
     def state_dict(self):
         return dataclasses.asdict(self)
@@ -196,6 +202,9 @@ class Counters:
         self.samples = 0
         self.worst = torch.zeros((), device=self.device, dtype=torch.long)
         self.skips = torch.zeros((), device=self.device)
+        self.grad_norm_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        self.grad_norm_count = torch.zeros((), device=self.device, dtype=torch.long)
+        self.clipped = torch.zeros((), device=self.device, dtype=torch.long)
 
     def add_loss(self, loss, count):
         """Adds a batch's mean loss for ``count`` samples; tracks non-finite streaks.
@@ -211,17 +220,32 @@ class Counters:
         self.streak = torch.where(finite, 0, self.streak + 1)
         self.worst = torch.maximum(self.worst, self.streak)
 
+    def add_grad_norm(self, norm, clip=0.0):
+        """Adds an optimizer step's total gradient norm (before clipping) and, with
+        ``clip`` > 0, whether it was clipped; a non-finite norm (an fp16 step the
+        GradScaler skips) adds nothing."""
+        norm = norm.detach()
+        finite = torch.isfinite(norm)
+        self.grad_norm_sum += torch.where(finite, norm.double(), 0.0)
+        self.grad_norm_count += finite
+        if clip > 0:
+            self.clipped += norm > clip
+
     def read(self):
         """Returns the sums since the last read as numbers, and starts new ones.
 
         Returns:
             A dict with ``loss_sum`` and ``loss_count`` (finite losses only),
             ``samples`` (all), ``worst_streak`` (longest run of non-finite losses),
-            ``streak`` (the current one) and ``scaler_skips``.
+            ``streak`` (the current one), ``scaler_skips``, and the gradient norms:
+            ``grad_norm_sum`` over ``grad_norm_count`` steps, ``grad_clipped`` of them.
         """
         values = {"loss_sum": float(self.loss_sum), "loss_count": int(self.loss_count),
                   "samples": self.samples, "worst_streak": int(self.worst),
-                  "streak": int(self.streak), "scaler_skips": int(self.skips)}
+                  "streak": int(self.streak), "scaler_skips": int(self.skips),
+                  "grad_norm_sum": float(self.grad_norm_sum),
+                  "grad_norm_count": int(self.grad_norm_count),
+                  "grad_clipped": int(self.clipped)}
         self.reset()
         return values
 
@@ -244,6 +268,7 @@ class LossMeter:
     def restart(self, step=0):
         """Begins a new window after optimizer step ``step``."""
         self.loss_sum, self.loss_count, self.samples = 0.0, 0, 0
+        self.grad_norm_sum, self.grad_norm_count, self.grad_clipped = 0.0, 0, 0
         self.since, self.step = time.perf_counter(), step
 
     def collect(self, state):
@@ -262,6 +287,10 @@ class LossMeter:
         state.loss_sum += values["loss_sum"]
         state.loss_count += values["loss_count"]
         state.scaler_skips += values["scaler_skips"]
+        for key in ("grad_norm_sum", "grad_norm_count", "grad_clipped"):
+            # the same on every process (the gradients are all-reduced): not summed over them
+            setattr(state, key, getattr(state, key) + values[key])
+            setattr(self, key, getattr(self, key) + values[key])
         self.loss_sum += values["loss_sum"]
         self.loss_count += values["loss_count"]
         self.samples += values["samples"]
@@ -274,6 +303,10 @@ class LossMeter:
 
     def mean(self):
         return self.loss_sum / self.loss_count if self.loss_count else math.nan
+
+    def grad_norm(self):
+        """The mean total gradient norm (before clipping) of the window's steps."""
+        return self.grad_norm_sum / self.grad_norm_count if self.grad_norm_count else math.nan
 
     def rate(self):
         """Samples per second (all processes) since the window began."""
@@ -311,6 +344,7 @@ def steps(model, loader, optimizer, criterion, loop, state, bar):
     model.train()
     keep_frozen_norms_eval(model)
     batches = _Prefetcher(loader, loop.prefetch)
+    phase, batch_size, detail = "loading a batch", sampler.batch_size, None
     try:
         timer.start_data()
         for k, (x, y) in enumerate(batches):
@@ -324,15 +358,18 @@ def steps(model, loader, optimizer, criterion, loop, state, bar):
                 x, y = loop.mix(x, y, state.epoch, first_batch + k)
             timer.start_compute()
             no_sync = world > 1 and not last_micro_batch
+            phase, batch_size = "the forward pass", len(y)
             with model.no_sync() if no_sync else contextlib.nullcontext():
                 with loop.autocast():
                     loss = criterion(model(x), y)
                 # DDP averages gradients over processes: scale so that the sum over the
                 # accumulation is the mean over all of its samples, however they were split.
                 weight = local_n * world / accum_n
+                phase = "the backward pass"
                 loop.scaler.scale(loss * weight if weight != 1.0 else loss).backward()
             loop.counters.add_loss(loss, local_n)
             if last_micro_batch:
+                phase = "the optimizer step"
                 _optimizer_step(model, optimizer, loop)
                 state.step += 1
                 set_lr(optimizer, loop.lr_factor(state.step))
@@ -341,9 +378,17 @@ def steps(model, loader, optimizer, criterion, loop, state, bar):
             bar.update(1)
             if last_micro_batch:
                 yield state.step
+            phase = "loading a batch"
             timer.start_data()
+    except (RuntimeError, MemoryError) as e:
+        detail = memory_error(e)
+        if detail is None:
+            raise
+        del e  # the frames of the failed step (and their tensors) go with it
     finally:
         batches.close()
+    if detail is not None:  # raised here, outside the handler, so that memory is freed
+        raise OutOfMemory(phase, batch_size, detail)
 
 
 def train_one_epoch(model, loader, optimizer, criterion, loop, progress, after_step=None):
@@ -370,7 +415,12 @@ def _optimizer_step(model, optimizer, loop):
     scaler = loop.scaler
     if loop.grad_clip > 0:
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-        torch.nn.utils.clip_grad_norm_(model.parameters(), loop.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), loop.grad_clip)
+    else:  # the norm of the scaled gradients, unscaled: the optimizer's path is unchanged
+        norm = total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        if scaler.is_enabled():
+            norm = norm / scaler._scale  # (get_scale() would read it back: a sync)
+    loop.counters.add_grad_norm(norm, loop.grad_clip)
     scaler.step(optimizer)
     if scaler.is_enabled():
         # No public API tells whether this step was skipped without a sync; the
@@ -380,6 +430,16 @@ def _optimizer_step(model, optimizer, loop):
             loop.counters.skips += sum(found.values())
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
+
+
+def total_norm(grads):
+    """The L2 norm of all ``grads`` together, on their device (no sync), as
+    ``clip_grad_norm_`` computes it before clipping."""
+    if not grads:
+        return torch.zeros(())
+    if hasattr(torch.nn.utils, "get_total_norm"):  # torch 2.6 and later
+        return torch.nn.utils.get_total_norm(grads)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
 
 
 @torch.no_grad()
@@ -407,10 +467,7 @@ def evaluate(model, loader, loop, num_classes, tta=False):
     for x, y in loader:
         x = x.to(device, non_blocking=True, memory_format=loop.memory_format)
         y = y.to(device, non_blocking=True)
-        with loop.autocast():
-            logits = model(x)
-            if tta:
-                logits = (logits + model(x.flip(-1))) / 2
+        logits = _forward_or_out_of_memory(model, x, loop, tta)
         loss_sum += torch.nn.functional.cross_entropy(logits.float(), y, reduction="sum")
         pred = logits.argmax(dim=1)  # counted on the device (bincount reads back its size)
         confusion.index_add_(0, y * num_classes + pred, torch.ones_like(pred))
@@ -432,6 +489,21 @@ def evaluate(model, loader, loop, num_classes, tta=False):
 
 
 TOP_K = 5  # evaluate's acc5 (where there are more classes than that)
+
+
+def _forward_or_out_of_memory(model, x, loop, tta):
+    """evaluate's forward pass; running out of memory in it is an ``OutOfMemory``."""
+    try:
+        with loop.autocast():
+            logits = model(x)
+            if tta:
+                logits = (logits + model(x.flip(-1))) / 2
+        return logits
+    except (RuntimeError, MemoryError) as e:
+        detail = memory_error(e)
+        if detail is None:
+            raise
+    raise OutOfMemory("evaluation", len(x), detail)  # outside: the frames are freed
 
 
 def per_class_accuracy(confusion):

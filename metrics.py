@@ -7,36 +7,58 @@ by metrics.jsonl key, which runlog.py writes. A tag or a key is spelled once, be
 TensorBoard scalars (``scalars`` dicts: tag -> value):
 
     train/loss, train/lr, train/scaler_skips (fp16)      every --log-every steps
+    train/grad_norm, train/grad_clipped (--grad-clip)    (the means/counts since the last)
     val/loss, val/acc, val/acc5 (over 5 classes);       at each validation
     val_ema/loss, val_ema/acc, val_ema/acc5 (EMA)
-    perf/compute_efficiency, perf/samples_per_sec,       at each epoch's end
-    perf/tflops, perf/mfu (known GPUs)
-    hparam/<final figure>                                 when the run finishes
+    val/confusion, val_ema/confusion (images)
+    z_perf/compute_efficiency, z_perf/samples_per_sec,   at each epoch's end (named to
+    z_perf/tflops, z_perf/mfu (known GPUs)                sort after train and val)
+    the hparams, their metrics the curves above           when the run finishes
+    z_lr_find/loss (smoothed), z_lr_find/lr;             --find-lr (lr_finder.py)
+    image z_lr_find/plot
 
 metrics.jsonl: one ``epoch_record`` per finished epoch (docs/design.md lists its keys).
 """
+
+import math
 
 import engine
 
 # TensorBoard tags
 TRAIN_LOSS, TRAIN_LR, SCALER_SKIPS = "train/loss", "train/lr", "train/scaler_skips"
+GRAD_NORM, GRAD_CLIPPED = "train/grad_norm", "train/grad_clipped"
+CONFUSION, CONFUSION_EMA = "val/confusion", "val_ema/confusion"  # images, rows normalised
 FIRST_BATCH = "train/first_batch"  # the image grid of the first training batch
+# --find-lr (x: the sweep's step); after train and val when a real run shares the directory
+LR_FIND_LOSS, LR_FIND_LR = "z_lr_find/loss", "z_lr_find/lr"
+LR_FIND_PLOT = "z_lr_find/plot"  # the image of lr_find.png
 VALIDATION_TAGS = {"val_loss": "val/loss", "val_acc": "val/acc", "val_acc5": "val/acc5",
                    "val_loss_ema": "val_ema/loss", "val_acc_ema": "val_ema/acc",
                    "val_acc5_ema": "val_ema/acc5"}
-PERF_TAGS = {"compute_efficiency": "perf/compute_efficiency",
-             "samples_per_sec": "perf/samples_per_sec", "tflops": "perf/tflops",
-             "mfu": "perf/mfu"}
-HPARAM_PREFIX = "hparam/"
+# TensorBoard's Time Series page sorts its groups by name and opens the first two: train
+# and val (the loss and accuracy curves) must be those, so the other groups sort last.
+PERF_TAGS = {"compute_efficiency": "z_perf/compute_efficiency",
+             "samples_per_sec": "z_perf/samples_per_sec", "tflops": "z_perf/tflops",
+             "mfu": "z_perf/mfu"}
 
-# The figures a finished run reports with its hyper-parameters (TensorBoard's HPARAMS).
-FINAL_KEYS = ("train_loss", "val_loss", "val_acc", "val_loss_ema", "val_acc_ema")
+# The figures a finished run reports with its hyper-parameters (TensorBoard's HPARAMS tab),
+# each the last value of the curve named here (no scalars of their own: those would make a
+# group of one-point charts at the top of the Time Series page).
+FINAL_TAGS = {"train_loss": TRAIN_LOSS, "val_loss": "val/loss", "val_acc": "val/acc",
+              "val_loss_ema": "val_ema/loss", "val_acc_ema": "val_ema/acc"}
+FINAL_KEYS = tuple(FINAL_TAGS)
 
 
-def train_scalars(loss, lr, scaler_skips=None):
+def train_scalars(loss, lr, scaler_skips=None, grad_norm=None, grad_clipped=None):
     """The scalars of a log step: the mean training loss since the last log, the learning
-    rate, and (fp16) the steps the GradScaler skipped so far."""
+    rate, the mean total gradient norm (before clipping) since the last log, and, when on,
+    the steps --grad-clip clipped since then and (fp16) the steps the GradScaler skipped so
+    far."""
     scalars = {TRAIN_LOSS: loss, TRAIN_LR: lr}
+    if grad_norm is not None and grad_norm == grad_norm:  # (nan: no finite norm to show)
+        scalars[GRAD_NORM] = grad_norm
+    if grad_clipped is not None:
+        scalars[GRAD_CLIPPED] = grad_clipped
     if scaler_skips is not None:
         scalars[SCALER_SKIPS] = scaler_skips
     return scalars
@@ -56,6 +78,14 @@ def validation_figures(result, ema_result=None):
     return figures
 
 
+def class_accuracy(confusion, classes):
+    """Each class's accuracy from a confusion matrix (rows: true classes), by class name;
+    None for a class with no sample. train.py's validations (``val_class_acc``) and
+    test.py's report (``per_class``) both use it."""
+    return {name: None if math.isnan(acc) else acc
+            for name, acc in zip(classes, engine.per_class_accuracy(confusion))}
+
+
 def validation_scalars(figures):
     """``validation_figures`` as TensorBoard scalars (``val/*``, ``val_ema/*``)."""
     return {VALIDATION_TAGS[key]: value for key, value in figures.items()}
@@ -67,7 +97,7 @@ def best_metric(figures):
 
 
 def epoch_record(epoch, step, loss_sum, loss_count, lr, times, samples, flops_per_sample,
-                 peak_tflops, unreadable=0):
+                 peak_tflops, unreadable=0, grad_norm=None, grad_clipped=None):
     """The metrics.jsonl record of a finished epoch (validation figures are added to it).
 
     Args:
@@ -80,6 +110,8 @@ def epoch_record(epoch, step, loss_sum, loss_count, lr, times, samples, flops_pe
         flops_per_sample: forward and backward FLOPs of one sample.
         peak_tflops: the device's datasheet peak, or None where unknown (no ``mfu``).
         unreadable: image files skipped so far (0: no key).
+        grad_norm: the epoch's mean total gradient norm before clipping (None: no key).
+        grad_clipped: the epoch's steps clipped by --grad-clip (None, when off: no key).
 
     Returns:
         A dict keyed by metrics.jsonl key.
@@ -93,6 +125,10 @@ def epoch_record(epoch, step, loss_sum, loss_count, lr, times, samples, flops_pe
     record["tflops"] = flops_per_sample * record["samples_per_sec"] / 1e12
     if peak_tflops:
         record["mfu"] = record["tflops"] / peak_tflops
+    if grad_norm is not None:
+        record["grad_norm"] = grad_norm
+    if grad_clipped is not None:
+        record["grad_clipped"] = int(grad_clipped)
     if unreadable:
         record["unreadable_images"] = int(unreadable)
     return record
@@ -109,8 +145,9 @@ def final_figures(record):
 
 
 def hparam_metrics(final):
-    """``final_figures`` as the metrics of TensorBoard's hparams (``hparam/*``)."""
-    return {HPARAM_PREFIX + key: value for key, value in final.items()}
+    """``final_figures`` as the metrics of TensorBoard's hparams: keyed by the curves
+    whose last values the HPARAMS tab shows (``FINAL_TAGS``)."""
+    return {FINAL_TAGS[key]: value for key, value in final.items()}
 
 
 def epoch_line(record, config):

@@ -33,6 +33,42 @@ class RunFailed(Exception):
     prints its message as one line and exits with code 1."""
 
 
+class OutOfMemory(RunFailed):
+    """The device (or the host) ran out of memory during ``phase`` of a step.
+
+    Args:
+        phase: where: "the forward pass", "the backward pass", "the optimizer step",
+            "loading a batch" or "evaluation".
+        batch_size: the samples of the batch that did not fit.
+        detail: the allocator's own words (``memory_error``).
+    """
+
+    def __init__(self, phase, batch_size, detail):
+        super().__init__(f"out of memory in {phase} at batch size {batch_size} ({detail})")
+        self.phase, self.batch_size, self.detail = phase, batch_size, detail
+
+
+_OUT_OF_MEMORY = ("out of memory", "can't allocate memory", "cannot allocate memory",
+                  "not enough memory")
+
+
+def memory_error(error):
+    """The allocator's message, shortened, when ``error`` says that memory ran out (CUDA's
+    OutOfMemoryError, the CPU allocator's RuntimeError, Python's MemoryError); else None."""
+    text = str(error)
+    if not (isinstance(error, (MemoryError, torch.OutOfMemoryError))
+            or any(words in text.lower() for words in _OUT_OF_MEMORY)):
+        return None
+    text = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    text = re.sub(r"^\[enforce fail at [^\]]*\] *(err == 0\. *)?", "", text)
+    match = re.search(r"[Tt]ried to allocate ([0-9]+) bytes", text)
+    if match:  # the CPU allocator counts in bytes
+        return f"it tried to allocate {int(match[1]) / 2**30:.2f} GiB more"
+    match = re.search(r"[Tt]ried to allocate ([0-9.]+ [KMGT]?i?B)", text)  # CUDA's words
+    first = text.split(". ")[0].rstrip(".")
+    return f"{first}: it tried to allocate {match[1]} more" if match else first
+
+
 def _matching(names, patterns):
     return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
 

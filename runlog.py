@@ -363,12 +363,15 @@ class RunLog:
         step: optimizer steps of the checkpoint resumed from (0 for a fresh run).
         epoch: finished epochs of that checkpoint.
         enabled: False on every process but the main one.
+        tracker: a ``tracking.Tracker`` (--mlflow) that gets the log steps' scalars, the
+            epochs' records, config.yaml and summary.txt, and the end; or None.
     """
 
-    def __init__(self, run_dir, step, epoch, enabled):
+    def __init__(self, run_dir, step, epoch, enabled, tracker=None):
         self.enabled, self.run_dir = enabled, run_dir
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.writer = None
+        self.tracker = tracker if enabled else None
         if not enabled:
             return
         from torch.utils.tensorboard import SummaryWriter
@@ -382,6 +385,14 @@ class RunLog:
             with self._failing("TensorBoard"):
                 for tag, value in values.items():
                     self.writer.add_scalar(tag, value, step)
+            if self.tracker is not None:
+                self.tracker.scalars(values, step)
+
+    def image(self, tag, image, step):
+        """An image (an HxWx3 uint8 array, e.g. ``plots.confusion_image``) to TensorBoard."""
+        if self.enabled:
+            with self._failing("TensorBoard"):
+                self.writer.add_image(tag, image, step, dataformats="HWC")
 
     @contextlib.contextmanager
     def _failing(self, what):
@@ -401,6 +412,8 @@ class RunLog:
                 f.write(json.dumps(record) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
+            if self.tracker is not None:
+                self.tracker.epoch(record)
 
     def summary(self, net, train_set, device):
         """Prints the torchinfo summary and writes it to summary.txt with parameter counts.
@@ -422,6 +435,8 @@ class RunLog:
         files.atomic_write(os.path.join(self.run_dir, "summary.txt"),
                                 lambda f: f.write(text))
         runtime.say(text)
+        if self.tracker is not None:  # config.yaml and summary.txt, both written by now
+            self.tracker.artifacts()
 
     def first_batch(self, train_set, sampler):
         """An image grid of the first training batch, to check what the network sees."""
@@ -447,6 +462,8 @@ class RunLog:
         """Writes the hparams with the final metrics (when the run finished) and closes."""
         if not self.enabled:
             return
+        if self.tracker is not None:  # final is None when a signal stopped the run
+            self.tracker.close(finished=final is not None)
         with self._failing("TensorBoard"):
             self._close(config, final, step)
 
@@ -456,11 +473,9 @@ class RunLog:
 
             hp = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
                   for k, v in config.items() if k not in NOT_SAVED_IN_CONFIG}
-            figures = metrics.hparam_metrics(final)
-            for summary in hparams(hp, figures):
+            # metrics named after curves of this run: HPARAMS shows their last values
+            for summary in hparams(hp, metrics.hparam_metrics(final)):
                 self.writer.file_writer.add_summary(summary)
-            for tag, value in figures.items():
-                self.writer.add_scalar(tag, value, step)
         self.writer.close()
 
 

@@ -473,3 +473,37 @@ def _quiet_writer_hook(args):
             type(args.thread).__name__ == "_AsyncWriterThread":
         return
     _previous_hook(args)
+
+
+def set_memory_options(config, device):
+    """--gpu-memory-fraction and --memory-snapshot, set before the run's first allocation
+    on ``device``; without CUDA each is a warning and the run goes on."""
+    fraction, snapshot = config["gpu_memory_fraction"], config["memory_snapshot"]
+    if device.type != "cuda":
+        for flag, on in (("--gpu-memory-fraction", fraction), ("--memory-snapshot", snapshot)):
+            if on:
+                main_print(f"warning: {flag} is for CUDA devices and this run is on "
+                           f"{device}: ignored", file=sys.stderr)
+        return
+    if fraction:  # the caching allocator refuses beyond it; the CUDA context is not counted
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+    if snapshot:  # the allocator's history, for memory_snapshot.pickle on an OOM
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+
+def dump_memory_snapshot(run_dir, device):
+    """Writes the CUDA allocator's recorded history (--memory-snapshot) into the run
+    directory for https://pytorch.org/memory_viz; returns its path, or None without one."""
+    if device.type != "cuda":
+        return None
+    import pickle
+
+    import files
+
+    rank = process_rank()
+    name = "memory_snapshot.pickle" if int(os.environ.get("WORLD_SIZE", "1")) == 1 \
+        else f"memory_snapshot-rank{rank}.pickle"
+    path = os.path.join(run_dir, name)
+    snapshot = torch.cuda.memory._snapshot()
+    files.atomic_write(path, lambda f: pickle.dump(snapshot, f), mode="wb")
+    return path

@@ -32,7 +32,6 @@ import argparse
 import copy
 import io
 import json
-import math
 import os
 import statistics
 import sys
@@ -46,6 +45,7 @@ import data
 import engine
 import export
 import files
+import metrics
 import runtime
 from config import OneLineParser, with_defaults
 from export import EXPORT_BATCHES, EXPORT_KINDS, QUANTIZE_KINDS, OutputError, QuantizationError
@@ -378,11 +378,9 @@ def make_report(path, result, classes, key="checkpoint"):
 
     ``key`` names what was evaluated: ``checkpoint``, or ``model`` for an exported file.
     """
-    per_class = engine.per_class_accuracy(result["confusion"])
     top5 = {"accuracy_top5": result["acc5"]} if "acc5" in result else {}
     return {key: path, "loss": result["loss"], "accuracy": result["acc"], **top5,
-            "per_class": {name: None if math.isnan(acc) else acc
-                          for name, acc in zip(classes, per_class)},
+            "per_class": metrics.class_accuracy(result["confusion"], classes),
             "confusion": result["confusion"].tolist(), "count": result["count"]}
 
 

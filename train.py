@@ -18,9 +18,11 @@ sight. Everything else is one hop away:
     the resume point, and restoring it                       train / restore below
     every metric's name, the epoch record and its line       metrics.py
     TensorBoard, metrics.jsonl, config.yaml, summary.txt     runlog.RunLog
+    MLflow (--mlflow)                                        tracking.py
     processes, devices, AMP dtype, seeds, signals            runtime.py
     datasets, the seeded sampler, per-sample loaders         data.py
     data held and augmented on the device                    device_data.py
+    the LR range test (--find-lr)                            lr_finder.run
 """
 
 import signal
@@ -44,12 +46,16 @@ import data
 import device_data
 import engine
 import layers
+import lr_finder
 import metrics
 import ops
+import plots
 import presets
+import profiling
 import recipes
 import runlog
 import runtime
+import tracking
 from checkpoint import Kind
 from config import check_config, merge_resumed_config, parse_config, with_defaults
 from losses import build_criterion
@@ -88,7 +94,14 @@ def main(argv=None):
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
         runtime.say(f"error: {e.strerror or e}{where}", file=sys.stderr)
         return EXIT_FAILED
+    except MemoryError as e:  # out of host memory outside a step (set-up, a checkpoint)
+        runtime.say(f"error: {out_of_memory_message(ops.memory_error(e))}", file=sys.stderr)
+        return EXIT_FAILED
     except RuntimeError as e:  # a collective whose peer process died (gloo, NCCL)
+        if ops.memory_error(e) is not None:  # out of memory outside a step (set-up)
+            runtime.say(f"error: {out_of_memory_message(ops.memory_error(e))}",
+                        file=sys.stderr)
+            return EXIT_FAILED
         if not runtime.lost_peer(e):
             raise
         runtime.say(f"error: process {runtime.process_rank()} lost another process of the "
@@ -105,6 +118,7 @@ def train(argv, stop):
     """The run: config, its directory (locked), then ``fit``; returns the exit code."""
     config, explicit = parse_config(argv)
     check_config(config)
+    lr_finder.check_config(config)  # --find-lr with --resume
     resume_path, saved = resume_file(config)  # --resume PATH: read before anything is written
     run_dir = choose_run_dir(config, explicit, resume_path, saved)
     with runlog.RunDirectory(run_dir, is_main=runtime.process_rank() == 0) as directory:
@@ -142,12 +156,14 @@ class Training:
     datasets: tuple               # (train, val)
     flops_per_sample: int         # forward + backward, for the TFLOP/s figure
     peak_tflops: float            # the datasheet peak of the run's GPUs (MFU), or None
+    profiler: object = None       # a profiling.Profile while --profile-steps runs, or None
 
 
 def fit(config, argv, resume_path, saved, directory, stop):
     """Builds everything, resumes, trains (``run_epochs``) and says how it ended."""
     log = runtime.main_print
     procs = runtime.setup_processes(config)
+    runtime.set_memory_options(config, procs.device)  # before the first allocation
     if procs.world_size > 1:
         runtime.check_same_resume_point(saved, procs)
     runtime.seed_everything(config["seed"], procs.rank, config["deterministic"], procs.device)
@@ -158,10 +174,17 @@ def fit(config, argv, resume_path, saved, directory, stop):
         log(f"no valid checkpoint in {directory.path}: starting fresh")
     training, train_loader, criterion = build_training(config, procs, directory.path, saved,
                                                        resume_path, stop.pending)
+    if config["find_lr"]:  # the LR range test instead of training: no checkpoint
+        return lr_finder.run(training, train_loader, criterion, stop)
     log(f"training {config['network']} on {config['dataset']} ({len(training.datasets[0])} "
         f"samples, {procs.world_size} process(es), {procs.device}) into {directory.path}")
     try:
-        ended, final = run_epochs(training, train_loader, criterion, stop)
+        with profiling.window(training, train_loader) as training.profiler:  # --profile-steps
+            ended, final = run_epochs(training, train_loader, criterion, stop)
+    except ops.OutOfMemory as e:  # one line: where, the batch, what to try
+        snapshot = runtime.dump_memory_snapshot(directory.path, procs.device) \
+            if config["memory_snapshot"] else None
+        raise RunFailed(out_of_memory_message(e, config, training, snapshot)) from None
     finally:  # also when the run fails
         data.shutdown_loader(train_loader)
         data.shutdown_loader(training.val_loader)
@@ -182,6 +205,8 @@ def fit(config, argv, resume_path, saved, directory, stop):
             if requeued:
                 log(requeued)
         return stop.exit_code
+    if ended is Ended.EARLY_STOP:
+        log(early_stop_line(training))
     training.run_log.close(config, final, training.state.step)
     log(f"done: {directory.path}")
     return 0
@@ -233,12 +258,14 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
         if unfrozen_at_resume(config, state):  # wrapped again: DDP must see them
             model = wrap_model(net, config, procs.device, procs.world_size)
     engine.set_lr(optimizer, loop.lr_factor(state.step))
-    run_log = runlog.RunLog(run_dir, state.step, state.epoch, procs.is_main)
+    tracker = tracking.open_tracker(config, run_dir, saved, procs.is_main)  # --mlflow
+    run_log = runlog.RunLog(run_dir, state.step, state.epoch, procs.is_main, tracker)
     run_log.summary(net, train_set, procs.device)
     if state.step == 0:
         run_log.first_batch(train_set, sampler)
     saver = checkpoint.Saver(run_dir, config, net, optimizer, loop.scaler, state, procs,
                              last_saved=resume_path, ema=ema, data=identity)
+    saver.mlflow_run_id = tracking.run_id(tracker, saved)  # a resume continues that run
     training = Training(config, procs, net, model, optimizer, ema, loop, state,
                         engine.LossMeter(loop.counters, procs.world_size), saver, run_log,
                         val_loader, (train_set, val_set), flops,
@@ -252,6 +279,7 @@ class Ended(enum.Enum):
     ALL_EPOCHS = "all epochs"
     MAX_STEPS = "--max-steps"
     SIGNAL = "a signal"
+    EARLY_STOP = "--early-stop-patience"
 
 
 def run_epochs(training, train_loader, criterion, stop):
@@ -263,6 +291,8 @@ def run_epochs(training, train_loader, criterion, stop):
     config, state, sampler = training.config, training.state, train_loader.batch_sampler
     final, ended = {}, Ended.ALL_EPOCHS
     for epoch in range(state.epoch, config["epochs"]):
+        if early_stop_due(config, state):  # a resumed run that had stopped early
+            return Ended.EARLY_STOP, final
         if stop.agreed(training.procs):  # a signal between steps (set-up, validation)
             save(training, Kind.STOP)
             return Ended.SIGNAL, final
@@ -272,10 +302,12 @@ def run_epochs(training, train_loader, criterion, stop):
         ended = run_epoch(training, train_loader, criterion, epoch, stop)
         if state.epoch_samples >= sampler.size:  # the epoch is complete
             final = finish_epoch(training, epoch)
+            if early_stop_due(config, state):  # the same on every process: their figures are
+                ended = Ended.EARLY_STOP       # all-reduced
         if ended is not Ended.ALL_EPOCHS:
             break
     if ended is Ended.MAX_STEPS and state.epoch_samples:  # stopped inside an epoch
-        final = validate(training)
+        final = metrics.final_figures(validate(training))
         save(training, Kind.STOP)
         runtime.main_print(f"--max-steps {config['max_steps']} reached at step {state.step}: "
                            f"val_acc {final['val_acc']:.4f}")
@@ -298,6 +330,8 @@ def run_epoch(training, train_loader, criterion, epoch, stop):
             contextlib.closing(engine.steps(training.model, train_loader, training.optimizer,
                                             criterion, training.loop, state, bar)) as steps:
         for step in steps:
+            if training.profiler is not None:  # --profile-steps: its schedule moves on
+                training.profiler.step()
             if training.ema is not None:
                 training.ema.update(training.net, step)  # the average, after every step
             training.saver.poll()  # a checkpoint write that failed in the background
@@ -351,10 +385,12 @@ def show(training, bar, log_step=False):
 def log_train(training, bar):
     """The training loss and learning rate since the last log, to TensorBoard and the bar."""
     show(training, bar, log_step=True)
+    meter = training.meter
     skips = training.state.scaler_skips if training.loop.scaler.is_enabled() else None
+    clipped = meter.grad_clipped if training.config["grad_clip"] > 0 else None
     training.run_log.scalars(metrics.train_scalars(
-        training.meter.mean(), training.optimizer.param_groups[0]["lr"], skips),
-        training.state.step)
+        meter.mean(), training.optimizer.param_groups[0]["lr"], skips, meter.grad_norm(),
+        clipped), training.state.step)
     training.meter.restart(training.state.step)
 
 
@@ -380,7 +416,17 @@ def validate(training):
         ema = engine.evaluate(training.ema.module, training.val_loader, training.loop,
                               classes, tta=tta)
     figures = metrics.validation_figures(result, ema)
-    training.run_log.scalars(metrics.validation_scalars(figures), training.state.step)
+    step, names = training.state.step, training.datasets[0].classes
+    training.run_log.scalars(metrics.validation_scalars(figures), step)
+    for suffix, tag, evaluated in (("", metrics.CONFUSION, result),
+                                   ("_ema", metrics.CONFUSION_EMA, ema)):
+        if evaluated is None:
+            continue
+        figures["val_class_acc" + suffix] = metrics.class_accuracy(evaluated["confusion"], names)
+        if training.run_log.enabled:  # drawn on process 0 only
+            title = f"val_acc{suffix} {evaluated['acc']:.4f} at step {step}"
+            training.run_log.image(tag, plots.confusion_image(evaluated["confusion"], names,
+                                                              title), step)
     return figures
 
 
@@ -398,20 +444,85 @@ def finish_epoch(training, epoch):
         [state.loss_sum, state.loss_count, unreadable], training.loop.device,
         training.procs.world_size)
     state.epoch += 1
+    grad_norm = state.grad_norm_sum / state.grad_norm_count if state.grad_norm_count else None
     record = metrics.epoch_record(
         state.epoch, state.step, loss_sum, loss_count, training.optimizer.param_groups[0]["lr"],
         times, state.epoch_samples, training.flops_per_sample, training.peak_tflops,
-        unreadable)
+        unreadable, grad_norm, state.grad_clipped if config["grad_clip"] > 0 else None)
     best = False
     if state.epoch % config["eval_every"] == 0 or state.epoch == config["epochs"]:
         record.update(validate(training))
-        best = metrics.best_metric(record) > state.best_val_acc
-        state.best_val_acc = max(state.best_val_acc, metrics.best_metric(record))
+        value = metrics.best_metric(record)
+        best = value > state.best_val_acc
+        if best:
+            state.best_val_acc, state.best_epoch = value, state.epoch
+        count_early_stop(config, state, value)
     state.epoch_samples, state.loss_sum, state.loss_count = 0, 0.0, 0
+    state.grad_norm_sum, state.grad_norm_count, state.grad_clipped = 0.0, 0, 0
     training.run_log.epoch(record)
     save(training, Kind.EPOCH, best)
     runtime.main_print(metrics.epoch_line(record, config))
     return metrics.final_figures(record)
+
+
+def count_early_stop(config, state, value):
+    """--early-stop-*: a validation whose figure (the one best.pt follows) is not above the
+    best so far by more than --early-stop-min-delta counts towards the patience. Both
+    numbers live in the run state, so a resumed run stops where the whole run would."""
+    if value > state.early_stop_best + config["early_stop_min_delta"]:
+        state.early_stop_best, state.early_stop_waited = value, 0
+    else:
+        state.early_stop_waited += 1
+
+
+def early_stop_due(config, state):
+    """Whether --early-stop-patience validations went by without improvement."""
+    patience = config["early_stop_patience"]
+    return patience > 0 and state.early_stop_waited >= patience
+
+
+def early_stop_line(training):
+    """The line an early-stopped run ends with: why, and its best epoch and checkpoint."""
+    config, state = training.config, training.state
+    name = "val_acc_ema" if training.ema is not None else "val_acc"
+    best = os.path.join(config["run_dir"], "checkpoints", "best.pt")
+    return (f"early stop at epoch {state.epoch}: {name} did not improve by more than "
+            f"{config['early_stop_min_delta']:g} in {state.early_stop_waited} validation(s) "
+            f"(--early-stop-patience {config['early_stop_patience']}); the best was epoch "
+            f"{state.best_epoch} ({name} {state.best_val_acc:.4f}): {best}")
+
+
+def out_of_memory_message(error, config=None, training=None, snapshot=None):
+    """One line for an out-of-memory error: where it happened, the batch, that the
+    checkpoints are intact, and what to try (each only where it is not on already).
+
+    Args:
+        error: an ``ops.OutOfMemory`` from a step or a validation, or the allocator's
+            words (``ops.memory_error``) for one elsewhere (set-up, a checkpoint).
+        config, training: the run's, when it got that far.
+        snapshot: the path of the --memory-snapshot file written, or None.
+    """
+    if not isinstance(error, ops.OutOfMemory):
+        return (f"out of memory ({error}) before or between training steps; every file "
+                f"written before is intact: lower --batch-size, or free memory")
+    batch = config["batch_size"]
+    effective = config["virtual_batch_size"] or batch
+    smaller = max(d for d in range(1, max(batch // 2, 1) + 1) if effective % d == 0)
+    tries = []
+    if smaller < batch:
+        tries.append(f"--batch-size {smaller} --virtual-batch-size {effective} (the same "
+                     f"{effective} samples an optimizer step)")
+    if not config["grad_checkpointing"] and hasattr(training.net, "set_grad_checkpointing"):
+        tries.append("--grad-checkpointing")
+    if config["amp"] == "none":
+        tries.append("--amp bf16")
+    if not config["channels_last"]:
+        tries.append("--channels-last")
+    saved = training.saver.last_saved
+    return (f"{error}; the checkpoints are intact ("
+            f"{'the last: ' + saved if saved else 'none was written yet'})"
+            f"{'; the allocator history is in ' + snapshot if snapshot else ''}"
+            f"{'; try ' + ', '.join(tries) if tries else ''}")
 
 
 # ------------------------------------------------------------------ config, run dir

@@ -80,8 +80,8 @@ def test_metrics_jsonl_has_every_contract_key(synthetic_run):
 def test_tensorboard_scalars_read_back(synthetic_run):
     acc = scalars(synthetic_run)
     tags = set(acc.Tags()["scalars"])
-    assert {"train/loss", "train/lr", "val/loss", "val/acc", "perf/compute_efficiency",
-            "perf/samples_per_sec", "perf/tflops"} <= tags
+    assert {"train/loss", "train/lr", "val/loss", "val/acc", "z_perf/compute_efficiency",
+            "z_perf/samples_per_sec", "z_perf/tflops"} <= tags
     loss_steps = [e.step for e in acc.Scalars("train/loss")]
     assert loss_steps == sorted(set(loss_steps)) and loss_steps[0] == 5
     val = [(e.step, e.value) for e in acc.Scalars("val/acc")]
@@ -92,10 +92,27 @@ def test_tensorboard_scalars_read_back(synthetic_run):
 
 
 def test_hparams_written_with_final_metrics(synthetic_run):
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
     acc = scalars(synthetic_run)
-    assert "hparam/val_acc" in acc.Tags()["scalars"]
-    assert acc.Scalars("hparam/val_acc")[-1].value == pytest.approx(
+    contents = [plugin_data_pb2.HParamsPluginData.FromString(c)
+                for c in acc.PluginTagToContent("hparams").values()]
+    experiment = next(c.experiment for c in contents if c.HasField("experiment"))
+    names = {m.name.tag for m in experiment.metric_infos}
+    # the metrics are curves of the run (the HPARAMS tab shows their last values) ...
+    assert {"train/loss", "val/loss", "val/acc"} <= names <= set(acc.Tags()["scalars"])
+    assert acc.Scalars("val/acc")[-1].value == pytest.approx(
         read_metrics(synthetic_run)[-1]["val_acc"])
+    # ... and no one-point charts of their own, first on the Time Series page
+    assert not [t for t in acc.Tags()["scalars"] if t.startswith("hparam")]
+
+
+def test_time_series_opens_on_the_loss_and_accuracy_curves(synthetic_run):
+    """TensorBoard's Time Series page sorts its groups by name and opens the first two."""
+    acc = scalars(synthetic_run)
+    tags = acc.Tags()["scalars"] + acc.Tags()["images"]
+    groups = sorted({t.split("/", 1)[0] for t in tags})
+    assert groups[:2] == ["train", "val"], groups
 
 
 def test_run_dir_records_config_command_and_summary(synthetic_run):
@@ -406,7 +423,7 @@ def test_tensorboard_server_shows_the_run(synthetic_run):
                 pass
             time.sleep(0.5)
         run_tags = next(iter(tags.values()), {})
-        assert {"train/loss", "val/acc", "perf/compute_efficiency"} <= set(run_tags)
+        assert {"train/loss", "val/acc", "z_perf/compute_efficiency"} <= set(run_tags)
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -1,0 +1,280 @@
+"""MLflow tracking (--mlflow [URI]): the run read back with MLflow's own client."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from conftest import ROOT, final_state, tiny_args
+from test_resume import stop_at_step
+
+import tracking
+import train
+
+mlflow = pytest.importorskip("mlflow")
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+EXPERIMENT = "synthetic"  # the dataset's name
+
+
+@pytest.fixture(autouse=True)
+def file_store(monkeypatch):
+    """MLflow 3.7+ opens a file store only when allowed; the experiment is the default."""
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+
+
+def read_metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def only_run(uri):
+    """The one run of the experiment (asserting there is exactly one) and the client."""
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    assert experiment is not None
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1, [r.info.run_id for r in runs]
+    return client, runs[0]
+
+
+def history(client, run_id, key):
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def assert_curve(got, expected):
+    """Two ``[(step, value)]`` curves: the same steps, the same values (float32 text)."""
+    assert [s for s, _ in got] == [s for s, _ in expected]
+    assert [v for _, v in got] == pytest.approx([v for _, v in expected], rel=1e-6)
+
+
+def epoch_history(run_dir, key):
+    return [(r["step"], r[key]) for r in read_metrics(run_dir)]
+
+
+def train_losses(run_dir):
+    """TensorBoard's train/loss curve of the run: ``[(step, value)]``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars("train/loss")]
+
+
+def test_run_recorded_and_read_back(tmp_path, capsys):
+    run_dir, uri = tmp_path / "run", (tmp_path / "mlruns").as_uri()
+    long_dir = "d" * 600  # a param value over MLflow's limit (synthetic data ignores it)
+    assert train.main(tiny_args(run_dir, "--mlflow", uri, "--data-dir", long_dir,
+                                epochs=2)) == 0
+    out = capsys.readouterr()
+    client, run = only_run(uri)
+    run_id = run.info.run_id
+    assert f"mlflow: recording run {run_id} (experiment 'synthetic') in {uri}" in out.out
+    assert "warning" not in out.err and "Traceback" not in out.err
+    assert run.info.status == "FINISHED"
+    assert run.info.run_name == "run"
+
+    # params: config.yaml's values as text, the long one cut and saying so
+    with open(run_dir / "config.yaml") as f:
+        config = yaml.safe_load(f)
+    params = run.data.params
+    assert set(params) == set(config)
+    for key, value in config.items():
+        if key != "data_dir":
+            assert params[key] == str(value), key
+    assert (params["batch_size"], params["network"], params["mlflow"]) == ("16", "mlp", uri)
+    assert len(params["data_dir"]) == tracking.PARAM_LIMIT
+    assert params["data_dir"].startswith("ddd") and params["data_dir"].endswith("(truncated)")
+
+    # metrics: each epoch's record at its step, each log step's loss as TensorBoard has it
+    records = read_metrics(run_dir)
+    assert [r["epoch"] for r in records] == [1, 2]
+    for key in ("val_acc", "train_loss", "val_loss", "lr", "samples_per_sec"):
+        assert_curve(history(client, run_id, key), epoch_history(run_dir, key))
+    losses = train_losses(run_dir)
+    assert [s for s, _ in losses] == list(range(1, 9))  # --log-every 1, 4 steps an epoch
+    assert_curve(history(client, run_id, "train/loss"), losses)
+    assert [s for s, _ in history(client, run_id, "train/lr")] == list(range(1, 9))
+    assert not [k for k in run.data.metrics if k.startswith(("val/", "perf/"))]
+
+    # artifacts: the run directory's config.yaml and summary.txt, as written
+    assert {a.path for a in client.list_artifacts(run_id)} >= {"config.yaml", "summary.txt"}
+    local = client.download_artifacts(run_id, "summary.txt", str(tmp_path))
+    assert open(local).read() == (run_dir / "summary.txt").read_text()
+
+    # the best checkpoint, and the run id in every checkpoint
+    best = run_dir / "checkpoints" / "best.pt"
+    assert run.data.tags["best_checkpoint"] == str(best.resolve())
+    assert final_state(run_dir)["mlflow_run_id"] == run_id
+    assert torch.load(best, weights_only=True)["mlflow_run_id"] == run_id
+
+
+def test_bare_flag_records_beside_the_runs(tmp_path, capsys):
+    run_dir = tmp_path / "runs" / "exp1"
+    assert train.main(tiny_args(run_dir, "--mlflow")) == 0
+    store = (tmp_path / "mlruns").as_uri()
+    assert tracking.tracking_uri("local", str(run_dir)) == store
+    out = capsys.readouterr().out
+    assert f"mlflow ui --backend-store-uri {store}" in out
+    client, run = only_run(store)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["mlflow"] == "local"
+    assert final_state(run_dir)["mlflow_run_id"] == run.info.run_id
+    assert not os.path.exists(tmp_path / "runs" / "mlruns")
+
+
+def assert_continued(client, run, run_dir, first_id, steps):
+    """One run, the first one, finished, its curves covering the whole training."""
+    assert run.info.run_id == first_id
+    assert run.info.status == "FINISHED"
+    records = read_metrics(run_dir)
+    assert [r["epoch"] for r in records] == [1, 2]
+    for key in ("val_acc", "train_loss"):
+        assert_curve(history(client, first_id, key), epoch_history(run_dir, key))
+    logged = history(client, first_id, "train/loss")
+    assert {s for s, _ in logged} == set(range(1, steps + 1))  # none lost
+    by_step = dict(train_losses(run_dir))
+    for step, value in logged:  # a step logged twice (before and after the stop) agrees
+        assert value == pytest.approx(by_step[step]), step
+    assert final_state(run_dir)["mlflow_run_id"] == first_id
+
+
+def test_max_steps_then_resume_continues_the_mlflow_run(tmp_path, capsys):
+    run_dir, uri = tmp_path / "run", (tmp_path / "mlruns").as_uri()
+    assert train.main(tiny_args(run_dir, "--mlflow", uri, "--max-steps", "3",
+                                epochs=2)) == 0
+    client, run = only_run(uri)
+    first_id = run.info.run_id
+    assert final_state(run_dir)["mlflow_run_id"] == first_id
+    assert [s for s, _ in history(client, first_id, "train/loss")] == [1, 2, 3]
+    capsys.readouterr()
+    # the config (with --mlflow) comes from the checkpoint; --max-steps 0 lifts the limit
+    assert train.main(tiny_args(run_dir, "--resume", "auto", "--max-steps", "0",
+                                epochs=2)) == 0
+    assert f"mlflow: continuing run {first_id}" in capsys.readouterr().out
+    client, run = only_run(uri)
+    assert_continued(client, run, run_dir, first_id, steps=8)
+
+
+def test_sigterm_leaves_the_run_to_continue(tmp_path, capsys):
+    run_dir, uri = tmp_path / "run", (tmp_path / "mlruns").as_uri()
+    args = tiny_args(run_dir, "--mlflow", uri, epochs=2)
+    with stop_at_step(6):  # mid-epoch 2: a real SIGTERM to this process
+        assert train.main(args) == 128 + signal.SIGTERM
+    client, run = only_run(uri)
+    first_id = run.info.run_id
+    assert run.info.status == "KILLED"
+    stopped = final_state(run_dir)
+    assert (stopped["step"], stopped["mlflow_run_id"]) == (6, first_id)
+    assert [s for s, _ in history(client, first_id, "val_acc")] == [4]
+    capsys.readouterr()
+    assert train.main([*args, "--resume", "auto"]) == 0
+    out = capsys.readouterr()
+    assert f"mlflow: continuing run {first_id}" in out.out
+    assert "warning" not in out.err
+    client, run = only_run(uri)
+    assert_continued(client, run, run_dir, first_id, steps=8)
+
+
+def test_old_checkpoint_without_a_run_id_starts_one(tmp_path):
+    run_dir, uri = tmp_path / "run", (tmp_path / "mlruns").as_uri()
+    assert train.main(tiny_args(run_dir, "--max-steps", "2", epochs=2)) == 0
+    assert "mlflow_run_id" not in final_state(run_dir)  # MLflow was off
+    assert train.main(tiny_args(run_dir, "--resume", "auto", "--max-steps", "0",
+                                "--mlflow", uri, epochs=2)) == 0
+    client, run = only_run(uri)
+    assert run.info.status == "FINISHED"
+    assert final_state(run_dir)["mlflow_run_id"] == run.info.run_id
+    assert [s for s, _ in history(client, run.info.run_id, "val_acc")] == [4, 8]
+
+
+def test_resume_into_another_store_starts_a_new_run(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    first, second = (tmp_path / "a").as_uri(), (tmp_path / "b").as_uri()
+    assert train.main(tiny_args(run_dir, "--mlflow", first, "--max-steps", "2",
+                                epochs=2)) == 0
+    old_id = final_state(run_dir)["mlflow_run_id"]
+    capsys.readouterr()
+    assert train.main(tiny_args(run_dir, "--resume", "auto", "--max-steps", "0",
+                                "--mlflow", second, epochs=2)) == 0
+    out = capsys.readouterr().out
+    assert f"mlflow: the checkpoint's run {old_id} is not in {second}" in out
+    client, run = only_run(second)
+    assert run.info.run_id != old_id and run.info.status == "FINISHED"
+    assert final_state(run_dir)["mlflow_run_id"] == run.info.run_id
+    assert only_run(first)[1].info.run_id == old_id
+
+
+def test_only_process_0_records(tmp_path):
+    """Two torchrun processes (gloo): one MLflow run, each step logged once."""
+    run_dir, uri = tmp_path / "run", (tmp_path / "mlruns").as_uri()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", "train.py",
+                           *tiny_args(run_dir, "--mlflow", uri, "--data-on-device", "off")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("mlflow: recording run") == 1, proc.stdout[-3000:]
+    client, run = only_run(uri)
+    assert run.info.status == "FINISHED"
+    steps = [s for s, _ in history(client, run.info.run_id, "train/loss")]
+    assert steps == [1, 2]  # 64 samples, 2 processes of 16 a step
+    assert_curve(history(client, run.info.run_id, "val_acc"), epoch_history(run_dir, "val_acc"))
+    assert final_state(run_dir)["mlflow_run_id"] == run.info.run_id
+
+
+def closed_port():
+    """A local port that refuses connections: bound, never listening (no one takes it)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+def test_unreachable_server_is_one_warning(tmp_path):
+    run_dir = tmp_path / "run"
+    with closed_port() as sock:
+        uri = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+        proc = subprocess.run([sys.executable, "train.py", *tiny_args(
+            run_dir, "--mlflow", uri, "--ckpt-every-steps", "2", epochs=2)],
+            cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if "warning" in line.lower()]
+    assert len(warnings) == 1, proc.stderr
+    assert warnings[0].startswith(f"warning: MLflow ({uri}): Connection refused; training "
+                                  f"goes on"), warnings
+    assert "Traceback" not in proc.stderr
+    assert f"done: {run_dir}" in proc.stdout
+    names = os.listdir(run_dir / "checkpoints")
+    assert {"last.pt", "best.pt"} <= set(names), names
+    state = final_state(run_dir)
+    assert (state["epoch"], state["step"]) == (2, 8)
+    assert "mlflow_run_id" not in state
+    assert [r["epoch"] for r in read_metrics(run_dir)] == [1, 2]
+
+
+def test_without_the_flag_mlflow_is_not_imported(tmp_path):
+    code = ("import sys, train; code = train.main(sys.argv[1:]); "
+            "print('mlflow imported:', 'mlflow' in sys.modules); sys.exit(code)")
+    proc = subprocess.run([sys.executable, "-c", code, *tiny_args(tmp_path / "run")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "mlflow imported: False" in proc.stdout
+    assert final_state(tmp_path / "run")["config"]["mlflow"] is None
+    assert "mlflow_run_id" not in final_state(tmp_path / "run")
+
+
+def test_tracking_uri_forms(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert tracking.tracking_uri("local", "runs/a") == (tmp_path / "mlruns").as_uri()
+    assert tracking.tracking_uri("store", "runs/a") == (tmp_path / "store").as_uri()
+    for uri in ("http://host:5000", "file:///x/mlruns", "databricks", "sqlite:///m.db"):
+        assert tracking.tracking_uri(uri, "runs/a") == uri

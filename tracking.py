@@ -1,0 +1,264 @@
+"""MLflow tracking (``--mlflow [URI]``): the run recorded in an MLflow tracking store.
+
+``open_tracker`` opens (or, after a resume, reopens) the MLflow run on process 0; ``RunLog``
+forwards to the ``Tracker`` what it writes to TensorBoard and metrics.jsonl:
+
+    params      the resolved config (config.yaml's keys), values as text; a value longer
+                than ``PARAM_LIMIT`` characters is cut and ends in "... (truncated)"
+    metrics     each metrics.jsonl record's numbers under its keys (train_loss, val_loss,
+                val_acc, lr, samples_per_sec, ...) and each log step's ``train/*`` scalars
+                (train/loss, train/lr, ...), all at step = the optimizer step
+    artifacts   config.yaml and summary.txt, when the run starts (again after a resume)
+    tags        run_dir and, at the end, best_checkpoint (the absolute path of best.pt)
+
+The experiment is the dataset's name (``cifar10``, ``synthetic``, ...), or
+``$MLFLOW_EXPERIMENT_NAME``; the run is named after the run directory. Without a URI,
+``--mlflow`` records into a local file store beside the runs: ``mlruns/`` next to the run
+directory's parent (``runs/<name>`` -> ``./mlruns``). The MLflow run id is kept in every
+checkpoint (``RUN_ID_KEY``): a resumed or requeued run continues the same MLflow run. A
+finished run ends FINISHED, one stopped by a signal KILLED (a resume sets it RUNNING again).
+
+MLflow is imported only when ``--mlflow`` is on. A store that cannot be reached or that
+refuses a call is one ``warning:`` line, and the run goes on without MLflow; its HTTP calls
+are not retried and time out after ``HTTP_TIMEOUT_S`` seconds (unless the environment sets
+``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` / ``MLFLOW_HTTP_REQUEST_TIMEOUT``).
+"""
+
+import os
+import pathlib
+import sys
+import time
+import urllib.parse
+
+import metrics
+import runtime
+from config import NOT_SAVED_IN_CONFIG
+
+RUN_ID_KEY = "mlflow_run_id"  # the checkpoint dict's key
+LOCAL = "local"  # config["mlflow"] of a bare --mlflow
+PARAM_LIMIT = 500  # characters of a param value; older servers accept this much too
+TRUNCATED = "... (truncated)"
+ARTIFACTS = ("config.yaml", "summary.txt")
+LOG_STEP_PREFIX = metrics.TRAIN_LOSS.split("/")[0] + "/"  # "train/": train.log_train's tags
+BATCH = 100  # params, tags or metrics in one call (MLflow's limit for params and tags)
+HTTP_TIMEOUT_S = 10
+
+
+def local_store(run_dir):
+    """The file store of a bare --mlflow, as a ``file://`` URI: ``mlruns/`` next to the run
+    directory's parent (``runs/<name>`` -> ``./mlruns``)."""
+    parent = os.path.dirname(os.path.dirname(os.path.abspath(run_dir)))
+    return pathlib.Path(parent, "mlruns").as_uri()
+
+
+def tracking_uri(value, run_dir):
+    """The tracking URI of ``--mlflow VALUE``: ``local_store`` for a bare flag, a plain
+    path as an absolute ``file://`` URI, any other URI as given."""
+    if value == LOCAL:
+        return local_store(run_dir)
+    if not urllib.parse.urlparse(value).scheme and value != "databricks":
+        return pathlib.Path(os.path.abspath(value)).as_uri()
+    return value
+
+
+def experiment_name(config):
+    """The experiment runs are recorded in: ``$MLFLOW_EXPERIMENT_NAME``, else the dataset."""
+    return os.environ.get("MLFLOW_EXPERIMENT_NAME") or config["dataset"]
+
+
+def params_of(config):
+    """The config as MLflow params: config.yaml's keys, values as text, cut to
+    ``PARAM_LIMIT`` characters (the cut says so)."""
+    params = {}
+    for key, value in config.items():
+        if key in NOT_SAVED_IN_CONFIG:
+            continue
+        text = str(value)
+        if len(text) > PARAM_LIMIT:
+            text = text[:PARAM_LIMIT - len(TRUNCATED)] + TRUNCATED
+        params[key] = text
+    return params
+
+
+def run_id(tracker, saved):
+    """The MLflow run id every checkpoint keeps: the tracker's, else the one of the
+    checkpoint resumed from (kept while MLflow is off or down), else None."""
+    if tracker is not None and tracker.run_id:
+        return tracker.run_id
+    return saved.get(RUN_ID_KEY) if saved else None
+
+
+def open_tracker(config, run_dir, saved=None, enabled=True):
+    """The MLflow run of this training, opened; None without --mlflow or off process 0.
+
+    Args:
+        config: the resolved config (``config["mlflow"]``: None, ``"local"`` or a URI).
+        run_dir: the run directory.
+        saved: the checkpoint resumed from, or None: its ``RUN_ID_KEY`` is the run to
+            continue.
+        enabled: False on every process but the main one.
+
+    Returns:
+        A ``Tracker`` (disabled, after one warning, where MLflow failed), or None.
+    """
+    if not enabled or not config.get("mlflow"):
+        return None
+    tracker = Tracker(tracking_uri(config["mlflow"], run_dir), run_dir)
+    tracker.start(config, saved.get(RUN_ID_KEY) if saved else None)
+    return tracker
+
+
+def reason(error):
+    """Why an MLflow call failed, in a few words: the network's or the file system's error
+    at the root of the chain ("Connection refused"), else the first sentence of MLflow's."""
+    root, depth = error, 0
+    while (root.__cause__ or root.__context__) is not None and depth < 20:
+        root, depth = root.__cause__ or root.__context__, depth + 1
+    return runtime.first_sentence(root if isinstance(root, OSError) else error)
+
+
+class Tracker:
+    """One MLflow run, written by process 0; every call is a no-op once MLflow failed.
+
+    Args:
+        uri: the tracking URI.
+        run_dir: the run directory (its artifacts, best.pt).
+    """
+
+    def __init__(self, uri, run_dir):
+        self.uri, self.run_dir = uri, run_dir
+        self.client, self.run_id = None, None
+
+    def start(self, config, resume_id=None):
+        """Reopens run ``resume_id`` (a resumed run), or creates a run; logs the params."""
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(HTTP_TIMEOUT_S))
+        if urllib.parse.urlparse(self.uri).scheme == "file":  # in maintenance mode since
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3.7: allowed
+        try:
+            from mlflow.tracking import MlflowClient
+        except ImportError:
+            self._warn("MLflow is not installed (pip install -r requirements.txt)")
+            return
+        try:  # the store is opened here: an unknown scheme, a file store refused
+            self.client = MlflowClient(tracking_uri=self.uri)
+        except Exception as e:
+            self._warn(reason(e))
+            return
+        self._call(self._start, config, resume_id)
+
+    def _start(self, config, resume_id):
+        from mlflow.exceptions import MlflowException
+
+        run, existing, continuing = None, {}, False
+        if resume_id:
+            try:
+                run = self.client.get_run(resume_id)
+            except MlflowException as e:
+                if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+                runtime.main_print(f"mlflow: the checkpoint's run {resume_id} is not in "
+                                   f"{self.uri}: starting a new MLflow run")
+        name = experiment_name(config)
+        if run is None:
+            run = self.client.create_run(
+                self._experiment_id(name), run_name=os.path.basename(
+                    os.path.normpath(self.run_dir)),
+                tags={"run_dir": os.path.abspath(self.run_dir),
+                      "mlflow.source.name": "train.py"})
+        else:
+            self.client.update_run(run.info.run_id, status="RUNNING")
+            existing, continuing = run.data.params, True
+        self.run_id = run.info.run_id
+        self._log_params(params_of(config), existing)
+        how = "continuing" if continuing else "recording"
+        if self.uri.startswith("file:"):
+            look = f"; look with: MLFLOW_ALLOW_FILE_STORE=true mlflow ui " \
+                f"--backend-store-uri {self.uri}"
+        elif self.uri.startswith(("http:", "https:")):  # the server's UI
+            look = f"; look at {self.uri.rstrip('/')}/#/experiments/" \
+                f"{run.info.experiment_id}/runs/{self.run_id}"
+        else:
+            look = ""
+        runtime.main_print(f"mlflow: {how} run {self.run_id} (experiment {name!r}) in "
+                           f"{self.uri}{look}")
+
+    def _experiment_id(self, name):
+        from mlflow.exceptions import MlflowException
+
+        experiment = self.client.get_experiment_by_name(name)
+        if experiment is not None:
+            return experiment.experiment_id
+        try:
+            return self.client.create_experiment(name)
+        except MlflowException:  # another run created it at the same moment
+            experiment = self.client.get_experiment_by_name(name)
+            if experiment is None:
+                raise
+            return experiment.experiment_id
+
+    def _log_params(self, params, existing):
+        """The params not yet in the run; an MLflow param cannot change, so one a resume
+        overrode becomes the tag ``override.<key>``."""
+        from mlflow.entities import Param, RunTag
+
+        new = [Param(k, v) for k, v in params.items() if k not in existing]
+        changed = [RunTag(f"override.{k}", v) for k, v in params.items()
+                   if k in existing and existing[k] != v]
+        for i in range(0, len(new), BATCH):
+            self.client.log_batch(self.run_id, params=new[i:i + BATCH])
+        for i in range(0, len(changed), BATCH):
+            self.client.log_batch(self.run_id, tags=changed[i:i + BATCH])
+
+    def scalars(self, values, step):
+        """A log step's training scalars (``train/*``: loss, lr, ...); other tags are
+        dropped (validation and speed arrive with the epoch's record)."""
+        self._metrics({k: v for k, v in values.items() if k.startswith(LOG_STEP_PREFIX)},
+                      step)
+
+    def epoch(self, record):
+        """One metrics.jsonl record, its figures at its optimizer step."""
+        self._metrics({k: v for k, v in record.items() if k != "step"}, record["step"])
+
+    def artifacts(self):
+        """config.yaml and summary.txt of the run directory (those that exist)."""
+        paths = [os.path.join(self.run_dir, name) for name in ARTIFACTS]
+        self._call(lambda: [self.client.log_artifact(self.run_id, p) for p in paths
+                            if os.path.exists(p)])
+
+    def close(self, finished):
+        """Ends the run: FINISHED when ``finished``, else KILLED (a signal: a resume
+        continues it); the tag best_checkpoint names best.pt where there is one."""
+        best = os.path.abspath(os.path.join(self.run_dir, "checkpoints", "best.pt"))
+
+        def end():
+            if os.path.exists(best):
+                self.client.set_tag(self.run_id, "best_checkpoint", best)
+            self.client.set_terminated(self.run_id, "FINISHED" if finished else "KILLED")
+
+        self._call(end)
+
+    def _metrics(self, values, step):
+        if self.client is None:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, int(step)) for k, v in values.items()
+                 if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if batch:
+            self._call(self.client.log_batch, self.run_id, metrics=batch)
+
+    def _call(self, call, *args, **kwargs):
+        """Calls MLflow; a failure disables the tracker after one warning."""
+        if self.client is None:  # off: MLflow failed before
+            return
+        try:
+            call(*args, **kwargs)
+        except Exception as e:  # any failure of the store: the run does not depend on it
+            self._warn(reason(e))
+
+    def _warn(self, why):
+        self.client = None
+        runtime.say(f"warning: MLflow ({self.uri}): {why}; training goes on without "
+                    f"recording in MLflow", file=sys.stderr)
