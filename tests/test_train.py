@@ -88,7 +88,7 @@ def test_tensorboard_scalars_read_back(synthetic_run):
     records = read_metrics(synthetic_run)
     assert [s for s, _ in val] == [r["step"] for r in records]
     torch.testing.assert_close([v for _, v in val], [r["val_acc"] for r in records])
-    assert "train/first_batch" in acc.Tags()["images"]
+    assert "z_data/first_batch" in acc.Tags()["images"]
 
 
 def test_hparams_written_with_final_metrics(synthetic_run):
