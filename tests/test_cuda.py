@@ -164,3 +164,49 @@ def test_nccl_processes_train_like_one_gpu(tmp_path):
     args[args.index("--device") + 1] = "cuda"
     assert train.main(args) == 0
     torch.testing.assert_close(final_state(ddp)["model"], final_state(single)["model"])
+
+
+def test_out_of_memory_under_a_memory_fraction_dumps_a_snapshot(tmp_path):
+    """--gpu-memory-fraction caps the caching allocator: a resnet18 batch of 512 does not fit
+    in 1% of the GPU; the run ends in one error line, exit 1, with --memory-snapshot's file."""
+    import pickle
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    run_dir = tmp_path / "run"
+    args = cuda_args(run_dir, "--gpu-memory-fraction", "0.01", "--memory-snapshot")
+    args[args.index("--network") + 1] = "resnet18"
+    args[args.index("--batch-size") + 1] = "256"
+    args[args.index("--image-size") + 1] = "64"
+    proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "out of memory in" in errors[0] and "CUDA out of memory" in errors[0]
+    snapshot = run_dir / "memory_snapshot.pickle"
+    assert str(snapshot) in errors[0]
+    with open(snapshot, "rb") as f:
+        assert "segments" in pickle.load(f)
+
+
+def test_gpu_memory_fraction_is_set_for_the_process(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = ("import sys, torch, runtime; runtime.set_memory_options({'gpu_memory_fraction': "
+            "0.25, 'memory_snapshot': False}, torch.device('cuda', 0)); "
+            "print(torch.cuda.get_per_process_memory_fraction(0))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    assert float(out.strip().splitlines()[-1]) == pytest.approx(0.25)
+
+
+def test_gradient_norm_under_fp16_on_cuda(tmp_path):
+    assert train.main(cuda_args(tmp_path, "--amp", "fp16", "--grad-clip", "1e6")) == 0
+    norms = [r["grad_norm"] for r in records(tmp_path)]
+    assert all(n > 0 for n in norms) and all(r["grad_clipped"] == 0 for r in records(tmp_path))

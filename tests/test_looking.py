@@ -238,3 +238,18 @@ def test_memory_flags_warn_without_cuda(tmp_path, capsys, train_main):
 def test_gpu_memory_fraction_must_be_a_share(tmp_path, capsys, train_main):
     assert train_main(tiny_args(tmp_path / "run", "--gpu-memory-fraction", "1.5")) == 2
     assert "--gpu-memory-fraction must be in [0, 1]" in capsys.readouterr().err
+
+
+def test_early_stop_under_ddp_stops_every_process_with_one_process(tmp_path, train_main):
+    """Two processes of 16 stop at the epoch one process of 32 stops at, all of them: the
+    validation figures are all-reduced, so each process decides the same."""
+    from test_distributed import torchrun
+
+    flags = (*EARLY, "--no-augment", "--scheduler", "none")
+    ddp, single = tmp_path / "ddp", tmp_path / "single"
+    out = torchrun(tiny_args(ddp, *flags, batch=16, epochs=8))  # asserts exit 0
+    assert train_main(tiny_args(single, *flags, batch=32, epochs=8)) == 0
+    assert [r["epoch"] for r in records(ddp)] == [r["epoch"] for r in records(single)] \
+        == [1, 2, 3]
+    assert out.count("early stop at epoch 3") == 1  # said once, by process 0
+    torch.testing.assert_close(final_state(ddp)["model"], final_state(single)["model"])
