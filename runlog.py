@@ -26,6 +26,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
+import elastic
 import files
 import metrics
 import ops
@@ -137,6 +138,10 @@ class RunLock:
 
     If ``.lock`` exists:
 
+    * it was taken by process 0 of an earlier round of this torchrun job (its ``"job"``:
+      the same TORCHELASTIC_RUN_ID, a lower restart count) that is not running here:
+      torchrun ended that round before restarting the group, so it is taken over with a
+      ``note:`` (``elastic.earlier_round_of_this_job``);
     * its holder runs on this host (``os.kill(pid, 0)`` succeeds and the process is the
       one that started then): ``UserError`` naming pid, host and start time;
     * its holder has exited (or the file is empty or unreadable: a crash while creating
@@ -179,7 +184,7 @@ class RunLock:
     def _new_record(self):
         return {"pid": os.getpid(), "host": socket.gethostname(),
                 "started": datetime.datetime.now().isoformat(timespec="seconds"),
-                "proc_start": runtime.process_start(os.getpid())}
+                "proc_start": runtime.process_start(os.getpid()), "job": elastic.job()}
 
     def _read(self):
         """``(raw bytes, parsed record or None)``; raw is None if there is no file."""
@@ -247,7 +252,13 @@ class RunLock:
         if holder is None:
             return (f"warning: taking over {self.path!r}, which is empty or unreadable "
                     f"(a run that crashed while creating it)")
-        if holder["host"] != socket.gethostname():
+        here = holder["host"] == socket.gethostname()
+        if elastic.earlier_round_of_this_job(holder) and not (  # torchrun restarted the
+                here and runtime.process_alive(holder["pid"], holder.get("proc_start"))):
+            return (f"note: taking over {self.path!r} from restart round "  # group
+                    f"{holder['job']['restart']} of this torchrun job "
+                    f"({self._describe(holder)}), which torchrun ended")
+        if not here:
             raise UserError(
                 f"run directory {self.run_dir!r} is locked by a run on another host "
                 f"({self._describe(holder)}), which cannot be checked from here; if that "

@@ -54,8 +54,12 @@ def main_print(message, file=None):
         say(message, file)
 
 
-def setup_processes(config):
+def setup_processes(config, stop=None):
     """Starts torch.distributed when launched by torchrun; picks the device.
+
+    Under torchrun the processes join this round's group (``elastic.join_process_group``:
+    after a restart too), waiting for each other while answering ``stop``
+    (``StopRequest.pending``).
 
     Returns:
         A ``Processes``.
@@ -75,7 +79,9 @@ def setup_processes(config):
                                 f"per machine (torchrun --nproc_per_node {count}), or train "
                                 f"on CPU processes with --device cpu")
             device = select_device(torch.device("cuda", local_rank))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        import elastic  # (it imports this module)
+        elastic.join_process_group("nccl" if device.type == "cuda" else "gloo", rank,
+                                   world_size, stop)
         host = dist.new_group(backend="gloo") if device.type == "cuda" else None
         return Processes(rank, world_size, device, host)
     if config["gpus"]:

@@ -20,6 +20,7 @@ sight. Everything else is one hop away:
     TensorBoard, metrics.jsonl, config.yaml, summary.txt     runlog.RunLog
     MLflow (--mlflow)                                        tracking.py
     processes, devices, AMP dtype, seeds, signals            runtime.py
+    torchrun's restarts: joining a round, the job's lock     elastic.py
     datasets, the seeded sampler, per-sample loaders         data.py
     data held and augmented on the device                    device_data.py
     the LR range test (--find-lr)                            lr_finder.run
@@ -162,7 +163,7 @@ class Training:
 def fit(config, argv, resume_path, saved, directory, stop):
     """Builds everything, resumes, trains (``run_epochs``) and says how it ended."""
     log = runtime.main_print
-    procs = runtime.setup_processes(config)
+    procs = runtime.setup_processes(config, stop.pending)
     runtime.set_memory_options(config, procs.device)  # before the first allocation
     if procs.world_size > 1:
         runtime.check_same_resume_point(saved, procs)

@@ -48,10 +48,11 @@ def _child_env():
     return env
 
 
-def start_torchrun(args, script="train.py", nproc=2):
-    """Starts ``torchrun --standalone`` (it picks a free port) in the repository root."""
+def start_torchrun(args, script="train.py", nproc=2, torchrun_args=()):
+    """Starts ``torchrun --standalone`` (it picks a free port) in the repository root;
+    ``torchrun_args`` go before the script (``--max-restarts 3``)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node", str(nproc), script, *map(str, args)]
+           "--nproc_per_node", str(nproc), *torchrun_args, script, *map(str, args)]
     return subprocess.Popen(cmd, cwd=ROOT, env=_child_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
@@ -272,11 +273,11 @@ def test_gradual_unfreezing_under_ddp_trains_like_one_process(tmp_path, train_ma
 
 
 def signal_a_worker_once_an_epoch_is_saved(run_dir, args, signum, script="train.py",
-                                           rank=1):
+                                           rank=1, torchrun_args=()):
     """Starts torchrun with ``args``, waits for its first epoch checkpoint, sends ``signum``
     to worker ``rank`` only and returns ``(exit code, output, {rank: pid})``; kills it all
     if it hangs."""
-    proc = start_torchrun(args, script=script)
+    proc = start_torchrun(args, script=script, torchrun_args=torchrun_args)
     try:
         deadline = time.monotonic() + TIMEOUT
         while not glob.glob(ckpt(run_dir, "epoch-*.pt")) and proc.poll() is None:
