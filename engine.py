@@ -189,10 +189,11 @@ class Counters:
 
     Args:
         device: where the sums live.
+        clip: --grad-clip (0: off), to count the steps it clipped.
     """
 
-    def __init__(self, device):
-        self.device = device
+    def __init__(self, device, clip=0.0):
+        self.device, self.clip = device, clip
         self.streak = torch.zeros((), device=device, dtype=torch.long)
         self.reset()
 
@@ -202,9 +203,7 @@ class Counters:
         self.samples = 0
         self.worst = torch.zeros((), device=self.device, dtype=torch.long)
         self.skips = torch.zeros((), device=self.device)
-        self.grad_norm_sum = torch.zeros((), device=self.device, dtype=torch.float64)
-        self.grad_norm_count = torch.zeros((), device=self.device, dtype=torch.long)
-        self.clipped = torch.zeros((), device=self.device, dtype=torch.long)
+        self.grad_norms = []  # each step's norm, a 0-d tensor on the device
 
     def add_loss(self, loss, count):
         """Adds a batch's mean loss for ``count`` samples; tracks non-finite streaks.
@@ -220,16 +219,20 @@ class Counters:
         self.streak = torch.where(finite, 0, self.streak + 1)
         self.worst = torch.maximum(self.worst, self.streak)
 
-    def add_grad_norm(self, norm, clip=0.0):
-        """Adds an optimizer step's total gradient norm (before clipping) and, with
-        ``clip`` > 0, whether it was clipped; a non-finite norm (an fp16 step the
-        GradScaler skips) adds nothing."""
-        norm = norm.detach()
-        finite = torch.isfinite(norm)
-        self.grad_norm_sum += torch.where(finite, norm.double(), 0.0)
-        self.grad_norm_count += finite
-        if clip > 0:
-            self.clipped += norm > clip
+    def add_grad_norm(self, norm):
+        """Keeps an optimizer step's total gradient norm (before clipping): a list append
+        per step, no kernel; ``read`` sums them."""
+        self.grad_norms.append(norm.detach())
+
+    def _grad_norm_sums(self, clip):
+        """The kept norms' sum and count, the non-finite ones (an fp16 step the GradScaler
+        skips) left out, and how many were above ``clip`` (when > 0)."""
+        if not self.grad_norms:
+            return 0.0, 0, 0
+        norms = torch.stack(self.grad_norms).double()
+        finite = torch.isfinite(norms)
+        clipped = int((norms > clip).sum()) if clip > 0 else 0
+        return float(torch.where(finite, norms, 0.0).sum()), int(finite.sum()), clipped
 
     def read(self):
         """Returns the sums since the last read as numbers, and starts new ones.
@@ -238,14 +241,15 @@ class Counters:
             A dict with ``loss_sum`` and ``loss_count`` (finite losses only),
             ``samples`` (all), ``worst_streak`` (longest run of non-finite losses),
             ``streak`` (the current one), ``scaler_skips``, and the gradient norms:
-            ``grad_norm_sum`` over ``grad_norm_count`` steps, ``grad_clipped`` of them.
+            ``grad_norm_sum`` over ``grad_norm_count`` steps, ``grad_clipped`` of them
+            above the clip (--grad-clip).
         """
+        grad_sum, grad_count, clipped = self._grad_norm_sums(self.clip)
         values = {"loss_sum": float(self.loss_sum), "loss_count": int(self.loss_count),
                   "samples": self.samples, "worst_streak": int(self.worst),
                   "streak": int(self.streak), "scaler_skips": int(self.skips),
-                  "grad_norm_sum": float(self.grad_norm_sum),
-                  "grad_norm_count": int(self.grad_norm_count),
-                  "grad_clipped": int(self.clipped)}
+                  "grad_norm_sum": grad_sum, "grad_norm_count": grad_count,
+                  "grad_clipped": clipped}
         self.reset()
         return values
 
@@ -420,7 +424,7 @@ def _optimizer_step(model, optimizer, loop):
         norm = total_norm([p.grad for p in model.parameters() if p.grad is not None])
         if scaler.is_enabled():
             norm = norm / scaler._scale  # (get_scale() would read it back: a sync)
-    loop.counters.add_grad_norm(norm, loop.grad_clip)
+    loop.counters.add_grad_norm(norm)
     scaler.step(optimizer)
     if scaler.is_enabled():
         # No public API tells whether this step was skipped without a sync; the

@@ -618,7 +618,8 @@ def build_loop(config, procs, train_set, sampler, prefetch=0):
         lr_factor=functools.partial(ops.lr_factor, total_steps=total_steps,
                                     schedule=config["scheduler"],
                                     warmup_steps=int(config["warmup_epochs"] * steps_per_epoch)),
-        timer=engine.StepTimer(device), counters=engine.Counters(device),
+        timer=engine.StepTimer(device),
+        counters=engine.Counters(device, config["grad_clip"]),
         mix=recipes.build_batch_mix(config, train_set.num_classes))
 
 
