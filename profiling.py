@@ -25,6 +25,7 @@ import time
 
 import torch
 
+import device_data
 import runtime
 
 WAIT, WARMUP = 1, 1  # steps before the recording: skipped, then profiled but not kept
@@ -53,10 +54,11 @@ def steps_left(config, sampler, accum, step):
     return total - step
 
 
-def bound_line(data_time, compute_time, steps, recorded=None):
+def bound_line(data_time, compute_time, steps, recorded=None, on_device=False):
     """The one line that says whether ``steps`` steps waited for data (data-bound) or not;
     ``recorded`` (more than ``steps``): the timer restarted in the window (a new epoch),
-    the figures are those of its last ``steps`` steps."""
+    the figures are those of its last ``steps`` steps. ``on_device``: the batches are made
+    on the device (--data-on-device), where workers and prefetching do not apply."""
     total = data_time + compute_time
     share = data_time / total if total > 0 else 0.0
     over = f"over {steps} step{'s' if steps != 1 else ''}"
@@ -64,6 +66,10 @@ def bound_line(data_time, compute_time, steps, recorded=None):
         over += f", the last of the {recorded} recorded: the loop's timer restarts each epoch"
     figures = (f"waited for data {share:.1%} of the time (data {data_time:.3f} s, compute "
                f"{compute_time:.3f} s {over})")
+    if share > DATA_BOUND and on_device:
+        return (f"profile: data-bound: {figures}; the batches are gathered and augmented on "
+                f"the device: lighter augmentation (--auto-augment, --random-erase) or a "
+                f"larger --batch-size spreads that cost")
     if share > DATA_BOUND:
         return (f"profile: data-bound: {figures}; try more --num-workers, --prefetch N "
                 f"or --data-on-device")
@@ -110,7 +116,8 @@ def window(training, train_loader):
                            f"{wait} skipped and {warmup} warm-up")
     profile = Profile(os.path.join(training.config["run_dir"], "profile"),
                       training.procs, training.loop.timer, (wait, warmup, active),
-                      training.state.step)
+                      training.state.step,
+                      on_device=isinstance(train_loader, device_data.DeviceLoader))
     with profile:
         yield profile
 
@@ -125,10 +132,12 @@ class Profile:
             (on CUDA ``totals`` synchronises).
         schedule: ``(wait, warmup, active)`` steps (``plan``).
         step: the optimizer steps taken before the first one this sees.
+        on_device: the batches are made on the device (the advice when data-bound).
     """
 
-    def __init__(self, directory, procs, timer, schedule, step=0):
+    def __init__(self, directory, procs, timer, schedule, step=0, on_device=False):
         self.directory, self.rank, self.is_main = directory, procs.rank, procs.is_main
+        self.on_device = on_device  # the device data path: other advice when data-bound
         self.world_size = procs.world_size
         self.cuda = procs.device.type == "cuda"
         self.timer = timer
@@ -251,4 +260,5 @@ class Profile:
             runtime.say(f"profile: {steps} in {self.trace}{others}: "
                         f"tensorboard --logdir {os.path.dirname(self.trace)} (its PyTorch "
                         f"Profiler tab) or ui.perfetto.dev")
-        runtime.say(bound_line(*figures, recorded=self.calls - self.wait - self.warmup))
+        runtime.say(bound_line(*figures, recorded=self.calls - self.wait - self.warmup,
+                               on_device=self.on_device))

@@ -127,6 +127,8 @@ def test_bound_line_names_the_bottleneck():
     data_bound = profiling.bound_line(0.5, 1.5, 3)
     assert data_bound.startswith("profile: data-bound: waited for data 25.0% of the time")
     assert "--num-workers" in data_bound and "--data-on-device" in data_bound
+    on_device = profiling.bound_line(0.5, 1.5, 3, on_device=True)  # workers do not apply
+    assert on_device.startswith("profile: data-bound:") and "--num-workers" not in on_device
     compute = profiling.bound_line(0.05, 1.95, 1)
     assert compute == ("profile: compute-bound: waited for data 2.5% of the time (data "
                        "0.050 s, compute 1.950 s over 1 step)")
