@@ -129,7 +129,7 @@ def run(training, train_loader, criterion, stop):
     steepest, min_over_10 = suggest(curve.lrs, curve.smoothed)
     if procs.is_main:
         write(training, curve, steepest, min_over_10, why)
-    training.run_log.close(config, None)
+    training.run_log.close(config, None if why == "signal" else {})  # MLflow: KILLED/FINISHED
     if procs.world_size > 1:  # no process exits (torchrun would stop the rest) before the
         dist.barrier()        # files are written
     say_result(config, curve, steepest, min_over_10, why, stop)

@@ -474,9 +474,16 @@ class RunLog:
         if not self.enabled:
             return
         if self.tracker is not None:  # final is None when a signal stopped the run
-            self.tracker.close(finished=final is not None)
+            self.tracker.close("FINISHED" if final is not None else "KILLED")
         with self._failing("TensorBoard"):
             self._close(config, final, step)
+
+    def failed(self):
+        """The run ends with an error line: --mlflow's run is marked FAILED (TensorBoard and
+        metrics.jsonl keep what was written)."""
+        if self.tracker is not None:
+            self.tracker.close("FAILED")
+            self.tracker = None
 
     def _close(self, config, final, step):
         if final:

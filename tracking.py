@@ -16,7 +16,8 @@ The experiment is the dataset's name (``cifar10``, ``synthetic``, ...), or
 ``--mlflow`` records into a local file store beside the runs: ``mlruns/`` next to the run
 directory's parent (``runs/<name>`` -> ``./mlruns``). The MLflow run id is kept in every
 checkpoint (``RUN_ID_KEY``): a resumed or requeued run continues the same MLflow run. A
-finished run ends FINISHED, one stopped by a signal KILLED (a resume sets it RUNNING again).
+finished run (and an LR range test) ends FINISHED, one stopped by a signal KILLED, one that
+ended with an error line FAILED (a resume sets it RUNNING again).
 
 MLflow is imported only when ``--mlflow`` is on. A store that cannot be reached or that
 refuses a call is one ``warning:`` line, and the run goes on without MLflow; its HTTP calls
@@ -226,15 +227,16 @@ class Tracker:
         self._call(lambda: [self.client.log_artifact(self.run_id, p) for p in paths
                             if os.path.exists(p)])
 
-    def close(self, finished):
-        """Ends the run: FINISHED when ``finished``, else KILLED (a signal: a resume
-        continues it); the tag best_checkpoint names best.pt where there is one."""
+    def close(self, status):
+        """Ends the run with ``status``: FINISHED, KILLED (a signal) or FAILED (an error
+        line); a resume continues a KILLED or FAILED run. The tag best_checkpoint names
+        best.pt where there is one."""
         best = os.path.abspath(os.path.join(self.run_dir, "checkpoints", "best.pt"))
 
         def end():
             if os.path.exists(best):
                 self.client.set_tag(self.run_id, "best_checkpoint", best)
-            self.client.set_terminated(self.run_id, "FINISHED" if finished else "KILLED")
+            self.client.set_terminated(self.run_id, status)
 
         self._call(end)
 

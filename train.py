@@ -183,9 +183,13 @@ def fit(config, argv, resume_path, saved, directory, stop):
         with profiling.window(training, train_loader) as training.profiler:  # --profile-steps
             ended, final = run_epochs(training, train_loader, criterion, stop)
     except ops.OutOfMemory as e:  # one line: where, the batch, what to try
+        training.run_log.failed()
         snapshot = runtime.dump_memory_snapshot(directory.path, procs.device) \
             if config["memory_snapshot"] else None
         raise RunFailed(out_of_memory_message(e, config, training, snapshot)) from None
+    except Exception:  # main prints the error line; --mlflow's run is marked FAILED
+        training.run_log.failed()
+        raise
     finally:  # also when the run fails
         data.shutdown_loader(train_loader)
         data.shutdown_loader(training.val_loader)

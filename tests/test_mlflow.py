@@ -278,3 +278,18 @@ def test_tracking_uri_forms(tmp_path, monkeypatch):
     assert tracking.tracking_uri("store", "runs/a") == (tmp_path / "store").as_uri()
     for uri in ("http://host:5000", "file:///x/mlruns", "databricks", "sqlite:///m.db"):
         assert tracking.tracking_uri(uri, "runs/a") == uri
+
+
+def test_a_failed_run_is_failed_and_an_lr_range_test_finished(tmp_path, train_main):
+    failed, swept = tmp_path / "failed", tmp_path / "swept"
+    uri = (tmp_path / "mlruns").as_uri()
+    assert train_main(tiny_args(failed, "--mlflow", uri, "--lr", "1e30",
+                                "--max-nonfinite", "1")) == 1  # the loss is not finite
+    client, run = only_run(uri)
+    assert run.info.status == "FAILED"
+    client.delete_experiment(run.info.experiment_id)
+
+    uri = (tmp_path / "mlruns2").as_uri()
+    assert train_main(tiny_args(swept, "--mlflow", uri, "--find-lr", "--find-lr-steps",
+                                "8")) == 0
+    assert only_run(uri)[1].info.status == "FINISHED"
