@@ -469,14 +469,14 @@ class RunLog:
             with self._failing("TensorBoard"):
                 self.writer.flush()
 
-    def close(self, config, final, step=0):
+    def close(self, config, final):
         """Writes the hparams with the final metrics (when the run finished) and closes."""
         if not self.enabled:
             return
         if self.tracker is not None:  # final is None when a signal stopped the run
             self.tracker.close("FINISHED" if final is not None else "KILLED")
         with self._failing("TensorBoard"):
-            self._close(config, final, step)
+            self._close(config, final)
 
     def failed(self):
         """The run ends with an error line: --mlflow's run is marked FAILED (TensorBoard and
@@ -485,7 +485,7 @@ class RunLog:
             self.tracker.close("FAILED")
             self.tracker = None
 
-    def _close(self, config, final, step):
+    def _close(self, config, final):
         if final:
             from torch.utils.tensorboard.summary import hparams
 

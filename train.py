@@ -95,15 +95,12 @@ def main(argv=None):
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
         runtime.say(f"error: {e.strerror or e}{where}", file=sys.stderr)
         return EXIT_FAILED
-    except MemoryError as e:  # out of host memory outside a step (set-up, a checkpoint)
-        runtime.say(f"error: {out_of_memory_message(ops.memory_error(e))}", file=sys.stderr)
-        return EXIT_FAILED
-    except RuntimeError as e:  # a collective whose peer process died (gloo, NCCL)
-        if ops.memory_error(e) is not None:  # out of memory outside a step (set-up)
+    except (MemoryError, RuntimeError) as e:
+        if ops.memory_error(e) is not None:  # out of memory outside a step (set-up, a save)
             runtime.say(f"error: {out_of_memory_message(ops.memory_error(e))}",
                         file=sys.stderr)
             return EXIT_FAILED
-        if not runtime.lost_peer(e):
+        if not runtime.lost_peer(e):  # a collective whose peer process died (gloo, NCCL)
             raise
         runtime.say(f"error: process {runtime.process_rank()} lost another process of the "
                     f"run ({runtime.first_sentence(e)}); the checkpoints are intact: "
@@ -212,7 +209,7 @@ def fit(config, argv, resume_path, saved, directory, stop):
         return stop.exit_code
     if ended is Ended.EARLY_STOP:
         log(early_stop_line(training))
-    training.run_log.close(config, final, training.state.step)
+    training.run_log.close(config, final)
     log(f"done: {directory.path}")
     return 0
 

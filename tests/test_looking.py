@@ -152,6 +152,9 @@ def test_early_stop_after_a_resume_matches_the_run_that_never_stopped(tmp_path, 
     assert train_main(tiny_args(parts, *flags, "--resume", "auto", "--max-steps", "0",
                                 epochs=8)) == 0
     assert [r["epoch"] for r in records(parts)] == [1, 2, 3]
+    # the epoch's gradient norm survives the resume inside epoch 2
+    assert [r["grad_norm"] for r in records(parts)] == pytest.approx(
+        [r["grad_norm"] for r in records(whole)], rel=1e-9)
     a, b = final_state(whole), final_state(parts)
     assert a["epoch"] == b["epoch"] == 3
     assert_states_equal(a["model"], b["model"])
@@ -252,4 +255,7 @@ def test_early_stop_under_ddp_stops_every_process_with_one_process(tmp_path, tra
     assert [r["epoch"] for r in records(ddp)] == [r["epoch"] for r in records(single)] \
         == [1, 2, 3]
     assert out.count("early stop at epoch 3") == 1  # said once, by process 0
+    # the all-reduced gradients of 2 x 16 have the norm of one process's 32
+    assert [r["grad_norm"] for r in records(ddp)] == pytest.approx(
+        [r["grad_norm"] for r in records(single)], rel=1e-5)
     torch.testing.assert_close(final_state(ddp)["model"], final_state(single)["model"])
