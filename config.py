@@ -17,6 +17,7 @@ import yaml
 import data
 import presets
 import runtime
+import tasks
 from networks import NETWORKS
 from ops import UserError
 from runtime import say, shown
@@ -55,7 +56,9 @@ def build_parser():
 
 
 def _data_flags(g):
-    """Datasets, augmentation and the data path."""
+    """The task, datasets, augmentation and the data path."""
+    g.add_argument("--task", default="classification", choices=list(tasks.TASKS),
+                   help="what is trained: the batches, loss and figures (tasks.py)")
     g.add_argument("--dataset", default="cifar10", help=f"one of {', '.join(data.DATASETS)}")
     g.add_argument("--data-dir", default="data", help="where data lives or is downloaded to; "
                    "for imagefolder it holds train/ and val/ (or test/)")

@@ -159,7 +159,6 @@ class LoopSettings:
     lr_factor: object = lambda step: 1.0
     timer: StepTimer = None
     counters: "Counters" = None
-    mix: object = None                  # mix(x, y, epoch, batch) -> (x, soft targets), or None
 
     def autocast(self):
         if self.amp_dtype is None:
@@ -317,7 +316,7 @@ class LossMeter:
         return self.samples * self.world_size / max(time.perf_counter() - self.since, 1e-9)
 
 
-def steps(model, loader, optimizer, criterion, loop, state, bar):
+def steps(model, loader, optimizer, task, loop, state, bar):
     """Trains from the sampler's position in the epoch; yields after every optimizer step.
 
     The caller decides what happens between steps (log, save, stop) and may stop early
@@ -333,7 +332,8 @@ def steps(model, loader, optimizer, criterion, loop, state, bar):
         loader: a DataLoader whose batch_sampler is an EpochBatchSampler already set to
             this epoch and position.
         optimizer: the optimizer; its param groups carry ``base_lr``.
-        criterion: the loss, mean over the batch.
+        task: what a batch is and its loss (tasks.py): ``to_device``, ``prepare``
+            (MixUp/CutMix, before the step's clock) and ``loss`` (mean over the batch).
         loop: the LoopSettings.
         state: the TrainState; ``step`` and ``epoch_samples`` advance here.
         bar: a progress display with ``update(n)`` (one per micro-batch).
@@ -351,21 +351,19 @@ def steps(model, loader, optimizer, criterion, loop, state, bar):
     phase, batch_size, detail = "loading a batch", sampler.batch_size, None
     try:
         timer.start_data()
-        for k, (x, y) in enumerate(batches):
+        for k, batch in enumerate(batches):
             global_n, local_n = plan[k]
             first = k - k % accum
             accum_n = sum(g for g, _ in plan[first:first + accum])
             last_micro_batch = k + 1 == min(first + accum, len(plan))
-            x = x.to(device, non_blocking=True, memory_format=loop.memory_format)
-            y = y.to(device, non_blocking=True)
-            if loop.mix is not None:  # MixUp/CutMix, drawn from (seed, epoch, batch)
-                x, y = loop.mix(x, y, state.epoch, first_batch + k)
+            x, y = task.to_device(batch, device, loop.memory_format)
+            x, y = task.prepare(x, y, state.epoch, first_batch + k)  # (seed, epoch, batch)
             timer.start_compute()
             no_sync = world > 1 and not last_micro_batch
-            phase, batch_size = "the forward pass", len(y)
+            phase, batch_size = "the forward pass", local_n
             with model.no_sync() if no_sync else contextlib.nullcontext():
                 with loop.autocast():
-                    loss = criterion(model(x), y)
+                    loss = task.loss(model, x, y)
                 # DDP averages gradients over processes: scale so that the sum over the
                 # accumulation is the mean over all of its samples, however they were split.
                 weight = local_n * world / accum_n
@@ -395,24 +393,18 @@ def steps(model, loader, optimizer, criterion, loop, state, bar):
         raise OutOfMemory(phase, batch_size, detail)
 
 
-def train_one_epoch(model, loader, optimizer, criterion, loop, progress, after_step=None):
-    """``steps`` run to the end of the epoch (or until ``after_step`` returns True), for
-    scripts and tests that want a plain call; ``progress`` is a ``TrainState`` or a dict
-    with ``step`` and ``epoch_samples``, updated in place."""
-    state = progress if isinstance(progress, TrainState) else TrainState(
-        step=progress.get("step", 0), epoch_samples=progress.get("epoch_samples", 0))
+def train_one_epoch(model, loader, optimizer, task, loop, state):
+    """``steps`` run to the end of the epoch, for scripts and tests that want a plain call;
+    ``state`` (a ``TrainState``) advances in place."""
     bar = tqdm(total=len(loader.batch_sampler), disable=not loop.show_progress,
                leave=False, dynamic_ncols=True)
     try:
-        with contextlib.closing(steps(model, loader, optimizer, criterion, loop, state,
+        with contextlib.closing(steps(model, loader, optimizer, task, loop, state,
                                       bar)) as each_step:
             for _ in each_step:
-                if after_step is not None and after_step(bar):
-                    break
+                pass
     finally:
         bar.close()
-        if not isinstance(progress, TrainState):
-            progress.update(step=state.step, epoch_samples=state.epoch_samples)
 
 
 def _optimizer_step(model, optimizer, loop):
@@ -447,71 +439,40 @@ def total_norm(grads):
 
 
 @torch.no_grad()
-def evaluate(model, loader, loop, num_classes, tta=False):
+def evaluate(model, loader, loop, task, tta=False):
     """Evaluates on ``loader`` (this process's shard), summed over all processes.
 
     Args:
         model: the network (switched to eval mode here).
-        loader: batches of (images, labels).
+        loader: batches the task reads (``task.to_device``).
         loop: the LoopSettings (device, autocast, memory format, world size).
-        num_classes: number of classes, for the confusion matrix.
-        tta: average the logits of each image and its horizontal mirror.
+        task: what a batch is, its prediction and its figures (tasks.py):
+            ``predict``, ``evaluation`` (the sums, counted on the device).
+        tta: ``task.predict``'s test-time augmentation (--tta flip).
 
     Returns:
-        A dict with ``loss`` (mean cross-entropy), ``acc`` (0..1), ``count`` and
-        ``confusion`` (a num_classes x num_classes tensor, rows are true classes) and,
-        with more than ``TOP_K`` classes, ``acc5``: the share whose class is among the
-        ``TOP_K`` (5) largest logits.
+        The task's result dict (classification: ``loss``, ``acc``, ``count``,
+        ``confusion`` and, with more than 5 classes, ``acc5``).
     """
     model.eval()
     device = loop.device
-    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    confusion = torch.zeros(num_classes * num_classes, device=device, dtype=torch.long)
-    in_top = torch.zeros((), device=device, dtype=torch.long)  # counted on the device
-    for x, y in loader:
-        x = x.to(device, non_blocking=True, memory_format=loop.memory_format)
-        y = y.to(device, non_blocking=True)
-        logits = _forward_or_out_of_memory(model, x, loop, tta)
-        loss_sum += torch.nn.functional.cross_entropy(logits.float(), y, reduction="sum")
-        pred = logits.argmax(dim=1)  # counted on the device (bincount reads back its size)
-        confusion.index_add_(0, y * num_classes + pred, torch.ones_like(pred))
-        if num_classes > TOP_K:
-            top = logits.topk(TOP_K, dim=1).indices  # (N, 5)
-            in_top += (top == y[:, None]).any(dim=1).sum()
+    sums = task.evaluation(device)
+    for batch in loader:
+        x, y = task.to_device(batch, device, loop.memory_format)
+        sums.update(_forward_or_out_of_memory(task, model, x, loop, tta), y)
     if loop.world_size > 1:
-        dist.all_reduce(loss_sum)
-        dist.all_reduce(confusion)
-        dist.all_reduce(in_top)
-    confusion = confusion.view(num_classes, num_classes).cpu()
-    count = int(confusion.sum())
-    result = {"loss": float(loss_sum) / max(count, 1),
-              "acc": float(confusion.diag().sum()) / max(count, 1),
-              "count": count, "confusion": confusion}
-    if num_classes > TOP_K:
-        result["acc5"] = float(in_top) / max(count, 1)
-    return result
+        for tensor in sums.sums():
+            dist.all_reduce(tensor)
+    return sums.result()
 
 
-TOP_K = 5  # evaluate's acc5 (where there are more classes than that)
-
-
-def _forward_or_out_of_memory(model, x, loop, tta):
+def _forward_or_out_of_memory(task, model, x, loop, tta):
     """evaluate's forward pass; running out of memory in it is an ``OutOfMemory``."""
     try:
         with loop.autocast():
-            logits = model(x)
-            if tta:
-                logits = (logits + model(x.flip(-1))) / 2
-        return logits
+            return task.predict(model, x, tta)
     except (RuntimeError, MemoryError) as e:
         detail = memory_error(e)
         if detail is None:
             raise
     raise OutOfMemory("evaluation", len(x), detail)  # outside: the frames are freed
-
-
-def per_class_accuracy(confusion):
-    """Accuracy of each true class from a confusion matrix (nan for absent classes)."""
-    totals = confusion.sum(dim=1)
-    return [float(c) / float(t) if t > 0 else math.nan
-            for c, t in zip(confusion.diag(), totals)]

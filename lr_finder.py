@@ -102,7 +102,7 @@ def suggest(lrs, smoothed):
     return steepest, float(lrs[int(np.argmin(smoothed))]) / 10
 
 
-def run(training, train_loader, criterion, stop):
+def run(training, train_loader, stop):
     """The LR range test on what ``train.build_training`` built; writes its files.
 
     Returns:
@@ -121,7 +121,7 @@ def run(training, train_loader, criterion, stop):
                        f"({procs.world_size} process(es), {procs.device}); no checkpoint is "
                        f"written")
     try:
-        curve, why = sweep(training, train_loader, criterion, stop, sweep_lrs(low, high, steps))
+        curve, why = sweep(training, train_loader, stop, sweep_lrs(low, high, steps))
     finally:
         data.shutdown_loader(train_loader)
         data.shutdown_loader(training.val_loader)
@@ -136,7 +136,7 @@ def run(training, train_loader, criterion, stop):
     return stop.exit_code if why == "signal" else 0
 
 
-def sweep(training, train_loader, criterion, stop, lrs):
+def sweep(training, train_loader, stop, lrs):
     """The steps, each at its learning rate; the loss of each read back (one sync).
 
     Returns:
@@ -160,7 +160,7 @@ def sweep(training, train_loader, criterion, stop, lrs):
             state.epoch, state.epoch_samples = epoch, 0
             sampler.set_epoch(epoch, 0)
             with contextlib.closing(engine.steps(training.model, train_loader, optimizer,
-                                                 criterion, loop, state, bar)) as each:
+                                                 training.task, loop, state, bar)) as each:
                 for step in each:
                     lr = lrs[step - 1]
                     loss = step_loss(counters, loop.device, procs.world_size)

@@ -27,14 +27,11 @@ import engine
 # TensorBoard tags
 TRAIN_LOSS, TRAIN_LR, SCALER_SKIPS = "train/loss", "train/lr", "train/scaler_skips"
 GRAD_NORM, GRAD_CLIPPED = "train/grad_norm", "train/grad_clipped"
-CONFUSION, CONFUSION_EMA = "val/confusion", "val_ema/confusion"  # images, rows normalised
+CONFUSION, CONFUSION_EMA = "val/confusion", "val_ema/confusion"  # classification's images
 FIRST_BATCH = "z_data/first_batch"  # the first training batch as the network sees it
 # --find-lr (x: the sweep's step); after train and val when a real run shares the directory
 LR_FIND_LOSS, LR_FIND_LR = "z_lr_find/loss", "z_lr_find/lr"
 LR_FIND_PLOT = "z_lr_find/plot"  # the image of lr_find.png
-VALIDATION_TAGS = {"val_loss": "val/loss", "val_acc": "val/acc", "val_acc5": "val/acc5",
-                   "val_loss_ema": "val_ema/loss", "val_acc_ema": "val_ema/acc",
-                   "val_acc5_ema": "val_ema/acc5"}
 # TensorBoard's Time Series page sorts its groups by name and opens the first two: train
 # and val (the loss and accuracy curves) must be those, so the other groups sort last.
 PERF_TAGS = {"compute_efficiency": "z_perf/compute_efficiency",
@@ -42,11 +39,9 @@ PERF_TAGS = {"compute_efficiency": "z_perf/compute_efficiency",
              "mfu": "z_perf/mfu"}
 
 # The figures a finished run reports with its hyper-parameters (TensorBoard's HPARAMS tab),
-# each the last value of the curve named here (no scalars of their own: those would make a
-# group of one-point charts at the top of the Time Series page).
-FINAL_TAGS = {"train_loss": TRAIN_LOSS, "val_loss": "val/loss", "val_acc": "val/acc",
-              "val_loss_ema": "val_ema/loss", "val_acc_ema": "val_ema/acc"}
-FINAL_KEYS = tuple(FINAL_TAGS)
+# each the last value of its curve (no scalars of their own: those would make a group of
+# one-point charts at the top of the Time Series page): the training loss, and the
+# validation loss and the figure best.pt follows (the task's), raw and EMA.
 
 
 def train_scalars(loss, lr, scaler_skips=None, grad_norm=None, grad_clipped=None):
@@ -64,36 +59,48 @@ def train_scalars(loss, lr, scaler_skips=None, grad_norm=None, grad_clipped=None
     return scalars
 
 
-def validation_figures(result, ema_result=None):
-    """The metrics.jsonl figures of a validation: ``val_loss``, ``val_acc``, ``val_acc5``
-    (more than 5 classes) and, with EMA, the same with ``_ema`` (from ``engine.evaluate``'s
+def validation_tag(figure, suffix=""):
+    """The TensorBoard tag of a validation figure: ``val/<figure>``, or with the suffix
+    ``_ema`` (the moving average's) ``val_ema/<figure>``."""
+    return f"val{suffix}/{figure}"
+
+
+def validation_figures(task, result, ema_result=None):
+    """The metrics.jsonl figures of a validation: ``val_<figure>`` for each of the task's
+    figures in ``result`` (classification: ``val_loss``, ``val_acc``, ``val_acc5`` with
+    more than 5 classes) and, with EMA, the same with ``_ema`` (from ``engine.evaluate``'s
     dicts)."""
-    figures = {"val_loss": result["loss"], "val_acc": result["acc"]}
-    if "acc5" in result:
-        figures["val_acc5"] = result["acc5"]
+    figures = {f"val_{f}": result[f] for f in task.figures if f in result}
     if ema_result is not None:
-        figures.update(val_loss_ema=ema_result["loss"], val_acc_ema=ema_result["acc"])
-        if "acc5" in ema_result:
-            figures["val_acc5_ema"] = ema_result["acc5"]
+        figures.update({f"val_{f}_ema": ema_result[f] for f in task.figures
+                        if f in ema_result})
     return figures
 
 
-def class_accuracy(confusion, classes):
-    """Each class's accuracy from a confusion matrix (rows: true classes), by class name;
-    None for a class with no sample. train.py's validations (``val_class_acc``) and
-    test.py's report (``per_class``) both use it."""
-    return {name: None if math.isnan(acc) else acc
-            for name, acc in zip(classes, engine.per_class_accuracy(confusion))}
+def _tag_of(key):
+    """The TensorBoard tag of a metrics.jsonl figure (``val_acc_ema`` -> ``val_ema/acc``)."""
+    if key == "train_loss":
+        return TRAIN_LOSS
+    figure = key[len("val_"):]
+    if figure.endswith("_ema"):
+        return validation_tag(figure[:-len("_ema")], "_ema")
+    return validation_tag(figure)
 
 
 def validation_scalars(figures):
     """``validation_figures`` as TensorBoard scalars (``val/*``, ``val_ema/*``)."""
-    return {VALIDATION_TAGS[key]: value for key, value in figures.items()}
+    return {_tag_of(key): value for key, value in figures.items()}
 
 
-def best_metric(figures):
-    """The figure best.pt follows: the EMA's accuracy when there is one, else val_acc."""
-    return figures["val_acc_ema" if "val_acc_ema" in figures else "val_acc"]
+def best_key(task, ema=False):
+    """The metrics.jsonl key best.pt and --early-stop-* follow: the task's figure, the
+    moving average's when there is one (``val_acc_ema``), else the network's."""
+    return f"val_{task.best}_ema" if ema else f"val_{task.best}"
+
+
+def best_metric(task, figures):
+    """The value of ``best_key`` in a validation's figures."""
+    return figures[best_key(task, f"val_{task.best}_ema" in figures)]
 
 
 def epoch_record(epoch, step, loss_sum, loss_count, lr, times, samples, flops_per_sample,
@@ -139,23 +146,23 @@ def perf_scalars(record):
     return {tag: record[key] for key, tag in PERF_TAGS.items() if key in record}
 
 
-def final_figures(record):
-    """The figures of the last epoch that a finished run reports (``FINAL_KEYS``)."""
-    return {key: record[key] for key in FINAL_KEYS if key in record}
+def final_figures(task, record):
+    """The figures of the last epoch that a finished run reports with its hparams: the
+    training loss, and the validation loss and the task's best figure, raw and EMA."""
+    keys = ["train_loss", "val_loss", best_key(task), "val_loss_ema", best_key(task, True)]
+    return {key: record[key] for key in keys if key in record}
 
 
 def hparam_metrics(final):
     """``final_figures`` as the metrics of TensorBoard's hparams: keyed by the curves
-    whose last values the HPARAMS tab shows (``FINAL_TAGS``)."""
-    return {FINAL_TAGS[key]: value for key, value in final.items()}
+    whose last values the HPARAMS tab shows."""
+    return {_tag_of(key): value for key, value in final.items()}
 
 
-def epoch_line(record, config):
+def epoch_line(record, config, task):
     """The line printed when an epoch ends (and hints when the data path is slow)."""
-    val = f"  val_loss {record['val_loss']:.4f}  val_acc {record['val_acc']:.4f}" \
-        if "val_acc" in record else ""
-    if "val_acc_ema" in record:
-        val += f"  val_acc_ema {record['val_acc_ema']:.4f}"
+    val = "".join(f"  {key} {record[key]:.4f}" for key in
+                  ("val_loss", best_key(task), best_key(task, True)) if key in record)
     lines = [f"epoch {record['epoch']}/{config['epochs']}  step {record['step']}  "
              f"train_loss {record['train_loss']:.4f}{val}  "
              f"{record['samples_per_sec']:.0f} samples/s  efficiency "

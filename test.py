@@ -45,8 +45,8 @@ import data
 import engine
 import export
 import files
-import metrics
 import runtime
+import tasks
 from config import OneLineParser, with_defaults
 from export import EXPORT_BATCHES, EXPORT_KINDS, QUANTIZE_KINDS, OutputError, QuantizationError
 from networks import build_network
@@ -368,7 +368,8 @@ def evaluate_checkpoint(net, val_set, config, device, batch_size, num_workers, t
     loader = data.build_loader(val_set, batch_size=batch_size, num_workers=num_workers,
                                pin_memory=device.type == "cuda")
     try:
-        return engine.evaluate(model, loader, loop, val_set.num_classes, tta=tta)
+        return engine.evaluate(model, loader, loop, tasks.Classification(val_set.num_classes),
+                               tta=tta)
     finally:
         data.shutdown_loader(loader)
 
@@ -380,7 +381,7 @@ def make_report(path, result, classes, key="checkpoint"):
     """
     top5 = {"accuracy_top5": result["acc5"]} if "acc5" in result else {}
     return {key: path, "loss": result["loss"], "accuracy": result["acc"], **top5,
-            "per_class": metrics.class_accuracy(result["confusion"], classes),
+            "per_class": tasks.class_accuracy(result["confusion"], classes),
             "confusion": result["confusion"].tolist(), "count": result["count"]}
 
 
@@ -454,7 +455,8 @@ def evaluate_exported(run, val_set, batch_size, num_workers):
     loop = engine.LoopSettings(device=torch.device("cpu"), show_progress=False)
     loader = data.build_loader(val_set, batch_size=batch_size, num_workers=num_workers)
     try:
-        return engine.evaluate(_Exported(run), loader, loop, val_set.num_classes)
+        return engine.evaluate(_Exported(run), loader, loop,
+                               tasks.Classification(val_set.num_classes))
     finally:
         data.shutdown_loader(loader)
 

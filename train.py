@@ -50,16 +50,15 @@ import layers
 import lr_finder
 import metrics
 import ops
-import plots
 import presets
 import profiling
 import recipes
 import runlog
 import runtime
+import tasks
 import tracking
 from checkpoint import Kind
 from config import check_config, merge_resumed_config, parse_config, with_defaults
-from losses import build_criterion
 from networks import build_network
 from ops import Interrupted, RunFailed, UserError
 
@@ -141,6 +140,7 @@ class Training:
 
     config: dict
     procs: runtime.Processes
+    task: object                  # what is trained: its batches, loss and figures (tasks.py)
     net: torch.nn.Module          # the plain network (saved in checkpoints)
     model: torch.nn.Module        # what is called: maybe DDP / DataParallel / compiled
     optimizer: torch.optim.Optimizer
@@ -170,15 +170,15 @@ def fit(config, argv, resume_path, saved, directory, stop):
         log(f"resuming from {resume_path} (epoch {saved['epoch']}, step {saved['step']})")
     elif config["resume"] == "auto":
         log(f"no valid checkpoint in {directory.path}: starting fresh")
-    training, train_loader, criterion = build_training(config, procs, directory.path, saved,
-                                                       resume_path, stop.pending)
+    training, train_loader = build_training(config, procs, directory.path, saved,
+                                            resume_path, stop.pending)
     if config["find_lr"]:  # the LR range test instead of training: no checkpoint
-        return lr_finder.run(training, train_loader, criterion, stop)
+        return lr_finder.run(training, train_loader, stop)
     log(f"training {config['network']} on {config['dataset']} ({len(training.datasets[0])} "
         f"samples, {procs.world_size} process(es), {procs.device}) into {directory.path}")
     try:
         with profiling.window(training, train_loader) as training.profiler:  # --profile-steps
-            ended, final = run_epochs(training, train_loader, criterion, stop)
+            ended, final = run_epochs(training, train_loader, stop)
     except ops.OutOfMemory as e:  # one line: where, the batch, what to try
         training.run_log.failed()
         snapshot = runtime.dump_memory_snapshot(directory.path, procs.device) \
@@ -220,8 +220,7 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
     interrupts what takes long before the first step (a decoded cache's build).
 
     Returns:
-        ``(training, train_loader, criterion)``: a ``Training``, the training batches
-        and the loss.
+        ``(training, train_loader)``: a ``Training`` and the training batches.
     """
     log = runtime.main_print
     train_set, val_set = runtime.main_process_first(
@@ -232,7 +231,7 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
     train_loader, val_loader = build_loaders(config, procs, train_set, val_set, sampler, stop)
     net, model = build_model(config, train_set, procs.device, procs.world_size, log,
                              resuming=saved is not None)
-    criterion = build_criterion(config)
+    task = tasks.build_task(config, train_set)  # what a batch is, its loss, its figures
     optimizer = build_optimizer(net, config, procs.device)
     ema = recipes.build_ema(config, net)  # --ema-decay: None when off
     prefetch = config["prefetch"]
@@ -241,9 +240,9 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
             "device, where a thread in front would only move their kernels into the step's "
             "timing")
         prefetch = 0
-    loop = build_loop(config, procs, train_set, sampler, prefetch)
+    loop = build_loop(config, procs, sampler, prefetch)
     flops = ops.train_flops_per_sample(  # before the restore: it must not touch the RNG
-        net, (train_set.in_channels, train_set.image_size, train_set.image_size), procs.device)
+        net, task.example(train_set), procs.device)
     if presets.is_photo(config) and not config["network"].startswith("torchvision/"):
         size = config["image_size"]
         log(f"note: {config['network']} keeps the full resolution of its {size} px input: "
@@ -268,11 +267,11 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
     saver = checkpoint.Saver(run_dir, config, net, optimizer, loop.scaler, state, procs,
                              last_saved=resume_path, ema=ema, data=identity)
     saver.mlflow_run_id = tracking.run_id(tracker, saved)  # a resume continues that run
-    training = Training(config, procs, net, model, optimizer, ema, loop, state,
+    training = Training(config, procs, task, net, model, optimizer, ema, loop, state,
                         engine.LossMeter(loop.counters, procs.world_size), saver, run_log,
                         val_loader, (train_set, val_set), flops,
                         peak_tflops(procs.device, loop.amp_dtype, gpu_count(config, procs)))
-    return training, train_loader, criterion
+    return training, train_loader
 
 
 class Ended(enum.Enum):
@@ -284,7 +283,7 @@ class Ended(enum.Enum):
     EARLY_STOP = "--early-stop-patience"
 
 
-def run_epochs(training, train_loader, criterion, stop):
+def run_epochs(training, train_loader, stop):
     """The epoch loop: unfreezing, each epoch's steps (``run_epoch``), its end, stopping.
 
     Returns:
@@ -301,7 +300,7 @@ def run_epochs(training, train_loader, criterion, stop):
         if (epoch, state.epoch_samples) == unfreeze_point(config):
             names = unfreeze(training)
             runtime.main_print(f"epoch {epoch + 1}: unfroze {len(names)} parameter tensors")
-        ended = run_epoch(training, train_loader, criterion, epoch, stop)
+        ended = run_epoch(training, train_loader, epoch, stop)
         if state.epoch_samples >= sampler.size:  # the epoch is complete
             final = finish_epoch(training, epoch)
             if early_stop_due(config, state):  # the same on every process: their figures are
@@ -309,14 +308,15 @@ def run_epochs(training, train_loader, criterion, stop):
         if ended is not Ended.ALL_EPOCHS:
             break
     if ended is Ended.MAX_STEPS and state.epoch_samples:  # stopped inside an epoch
-        final = metrics.final_figures(validate(training))
+        final = metrics.final_figures(training.task, validate(training))
         save(training, Kind.STOP)
+        best = f"val_{training.task.best}"
         runtime.main_print(f"--max-steps {config['max_steps']} reached at step {state.step}: "
-                           f"val_acc {final['val_acc']:.4f}")
+                           f"{best} {final[best]:.4f}")
     return ended, final
 
 
-def run_epoch(training, train_loader, criterion, epoch, stop):
+def run_epoch(training, train_loader, epoch, stop):
     """The step loop of one epoch, from where the run stands in it: after each optimizer
     step, the EMA, then whether to stop, log and checkpoint, decided here.
 
@@ -330,7 +330,7 @@ def run_epoch(training, train_loader, criterion, epoch, stop):
     training.meter.restart(state.step)
     with training.run_log.progress(epoch, config["epochs"], len(sampler)) as bar, \
             contextlib.closing(engine.steps(training.model, train_loader, training.optimizer,
-                                            criterion, training.loop, state, bar)) as steps:
+                                            training.task, training.loop, state, bar)) as steps:
         for step in steps:
             if training.profiler is not None:  # --profile-steps: its schedule moves on
                 training.profiler.step()
@@ -407,28 +407,25 @@ def save(training, kind, best=False):
 
 
 def validate(training):
-    """Evaluates on the validation set (with --ema-decay, the moving average too) and logs
-    the figures (``metrics.validation_figures``); returns them."""
-    classes, tta = training.datasets[0].num_classes, use_tta(training.config)
-    result = engine.evaluate(training.model, training.val_loader, training.loop, classes,
-                             tta=tta)
+    """Evaluates on the validation set (with --ema-decay, the moving average too), logs
+    the figures and the task's images; returns the figures (metrics.jsonl keys)."""
+    task, loop, tta = training.task, training.loop, use_tta(training.config)
+    result = engine.evaluate(training.model, training.val_loader, loop, task, tta=tta)
     ema = None
     if training.ema is not None:
         training.ema.sync_buffers()  # BatchNorm statistics differ between DDP processes
-        ema = engine.evaluate(training.ema.module, training.val_loader, training.loop,
-                              classes, tta=tta)
-    figures = metrics.validation_figures(result, ema)
+        ema = engine.evaluate(training.ema.module, training.val_loader, loop, task, tta=tta)
+    figures = metrics.validation_figures(task, result, ema)
     step, names = training.state.step, training.datasets[0].classes
     training.run_log.scalars(metrics.validation_scalars(figures), step)
-    for suffix, tag, evaluated in (("", metrics.CONFUSION, result),
-                                   ("_ema", metrics.CONFUSION_EMA, ema)):
+    for suffix, evaluated in (("", result), ("_ema", ema)):
         if evaluated is None:
             continue
-        figures["val_class_acc" + suffix] = metrics.class_accuracy(evaluated["confusion"], names)
+        figures.update(task.extra_figures(evaluated, names, suffix))
         if training.run_log.enabled:  # drawn on process 0 only
-            title = f"val_acc{suffix} {evaluated['acc']:.4f} at step {step}"
-            training.run_log.image(tag, plots.confusion_image(evaluated["confusion"], names,
-                                                              title), step)
+            title = f"val_{task.best}{suffix} {evaluated[task.best]:.4f} at step {step}"
+            for tag, image in task.images(evaluated, names, title):
+                training.run_log.image(metrics.validation_tag(tag, suffix), image, step)
     return figures
 
 
@@ -454,7 +451,7 @@ def finish_epoch(training, epoch):
     best = False
     if state.epoch % config["eval_every"] == 0 or state.epoch == config["epochs"]:
         record.update(validate(training))
-        value = metrics.best_metric(record)
+        value = metrics.best_metric(training.task, record)
         best = value > state.best_val_acc
         if best:
             state.best_val_acc, state.best_epoch = value, state.epoch
@@ -463,8 +460,8 @@ def finish_epoch(training, epoch):
     state.grad_norm_sum, state.grad_norm_count, state.grad_clipped = 0.0, 0, 0
     training.run_log.epoch(record)
     save(training, Kind.EPOCH, best)
-    runtime.main_print(metrics.epoch_line(record, config))
-    return metrics.final_figures(record)
+    runtime.main_print(metrics.epoch_line(record, config, training.task))
+    return metrics.final_figures(training.task, record)
 
 
 def count_early_stop(config, state, value):
@@ -486,7 +483,7 @@ def early_stop_due(config, state):
 def early_stop_line(training):
     """The line an early-stopped run ends with: why, and its best epoch and checkpoint."""
     config, state = training.config, training.state
-    name = "val_acc_ema" if training.ema is not None else "val_acc"
+    name = metrics.best_key(training.task, training.ema is not None)
     best = os.path.join(config["run_dir"], "checkpoints", "best.pt")
     return (f"early stop at epoch {state.epoch}: {name} did not improve by more than "
             f"{config['early_stop_min_delta']:g} in {state.early_stop_waited} validation(s) "
@@ -599,8 +596,8 @@ def build_loaders(config, procs, train_set, val_set, sampler, stop=None):
     return train_loader, val_loader
 
 
-def build_loop(config, procs, train_set, sampler, prefetch=0):
-    """The loop's fixed settings: accumulation, precision, LR schedule, timers, mixing."""
+def build_loop(config, procs, sampler, prefetch=0):
+    """The loop's fixed settings: accumulation, precision, LR schedule, timers."""
     device = procs.device
     dtype = runtime.amp_dtype(config["amp"], device)
     accum = (config["virtual_batch_size"] or config["batch_size"]) // config["batch_size"]
@@ -620,8 +617,7 @@ def build_loop(config, procs, train_set, sampler, prefetch=0):
                                     schedule=config["scheduler"],
                                     warmup_steps=int(config["warmup_epochs"] * steps_per_epoch)),
         timer=engine.StepTimer(device),
-        counters=engine.Counters(device, config["grad_clip"]),
-        mix=recipes.build_batch_mix(config, train_set.num_classes))
+        counters=engine.Counters(device, config["grad_clip"]))
 
 
 def peak_tflops(device, amp_dtype, devices=1):

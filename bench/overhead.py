@@ -130,7 +130,7 @@ class EngineLoop:
         runtime.seed_everything(args.seed, 0, False, procs.device)  # one initialisation
         os.makedirs(os.path.join(run_dir, "checkpoints"))
         with contextlib.redirect_stdout(io.StringIO()):  # the torchinfo summary
-            self.training, self.loader, self.criterion = train.build_training(
+            self.training, self.loader = train.build_training(
                 config, procs, run_dir)
         self.bar, self.stop = args.bar, stop
 
@@ -143,7 +143,7 @@ class EngineLoop:
                 stack.enter_context(contextlib.redirect_stderr(null))
             if self.bar == "off":
                 training.run_log.progress = _no_bar
-            train.run_epoch(training, self.loader, self.criterion, epoch, self.stop)
+            train.run_epoch(training, self.loader, epoch, self.stop)
 
     def close(self):
         self.training.run_log.close({}, None)
@@ -165,7 +165,7 @@ def main(argv=None):
                                  os.path.join(work.name, f"prefetch-{depth}"), stop)
                for depth in args.prefetch}
     first = engines[args.prefetch[0]]
-    loader, criterion = first.loader, first.criterion
+    loader, criterion = first.loader, first.training.task.criterion
     sampler = loader.batch_sampler
 
     loops = {}  # name -> callable(epoch)

@@ -38,6 +38,7 @@ from common import setup_device, sync  # noqa: E402  (puts the repository on the
 
 import data  # noqa: E402
 import engine  # noqa: E402
+import tasks  # noqa: E402
 from config import with_defaults  # noqa: E402
 from losses import build_criterion  # noqa: E402
 from networks import build_network  # noqa: E402
@@ -101,7 +102,7 @@ class Config:
             device=device, scaler=torch.amp.GradScaler(device.type, enabled=False),
             prefetch=depth, show_progress=True, timer=engine.StepTimer(device),
             counters=engine.Counters(device))
-        self.progress = {"epoch": 0, "step": 0, "epoch_samples": 0}
+        self.progress = engine.TrainState()
         self.times, self.peaks = [], []
         self.efficiency = []
 
@@ -111,10 +112,11 @@ class Config:
 
     def epoch(self, criterion, epoch):
         self.loop.timer.reset()
-        self.progress["epoch_samples"] = 0
+        self.progress.epoch_samples = 0
         with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
-            engine.train_one_epoch(self.net, self.loader, self.optimizer, criterion,
-                                   self.loop, self.progress)
+            engine.train_one_epoch(self.net, self.loader, self.optimizer,
+                                   tasks.Classification(10, criterion=criterion), self.loop,
+                                   self.progress)
         self.loop.counters.read()  # the one sync train.py's logging would do
 
 

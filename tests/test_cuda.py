@@ -93,12 +93,12 @@ def test_no_device_sync_between_log_steps(tmp_path, monkeypatch, flags):
                 torch.cuda.set_sync_debug_mode("error")
         return run
 
-    def run_epoch(training, loader, criterion, epoch, stop):
+    def run_epoch(training, loader, epoch, stop):
         if epoch == 0:  # the first epoch warms up (cuDNN's autotuner, allocations)
-            return real_run_epoch(training, loader, criterion, epoch, stop)
+            return real_run_epoch(training, loader, epoch, stop)
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return real_run_epoch(training, loader, criterion, epoch, stop)
+            return real_run_epoch(training, loader, epoch, stop)
         finally:
             torch.cuda.set_sync_debug_mode(0)
 

@@ -26,6 +26,7 @@ import decoded_cache
 import device_data
 import engine
 import networks
+import tasks
 from config import with_defaults
 from ops import UserError
 
@@ -315,11 +316,12 @@ def test_training_on_both_paths_gives_the_same_weights(tmp_path, accum):
                                    scaler=torch.amp.GradScaler("cpu", enabled=False),
                                    timer=engine.StepTimer(device),
                                    counters=engine.Counters(device))
-        progress = {"step": 0, "epoch_samples": 0}
+        progress = engine.TrainState()
         for epoch in range(2):
             sampler.set_epoch(epoch)
-            engine.train_one_epoch(net, loader, optimizer, torch.nn.CrossEntropyLoss(),
-                                   loop, progress)
+            progress.epoch = epoch
+            engine.train_one_epoch(net, loader, optimizer,
+                                   tasks.Classification(train_set.num_classes), loop, progress)
         results.append(net.state_dict())
     assert_states_equal(results[0], results[1])
 

@@ -16,6 +16,7 @@ import data
 import engine
 import layers
 import ops
+import tasks
 import train
 from config import parse_config, with_defaults
 from networks import build_network
@@ -54,10 +55,10 @@ def _train_epoch(net, train_set, batch, run, optimizer):
     """One epoch through engine.train_one_epoch, as train.py drives it."""
     sampler = data.EpochBatchSampler(len(train_set), batch, seed=0)
     loader = data.build_loader(train_set, batch_sampler=sampler)
-    progress = {"step": 0, "epoch_samples": 0}
-    criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
-    engine.train_one_epoch(net, loader, optimizer, criterion, run, progress,
-                           lambda bar: False)
+    progress = engine.TrainState()
+    task = tasks.Classification(train_set.num_classes,
+                                criterion=torch.nn.CrossEntropyLoss(label_smoothing=0.1))
+    engine.train_one_epoch(net, loader, optimizer, task, run, progress)
     return sampler, progress
 
 
@@ -99,7 +100,7 @@ def test_accumulated_gradient_equals_whole_batch_gradient(monkeypatch):
     optimizer = _sgd(net, 0.0)  # lr 0: every window sees the same weights
     captured = _capture_step_grads(monkeypatch, optimizer, net)
     sampler, progress = _train_epoch(net, train_set, 8, _run_settings(accum=3), optimizer)
-    assert progress == {"step": 2, "epoch_samples": 44}
+    assert (progress.step, progress.epoch_samples) == (2, 44)
 
     batches = list(sampler)
     windows = [sum(batches[:3], []), sum(batches[3:], [])]
@@ -222,7 +223,7 @@ def test_overflowing_fp16_steps_are_skipped_and_counted():
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)  # overflows fp16 gradients
     run = _run_settings(scaler=scaler, amp_dtype=torch.float16)
     _, progress = _train_epoch(net, train_set, 8, run, optimizer)
-    assert progress["step"] == 4
+    assert progress.step == 4
     assert run.counters.read()["scaler_skips"] == 4
     assert scaler.get_scale() == 2.0 ** 36  # halved after each skipped step
     assert_states_equal(net.state_dict(), before)

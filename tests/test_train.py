@@ -16,6 +16,7 @@ from conftest import ROOT, final_state, load_test_py, tiny_args, write_image_fol
 
 import data
 import engine
+import tasks
 import runlog
 import train
 from config import build_parser, check_config, parse_config
@@ -390,11 +391,10 @@ def test_efficiency_measures_data_and_compute_time():
                               scaler=torch.amp.GradScaler("cpu", enabled=False),
                               timer=engine.StepTimer(device),
                               counters=engine.Counters(device), show_progress=False)
-    progress = {"step": 0, "epoch_samples": 0}
-    engine.train_one_epoch(model, loader, optimizer, torch.nn.CrossEntropyLoss(), run,
-                           progress, lambda bar: False)
+    progress = engine.TrainState()
+    engine.train_one_epoch(model, loader, optimizer, tasks.Classification(2), run, progress)
     data_t, compute_t, wall = run.timer.totals()
-    assert progress["step"] == steps
+    assert progress.step == steps
     assert data_wait <= data_t < data_wait + compute / 2, (data_t, compute_t)
     assert compute <= compute_t < compute + data_wait / 2, (data_t, compute_t)
     assert data_t + compute_t <= wall
@@ -605,5 +605,6 @@ def test_top5_counts_a_class_among_the_five_largest_logits():
     loop = engine.LoopSettings(device=torch.device("cpu"), show_progress=False)
     logits = torch.tensor([[9., 8, 7, 6, 5, 4, 0], [0., 1, 2, 3, 4, 5, 6]])
     net = torch.nn.Identity()
-    result = engine.evaluate(net, [(logits, torch.tensor([4, 0]))], loop, 7)
+    result = engine.evaluate(net, [(logits, torch.tensor([4, 0]))], loop,
+                             tasks.Classification(7))
     assert result["acc"] == 0.0 and result["acc5"] == 0.5  # class 4 is 5th; class 0 last

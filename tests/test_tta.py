@@ -6,7 +6,10 @@ import torch
 from conftest import tiny_args
 
 import engine
+import tasks
 import train
+
+FOUR = tasks.Classification(4)  # classes
 
 CPU = torch.device("cpu")
 
@@ -31,8 +34,8 @@ def batches(n=3):
 def test_flips_change_nothing_for_a_mirror_invariant_network():
     torch.manual_seed(0)
     net, loop = MirrorInvariant(), engine.LoopSettings(device=CPU)
-    plain = engine.evaluate(net, batches(), loop, 4)
-    flipped = engine.evaluate(net, batches(), loop, 4, tta=True)
+    plain = engine.evaluate(net, batches(), loop, FOUR)
+    flipped = engine.evaluate(net, batches(), loop, FOUR, tta=True)
     assert torch.equal(plain["confusion"], flipped["confusion"])
     assert abs(plain["loss"] - flipped["loss"]) < 1e-6
 
@@ -41,7 +44,7 @@ def test_flips_average_the_logits_of_an_image_and_its_mirror():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 6 * 6, 4))
     loop = engine.LoopSettings(device=CPU)
-    result = engine.evaluate(net, batches(), loop, 4, tta=True)
+    result = engine.evaluate(net, batches(), loop, FOUR, tta=True)
     with torch.no_grad():
         loss, correct = 0.0, 0
         for x, y in batches():
@@ -49,7 +52,7 @@ def test_flips_average_the_logits_of_an_image_and_its_mirror():
             loss += float(torch.nn.functional.cross_entropy(logits, y, reduction="sum"))
             correct += int((logits.argmax(1) == y).sum())
     assert abs(result["loss"] - loss / 15) < 1e-6 and result["acc"] == correct / 15
-    assert result["loss"] != engine.evaluate(net, batches(), loop, 4)["loss"]
+    assert result["loss"] != engine.evaluate(net, batches(), loop, FOUR)["loss"]
 
 
 def test_train_validates_with_flips_and_digits_keep_their_side(tmp_path):

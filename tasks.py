@@ -1,0 +1,170 @@
+"""The task seam: what is trained, apart from how a run runs.
+
+A task says what a batch is and how it reaches the device, its loss, its validation
+figures and which one picks best.pt, and the images TensorBoard shows. The loop does the
+rest for every task: precision, DDP and ``no_sync``, sample-weighted accumulation,
+clipping, gradient norms, timing and out-of-memory handling (engine.py), and every log,
+save and stop decision (train.py). The anchors: timm's ``timm/task/`` (a task returns the
+loss; the loop owns accumulation, precision, EMA and resume), Composer's ``ComposerModel``
+(forward, loss, metrics). No Trainer class and no callbacks: a task is asked, it never
+calls back.
+
+What a task provides (``Classification`` is the reference; ``build_task`` picks one):
+
+    name                          --task's value, recorded in every checkpoint's config
+    figures, best                 its validation figures (metrics.jsonl ``val_<figure>``,
+                                  TensorBoard ``val/<figure>``) and the one best.pt and
+                                  --early-stop-* follow (higher is better)
+    to_device(batch, device, memory_format) -> (inputs, targets)
+    prepare(inputs, targets, epoch, batch)  -> (inputs, targets)   before the step's clock
+    loss(model, inputs, targets)            -> the mean loss of the micro-batch
+    predict(model, inputs, tta)             -> outputs for evaluation (--tta flip)
+    evaluation(device)                      -> an accumulator: update / sums / result
+    extra_figures(result, names, suffix)    -> metrics.jsonl figures beyond the scalars
+    images(result, names, title)            -> [(tag suffix, CHW image)] for TensorBoard
+    example(dataset)                        -> one input sample's shape (FLOPs, summary)
+
+A micro-batch weighs its number of samples (the sampler's plan), for every task.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+import losses
+import recipes
+from ops import UserError
+
+TASKS = ("classification",)
+TOP_K = 5  # acc5: counted where there are more classes than this
+
+
+def build_task(config, train_set):
+    """The task ``config["task"]`` names, for the training set ``train_set``."""
+    name = config.get("task", "classification")
+    if name == "classification":
+        return Classification(train_set.num_classes, train_set.classes,
+                              losses.build_criterion(config),
+                              recipes.build_batch_mix(config, train_set.num_classes))
+    raise UserError(f"unknown task {name!r}; choose one of: {', '.join(TASKS)}")
+
+
+def to_device(batch, device, memory_format):
+    """``(images, targets)`` of a batch on ``device``, without waiting for the copy."""
+    x, y = batch
+    return (x.to(device, non_blocking=True, memory_format=memory_format),
+            y.to(device, non_blocking=True))
+
+
+class Classification:
+    """Image classification: logits (N, classes), cross-entropy, accuracy, top-5.
+
+    Args:
+        num_classes: the classes of the set.
+        classes: their names, in label order (None: the label numbers).
+        criterion: the training loss (``losses.build_criterion``); cross-entropy if None.
+        mix: a ``recipes.BatchMix`` (MixUp/CutMix), or None.
+    """
+
+    name = "classification"
+    figures = ("loss", "acc", "acc5")
+    best = "acc"
+
+    def __init__(self, num_classes, classes=None, criterion=None, mix=None):
+        self.num_classes = num_classes
+        self.classes = list(classes) if classes is not None else \
+            [str(i) for i in range(num_classes)]
+        self.criterion = criterion if criterion is not None else torch.nn.CrossEntropyLoss()
+        self.mix = mix
+
+    to_device = staticmethod(to_device)
+
+    def prepare(self, x, y, epoch, batch):
+        """MixUp/CutMix, drawn from (seed, epoch, batch); targets become soft."""
+        return (x, y) if self.mix is None else self.mix(x, y, epoch, batch)
+
+    def loss(self, model, x, y):
+        return self.criterion(model(x), y)
+
+    @staticmethod
+    def predict(model, x, tta=False):
+        """The logits; with ``tta``, the mean of the image's and its mirror's."""
+        logits = model(x)
+        if tta:
+            logits = (logits + model(x.flip(-1))) / 2
+        return logits
+
+    def evaluation(self, device):
+        return ClassificationEvaluation(self.num_classes, device)
+
+    def extra_figures(self, result, names, suffix=""):
+        """Each class's accuracy by name (``val_class_acc``)."""
+        return {f"val_class_acc{suffix}": class_accuracy(result["confusion"], names)}
+
+    def images(self, result, names, title):
+        """The confusion matrix, rows normalised (matplotlib; drawn where it is read)."""
+        import plots
+
+        return [("confusion", plots.confusion_image(result["confusion"], names, title))]
+
+    @staticmethod
+    def example(dataset):
+        return (dataset.in_channels, dataset.image_size, dataset.image_size)
+
+
+class ClassificationEvaluation:
+    """Sums of one evaluation, counted on the device (no host read per batch).
+
+    Args:
+        num_classes: classes of the set (the confusion matrix's side).
+        device: where the sums live.
+    """
+
+    def __init__(self, num_classes, device):
+        self.num_classes = num_classes
+        self.loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+        self.confusion = torch.zeros(num_classes * num_classes, device=device,
+                                     dtype=torch.long)
+        self.in_top = torch.zeros((), device=device, dtype=torch.long)
+
+    def update(self, logits, y):
+        c = self.num_classes
+        self.loss_sum += F.cross_entropy(logits.float(), y, reduction="sum")
+        pred = logits.argmax(dim=1)  # counted on the device (bincount reads back its size)
+        self.confusion.index_add_(0, y * c + pred, torch.ones_like(pred))
+        if c > TOP_K:
+            top = logits.topk(TOP_K, dim=1).indices  # (N, 5)
+            self.in_top += (top == y[:, None]).any(dim=1).sum()
+
+    def sums(self):
+        """The tensors to sum over processes."""
+        return [self.loss_sum, self.confusion, self.in_top]
+
+    def result(self):
+        """``loss`` (mean cross-entropy), ``acc`` (0..1), ``count``, ``confusion`` (rows:
+        true classes) and, with more than ``TOP_K`` classes, ``acc5``."""
+        c = self.num_classes
+        confusion = self.confusion.view(c, c).cpu()
+        count = int(confusion.sum())
+        result = {"loss": float(self.loss_sum) / max(count, 1),
+                  "acc": float(confusion.diag().sum()) / max(count, 1),
+                  "count": count, "confusion": confusion}
+        if c > TOP_K:
+            result["acc5"] = float(self.in_top) / max(count, 1)
+        return result
+
+
+def per_class_accuracy(confusion):
+    """Accuracy of each true class from a confusion matrix (nan for absent classes)."""
+    totals = confusion.sum(dim=1)
+    return [float(c) / float(t) if t > 0 else math.nan
+            for c, t in zip(confusion.diag(), totals)]
+
+
+def class_accuracy(confusion, classes):
+    """Each class's accuracy from a confusion matrix (rows: true classes), by class name;
+    None for a class with no sample. train.py's validations (``val_class_acc``) and
+    test.py's report (``per_class``) both use it."""
+    return {name: None if math.isnan(acc) else acc
+            for name, acc in zip(classes, per_class_accuracy(confusion))}
