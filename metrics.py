@@ -20,7 +20,6 @@ TensorBoard scalars (``scalars`` dicts: tag -> value):
 metrics.jsonl: one ``epoch_record`` per finished epoch (docs/design.md lists its keys).
 """
 
-import math
 
 import engine
 

@@ -16,8 +16,8 @@ from conftest import ROOT, final_state, load_test_py, tiny_args, write_image_fol
 
 import data
 import engine
-import tasks
 import runlog
+import tasks
 import train
 from config import build_parser, check_config, parse_config
 
