@@ -559,6 +559,33 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"][:devices])
 
 
+def check_same_threads(saved, path, device, warn=print):
+    """On the CPU a kernel's reduction order follows the thread count: a run resumed with
+    another count than its checkpoint's ends about 1e-3 away from the run that never
+    stopped. Says so, with the setting that restores it (torchrun sets one a process)."""
+    before, now = saved.get("threads"), torch.get_num_threads()
+    if device.type != "cpu" or before is None or before == now:
+        return
+    warn(f"warning: {path!r} was trained with {before} CPU thread(s) per process, this "
+         f"run has {now}: its kernels add up in another order, so it will not end bit for "
+         f"bit as the run that never stopped; OMP_NUM_THREADS={before} restores it")
+
+
+def check_same_data(saved, path, identity, warn=print):
+    """Says, in one line, when a run resumes onto another training set than the one its
+    checkpoint was trained on: the epoch's order and the augmentation then follow the new
+    set, so the run is no longer the one that never stopped. It continues."""
+    before = saved.get("data", {}).get("train")
+    now = identity["train"]
+    if before is None or before == now:
+        return
+    change = f"{before['size']} samples then, {now['size']} now" \
+        if before["size"] != now["size"] else f"{now['size']} samples, other files"
+    warn(f"warning: the training set is not the one {path!r} was trained on ({change}): "
+         f"the rest of the run follows the new set, so it will not end as the run that "
+         f"never stopped would have; continuing")
+
+
 # ------------------------------------------------------------ the training checkpoint
 
 class Kind(enum.Enum):

@@ -22,8 +22,6 @@ from networks import NETWORKS
 from ops import UserError
 from runtime import say, shown
 
-NOT_SAVED_IN_CONFIG = ("config", "resume", "run_dir")  # per invocation, not per recipe
-
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action):  # "(default: None)" says nothing: leave it out

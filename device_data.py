@@ -25,7 +25,7 @@ import decoded_cache
 import presets
 import runtime
 from decoded_cache import mib as _mib
-from ops import UserError
+from ops import UserError, sum_over_processes
 from runtime import say
 
 DEVICE_SHARE = 0.25  # --data-on-device auto: the sets may take this share of free memory
@@ -421,4 +421,33 @@ def build_device_loaders(config, train_set, val_set, sampler, device, rank=0, wo
                                                        should_stop),
                               device, indices=data.shard_indices(len(val_set), rank, world_size),
                               batch_size=config["batch_size"], memory_format=memory_format)
+    return train_loader, val_loader
+
+
+def build_loaders(config, procs, train_set, val_set, sampler, stop=None):
+    """Loaders: training batches from the seeded sampler, this process's validation shard.
+
+    With --data-on-device (auto decides, and says why), both sets live on the device as
+    tensors and whole batches are augmented there; otherwise DataLoader workers augment
+    each sample. Both paths give the same batches.
+    """
+    use, why = device_data_decision(config, train_set, val_set, procs.device)
+    if procs.world_size > 1:  # auto may differ between GPUs: one path for every process
+        use = sum_over_processes([int(use)], procs.device,
+                                     procs.world_size)[0] == procs.world_size
+    runtime.main_print(why)
+    if use:
+        memory_format = torch.channels_last if config["channels_last"] \
+            else torch.contiguous_format
+        return runtime.main_process_first(  # it builds an image folder's decoded cache
+            procs, "holding the data on the device (an image folder: decoding it once)",
+            build_device_loaders, config, train_set, val_set, sampler,
+            procs.device, procs.rank, procs.world_size, memory_format,
+            log=runtime.main_print, stop=stop, should_stop=stop)
+    pin = procs.device.type == "cuda"
+    train_loader = data.build_loader(train_set, batch_sampler=sampler,
+                                     num_workers=config["num_workers"], pin_memory=pin)
+    val_loader = data.build_loader(
+        val_set, batch_size=config["batch_size"], num_workers=config["num_workers"],
+        pin_memory=pin, sampler=data.shard_indices(len(val_set), procs.rank, procs.world_size))
     return train_loader, val_loader

@@ -21,8 +21,7 @@ import time
 
 import torch.distributed as dist
 
-import runtime
-from ops import Interrupted, RunFailed
+from ops import STOP_SIGNALS, Interrupted, RunFailed, first_sentence
 
 JOIN_TIMEOUT = 1800.0  # seconds: torch's own default for a process group
 POLL = 0.05            # seconds between two looks at the store while waiting
@@ -89,7 +88,7 @@ def join_process_group(backend, rank, world_size, stop=None, timeout=JOIN_TIMEOU
             arrived = store.add("arrived", 0)
     except RuntimeError as e:  # the agent (its store) is gone
         raise RunFailed(f"process {rank} lost the run's store while waiting for the other "
-                        f"processes ({runtime.first_sentence(e)})") from None
+                        f"processes ({first_sentence(e)})") from None
     with _signals_end_the_process():
         try:
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
@@ -97,7 +96,7 @@ def join_process_group(backend, rank, world_size, stop=None, timeout=JOIN_TIMEOU
             if dist.is_initialized():
                 raise
             raise RunFailed(f"process {rank} could not join the other processes of the run "
-                            f"({runtime.first_sentence(e)})") from None
+                            f"({first_sentence(e)})") from None
 
 
 def _connect(rank, world_size, stop, deadline):
@@ -116,9 +115,9 @@ def _connect(rank, world_size, stop, deadline):
         except RuntimeError as e:
             if serve:  # the port is taken: nothing to wait for
                 raise RunFailed(f"process 0 cannot serve the run's store at {host}:{port} "
-                                f"({runtime.first_sentence(e)})") from None
+                                f"({first_sentence(e)})") from None
             _check(stop, deadline, f"the run's store at {host}:{port} did not answer "
-                                   f"({runtime.first_sentence(e)})")
+                                   f"({first_sentence(e)})")
 
 
 def _check(stop, deadline, why):
@@ -137,7 +136,7 @@ def _signals_end_the_process():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = {signum: signal.signal(signum, signal.SIG_DFL) for signum in runtime.STOP_SIGNALS}
+    old = {signum: signal.signal(signum, signal.SIG_DFL) for signum in STOP_SIGNALS}
     try:
         yield
     finally:

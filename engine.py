@@ -459,7 +459,7 @@ def evaluate(model, loader, loop, task, tta=False):
     sums = task.evaluation(device)
     for batch in loader:
         x, y = task.to_device(batch, device, loop.memory_format)
-        sums.update(_forward_or_out_of_memory(task, model, x, loop, tta), y)
+        sums.update(_forward_or_out_of_memory(task, model, x, loop, tta), y, x)
     if loop.world_size > 1:
         for tensor in sums.sums():
             dist.all_reduce(tensor)

@@ -8,6 +8,7 @@ directory); train.py and test.py print its message as one line and exit with cod
 import fnmatch
 import math
 import re
+import signal
 
 import torch
 import torch.nn as nn
@@ -31,6 +32,18 @@ class Interrupted(Exception):
 class RunFailed(Exception):
     """The run cannot go on: a non-finite loss or weights, a failed write; train.py
     prints its message as one line and exits with code 1."""
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def first_sentence(error, width=200):
+    """The first sentence of an error's message, without the source location gloo puts
+    in front ("[.../pair.cc:545] Read error ...")."""
+    text = " ".join(str(error).split())
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)
+    text = text.split(". ", 1)[0]
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 class OutOfMemory(RunFailed):

@@ -31,8 +31,9 @@ import files
 import metrics
 import ops
 import runtime
-from config import NOT_SAVED_IN_CONFIG
 from ops import RunFailed, UserError
+
+NOT_SAVED_IN_CONFIG = ("config", "resume", "run_dir")  # per invocation, not per recipe
 
 
 def default_run_dir(config):

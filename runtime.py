@@ -22,7 +22,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ops import Interrupted, RunFailed, UserError
+import elastic
+from ops import STOP_SIGNALS, Interrupted, RunFailed, UserError
 
 
 class Processes(NamedTuple):
@@ -79,7 +80,6 @@ def setup_processes(config, stop=None):
                                 f"per machine (torchrun --nproc_per_node {count}), or train "
                                 f"on CPU processes with --device cpu")
             device = select_device(torch.device("cuda", local_rank))
-        import elastic  # (it imports this module)
         elastic.join_process_group("nccl" if device.type == "cuda" else "gloo", rank,
                                    world_size, stop)
         host = dist.new_group(backend="gloo") if device.type == "cuda" else None
@@ -244,15 +244,6 @@ def lost_peer(error):
         isinstance(error, dist.DistError) or any(k in str(error) for k in _PEER_LOST))
 
 
-def first_sentence(error, width=200):
-    """The first sentence of an error's message, without the source location gloo puts
-    in front ("[.../pair.cc:545] Read error ...")."""
-    text = " ".join(str(error).split())
-    text = re.sub(r"^\[[^\]]*\]\s*", "", text)
-    text = text.split(". ", 1)[0]
-    return text if len(text) <= width else text[:width - 3] + "..."
-
-
 def check_same_resume_point(saved, procs):
     """Each process read the checkpoint from its own disk: they must have found the same."""
     step = torch.tensor([-1 if saved is None else saved["step"]], device=procs.device)
@@ -335,9 +326,6 @@ def native_bf16(capability):
 
 # Ctrl-C, schedulers, a dropped SSH session, SLURM's warning before a time limit
 # (--signal=USR1@90) or another signal chosen for it (--requeue-signal).
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-
-
 class StopRequest:
     """Remembers SIGINT/SIGTERM/SIGHUP; the loop stops at the next optimizer step and saves.
 

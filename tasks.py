@@ -34,9 +34,10 @@ import torch.nn.functional as F
 
 import losses
 import recipes
+import seg_metrics
 from ops import UserError
 
-TASKS = ("classification",)
+TASKS = ("classification", "segmentation")
 TOP_K = 5  # acc5: counted where there are more classes than this
 
 
@@ -47,6 +48,9 @@ def build_task(config, train_set):
         return Classification(train_set.num_classes, train_set.classes,
                               losses.build_criterion(config),
                               recipes.build_batch_mix(config, train_set.num_classes))
+    if name == "segmentation":
+        return Segmentation(train_set.num_classes, train_set.classes,
+                            config["label_smoothing"])
     raise UserError(f"unknown task {name!r}; choose one of: {', '.join(TASKS)}")
 
 
@@ -128,7 +132,7 @@ class ClassificationEvaluation:
                                      dtype=torch.long)
         self.in_top = torch.zeros((), device=device, dtype=torch.long)
 
-    def update(self, logits, y):
+    def update(self, logits, y, x=None):
         c = self.num_classes
         self.loss_sum += F.cross_entropy(logits.float(), y, reduction="sum")
         pred = logits.argmax(dim=1)  # counted on the device (bincount reads back its size)
@@ -168,3 +172,125 @@ def class_accuracy(confusion, classes):
     test.py's report (``per_class``) both use it."""
     return {name: None if math.isnan(acc) else acc
             for name, acc in zip(classes, per_class_accuracy(confusion))}
+
+
+class Segmentation:
+    """Semantic segmentation: per-pixel logits (N, classes, H, W), per-pixel cross-entropy
+    that ignores mask value 255, mIoU, pixel accuracy and per-class IoU from one confusion
+    matrix counted on the device (seg_metrics.py).
+
+    torchvision's segmentation networks return ``{"out", "aux"}``: the auxiliary head's
+    loss counts ``aux_weight`` (0.5, as torchvision's segmentation reference weighs it);
+    evaluation reads ``out`` alone.
+
+    Args:
+        num_classes: the classes of the set.
+        classes: their names (None: the numbers).
+        label_smoothing: --label-smoothing, per pixel.
+        aux_weight: the auxiliary loss's weight.
+    """
+
+    name = "segmentation"
+    figures = ("loss", "miou", "pixel_acc")
+    best = "miou"
+    examples = 4  # validation images shown with their true and predicted masks
+
+    def __init__(self, num_classes, classes=None, label_smoothing=0.0, aux_weight=0.5):
+        self.num_classes = num_classes
+        self.classes = list(classes) if classes is not None else \
+            [str(i) for i in range(num_classes)]
+        self.criterion = torch.nn.CrossEntropyLoss(ignore_index=seg_metrics.IGNORE_INDEX,
+                                                   label_smoothing=float(label_smoothing))
+        self.aux_weight = aux_weight
+
+    to_device = staticmethod(to_device)
+
+    @staticmethod
+    def prepare(x, y, epoch, batch):
+        return x, y
+
+    def loss(self, model, x, y):
+        out = model(x)
+        if not isinstance(out, dict):
+            return self.criterion(out, y)
+        loss = self.criterion(out["out"], y)
+        if "aux" in out:
+            loss = loss + self.aux_weight * self.criterion(out["aux"], y)
+        return loss
+
+    @staticmethod
+    def predict(model, x, tta=False):
+        """The logits; with ``tta``, the mean of the image's and of its mirror's logits
+        flipped back (each pixel's own)."""
+        logits = _out(model(x))
+        if tta:
+            logits = (logits + _out(model(x.flip(-1))).flip(-1)) / 2
+        return logits
+
+    def evaluation(self, device):
+        return SegmentationEvaluation(self.num_classes, device, self.examples)
+
+    @staticmethod
+    def extra_figures(result, names, suffix=""):
+        """Each class's IoU by name (``val_class_iou``; None: absent from the set)."""
+        return {f"val_class_iou{suffix}": dict(zip(names, result["class_iou"].values()))}
+
+    def images(self, result, names, title):
+        """A few validation images, each with its true and its predicted mask."""
+        images, targets, preds = result["examples"]
+        return [("masks", seg_metrics.mask_grid(images, targets, preds, self.num_classes))]
+
+    @staticmethod
+    def example(dataset):
+        return (dataset.in_channels, dataset.image_size, dataset.image_size)
+
+
+def _out(output):
+    """The logits of a network's output: torchvision's segmentation networks return a dict."""
+    return output["out"] if isinstance(output, dict) else output
+
+
+class SegmentationEvaluation:
+    """Sums of one segmentation evaluation, counted on the device (no host read per
+    batch): the loss over the counted pixels and the confusion matrix.
+
+    Args:
+        num_classes: the classes (the matrix's side).
+        device: where the sums live.
+        examples: how many of the first images to keep for the picture.
+    """
+
+    def __init__(self, num_classes, device, examples=4):
+        self.num_classes, self.want = num_classes, examples
+        self.loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+        self.confusion = seg_metrics.new_confusion(num_classes, device)
+        self.invalid = torch.zeros((), device=device, dtype=torch.long)
+        self.kept = None
+
+    def update(self, logits, y, x=None):
+        self.loss_sum += F.cross_entropy(logits.float(), y, reduction="sum",
+                                         ignore_index=seg_metrics.IGNORE_INDEX)
+        self.invalid += seg_metrics.update_confusion(self.confusion, logits, y)
+        if self.kept is None and x is not None:  # the first images: the same every time
+            n = self.want
+            self.kept = (x[:n].detach().clone(), y[:n].clone(), logits[:n].argmax(dim=1))
+
+    def sums(self):
+        return [self.loss_sum, self.confusion, self.invalid]
+
+    def result(self):
+        """``loss`` (mean per counted pixel), ``miou``, ``pixel_acc``, ``class_iou`` (by
+        class number), ``count`` (pixels), ``confusion`` and ``examples``."""
+        figures = seg_metrics.figures(self.confusion)
+        invalid = int(self.invalid)
+        if invalid:
+            raise UserError(f"{invalid} mask pixels hold a value that is neither a class "
+                            f"(0-{self.num_classes - 1}) nor 255 (ignored): --num-classes "
+                            f"is too small for these masks")
+        pixels = figures["pixels"]
+        empty = torch.zeros(0)
+        return {"loss": float(self.loss_sum) / max(pixels, 1), "miou": figures["miou"],
+                "pixel_acc": figures["pixel_acc"], "class_iou": figures["class_iou"],
+                "count": pixels, "confusion": self.confusion.cpu(),
+                "examples": tuple(t.cpu() for t in self.kept) if self.kept is not None
+                else (empty, empty, empty)}

@@ -33,7 +33,7 @@ import urllib.parse
 
 import metrics
 import runtime
-from config import NOT_SAVED_IN_CONFIG
+from runlog import NOT_SAVED_IN_CONFIG
 
 RUN_ID_KEY = "mlflow_run_id"  # the checkpoint dict's key
 LOCAL = "local"  # config["mlflow"] of a bare --mlflow

@@ -228,7 +228,8 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
         config, stop=stop)
     sampler = data.EpochBatchSampler(len(train_set), config["batch_size"], config["seed"],
                                      rank=procs.rank, world_size=procs.world_size)
-    train_loader, val_loader = build_loaders(config, procs, train_set, val_set, sampler, stop)
+    train_loader, val_loader = device_data.build_loaders(config, procs, train_set, val_set,
+                                                        sampler, stop)
     net, model = build_model(config, train_set, procs.device, procs.world_size, log,
                              resuming=saved is not None)
     task = tasks.build_task(config, train_set)  # what a batch is, its loss, its figures
@@ -254,8 +255,9 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
     state = engine.TrainState()
     if saved is not None:  # weights, EMA, optimizer, scaler, position, RNG of the saved step
         restore(saved, resume_path, net, ema, optimizer, loop.scaler, state, config, procs)
-        check_same_data(saved, resume_path, identity)
-        check_same_threads(saved, resume_path, procs.device)
+        warn = functools.partial(runtime.main_print, file=sys.stderr)
+        checkpoint.check_same_data(saved, resume_path, identity, warn)
+        checkpoint.check_same_threads(saved, resume_path, procs.device, warn)
         if unfrozen_at_resume(config, state):  # wrapped again: DDP must see them
             model = wrap_model(net, config, procs.device, procs.world_size)
     engine.set_lr(optimizer, loop.lr_factor(state.step))
@@ -567,35 +569,6 @@ def _quiet(message):
 
 # --------------------------------------------------------------------- data, network
 
-def build_loaders(config, procs, train_set, val_set, sampler, stop=None):
-    """Loaders: training batches from the seeded sampler, this process's validation shard.
-
-    With --data-on-device (auto decides, and says why), both sets live on the device as
-    tensors and whole batches are augmented there; otherwise DataLoader workers augment
-    each sample. Both paths give the same batches.
-    """
-    use, why = device_data.device_data_decision(config, train_set, val_set, procs.device)
-    if procs.world_size > 1:  # auto may differ between GPUs: one path for every process
-        use = ops.sum_over_processes([int(use)], procs.device,
-                                     procs.world_size)[0] == procs.world_size
-    runtime.main_print(why)
-    if use:
-        memory_format = torch.channels_last if config["channels_last"] \
-            else torch.contiguous_format
-        return runtime.main_process_first(  # it builds an image folder's decoded cache
-            procs, "holding the data on the device (an image folder: decoding it once)",
-            device_data.build_device_loaders, config, train_set, val_set, sampler,
-            procs.device, procs.rank, procs.world_size, memory_format,
-            log=runtime.main_print, stop=stop, should_stop=stop)
-    pin = procs.device.type == "cuda"
-    train_loader = data.build_loader(train_set, batch_sampler=sampler,
-                                     num_workers=config["num_workers"], pin_memory=pin)
-    val_loader = data.build_loader(
-        val_set, batch_size=config["batch_size"], num_workers=config["num_workers"],
-        pin_memory=pin, sampler=data.shard_indices(len(val_set), procs.rank, procs.world_size))
-    return train_loader, val_loader
-
-
 def build_loop(config, procs, sampler, prefetch=0):
     """The loop's fixed settings: accumulation, precision, LR schedule, timers."""
     device = procs.device
@@ -807,35 +780,6 @@ def unfreeze_into(net, optimizer, config):
 
 
 # ---------------------------------------------------------------------- resume
-
-def check_same_threads(saved, path, device):
-    """On the CPU a kernel's reduction order follows the thread count: a run resumed with
-    another count than its checkpoint's ends about 1e-3 away from the run that never
-    stopped. Says so, with the setting that restores it (torchrun sets one a process)."""
-    before, now = saved.get("threads"), torch.get_num_threads()
-    if device.type != "cpu" or before is None or before == now:
-        return
-    runtime.main_print(f"warning: {path!r} was trained with {before} CPU thread(s) per "
-                       f"process, this run has {now}: its kernels add up in another order, "
-                       f"so it will not end bit for bit as the run that never stopped; "
-                       f"OMP_NUM_THREADS={before} restores it", file=sys.stderr)
-
-
-def check_same_data(saved, path, identity):
-    """Says, in one line, when a run resumes onto another training set than the one its
-    checkpoint was trained on: the epoch's order and the augmentation then follow the new
-    set, so the run is no longer the one that never stopped. It continues."""
-    before = saved.get("data", {}).get("train")
-    now = identity["train"]
-    if before is None or before == now:
-        return
-    change = f"{before['size']} samples then, {now['size']} now" \
-        if before["size"] != now["size"] else f"{now['size']} samples, other files"
-    runtime.main_print(f"warning: the training set is not the one {path!r} was trained on "
-                       f"({change}): the rest of the run follows the new set, so it will "
-                       f"not end as the run that never stopped would have; continuing",
-                       file=sys.stderr)
-
 
 def restore(saved, path, net, ema, optimizer, scaler, state, config, procs):
     """Loads a checkpoint's state into the freshly built objects."""
