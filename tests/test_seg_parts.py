@@ -209,16 +209,15 @@ def _random_batches(num_classes, seed, batches=3, absent=(3,)):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_figures_equal_torchmetrics(seed):
-    from torchmetrics.classification import (MulticlassAccuracy, MulticlassConfusionMatrix,
-                                             MulticlassJaccardIndex)
+    from torchmetrics import classification as tm
 
     c = 6
     confusion = seg_metrics.new_confusion(c)
     kw = {"num_classes": c, "ignore_index": 255}
-    jaccard = MulticlassJaccardIndex(average="macro", **kw)
-    per_class = MulticlassJaccardIndex(average="none", **kw)
-    accuracy = MulticlassAccuracy(average="micro", **kw)
-    matrix = MulticlassConfusionMatrix(**kw)
+    jaccard = tm.MulticlassJaccardIndex(average="macro", **kw)
+    per_class = tm.MulticlassJaccardIndex(average="none", **kw)
+    accuracy = tm.MulticlassAccuracy(average="micro", **kw)
+    matrix = tm.MulticlassConfusionMatrix(**kw)
     for logits, target in _random_batches(c, seed):
         seg_metrics.update_confusion(confusion, logits, target)
         for metric in (jaccard, per_class, accuracy, matrix):
