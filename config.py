@@ -139,7 +139,7 @@ def _optimisation_flags(g):
                    help="Nesterov momentum for SGD")
     g.add_argument("--weight-decay", type=float, default=5e-4, help="weight decay")
     g.add_argument("--scheduler", default="cosine",
-                   choices=["none", "step", "cosine", "onecycle"],
+                   choices=["none", "step", "cosine", "onecycle", "poly"],
                    help="learning-rate schedule over optimizer steps (see ops.lr_factor)")
     g.add_argument("--warmup-epochs", type=float, default=1.0,
                    help="linear warmup from 0, in epochs")

@@ -2,12 +2,16 @@
 
 ``simple_cnn`` (the styleguide's example), ``resnet18`` (CIFAR variant), ``resnet9`` (the
 DAWNBench fast recipe's network), ``mlp``; ``torchvision/<name>`` for any torchvision
-classifier.
+classifier. For segmentation: ``unet`` (small, for CPU runs and tests) and
+``torchvision/<name>`` for torchvision's segmentation networks (``fcn_resnet50``,
+``deeplabv3_resnet50``, ``deeplabv3_mobilenet_v3_large``, ``lraspp_mobilenet_v3_large``...),
+which return a dict ``{"out": logits, "aux": logits}`` (``"aux"`` where they have one).
 
 Add a network: write an ``nn.Module`` here and register its builder with
 ``@register("name")``; ``--network name`` then trains it.
 """
 
+import torch
 import torch.nn as nn
 
 from layers import BasicBlock, ConvBlock, checkpoint_forward
@@ -157,6 +161,56 @@ class MLP(GradCheckpointing, nn.Module):
         return self.fc(x)
 
 
+class UNet(GradCheckpointing, nn.Module):
+    """A small U-Net (Ronneberger et al., 2015) for semantic segmentation.
+
+    An encoder of ``depth`` stages, each two 3x3 ConvBlocks (conv, BatchNorm, ReLU) then a
+    2x2 max-pool, with the width doubling from ``width``; a bottleneck of two ConvBlocks;
+    a decoder that upsamples with a 2x2 transposed convolution (deterministic on CUDA,
+    unlike bilinear interpolation's backward), concatenates the encoder's map of that
+    scale and applies two ConvBlocks; a 1x1 convolution to the class logits. Any image
+    side works: the pools round up, and an upsampled map one pixel longer than its skip
+    (an odd side) loses its last row or column.
+    About 118 k parameters at the defaults (width 16, depth 2, 21 classes).
+
+    Returns:
+        ``(N, num_classes, H, W)`` logits at the input's size.
+    """
+
+    def __init__(self, num_classes=21, in_channels=3, image_size=None, width=16, depth=2):
+        super().__init__()
+
+        def double(cin, cout):
+            return nn.Sequential(ConvBlock(cin, cout, 3), ConvBlock(cout, cout, 3))
+
+        widths = [width * 2 ** i for i in range(depth + 1)]  # e.g. 16, 32, 64
+        self.down = nn.ModuleList()
+        channels = in_channels
+        for w in widths[:-1]:
+            self.down.append(double(channels, w))
+            channels = w
+        self.pool = nn.MaxPool2d(2, ceil_mode=True)
+        self.bottleneck = double(channels, widths[-1])
+        self.up = nn.ModuleList()
+        self.decode = nn.ModuleList()
+        for w, wider in zip(reversed(widths[:-1]), reversed(widths[1:])):
+            self.up.append(nn.ConvTranspose2d(wider, w, 2, stride=2))
+            self.decode.append(double(2 * w, w))
+        self.head = nn.Conv2d(widths[0], num_classes, 1)
+
+    def forward(self, x):
+        skips = []
+        for block in self.down:
+            x = self.run_block(block, x)  # (N, w, h, w')
+            skips.append(x)
+            x = self.pool(x)  # ceil(side / 2)
+        x = self.run_block(self.bottleneck, x)
+        for up, block, skip in zip(self.up, self.decode, reversed(skips)):
+            x = up(x)[..., :skip.shape[-2], :skip.shape[-1]]  # (N, w, 2h, 2w'), cut to the skip
+            x = self.run_block(block, torch.cat([skip, x], dim=1))
+        return self.head(x)  # (N, num_classes, H, W)
+
+
 @register("simple_cnn")
 def simple_cnn(num_classes, in_channels, image_size):
     return SimpleCNN(num_classes, in_channels, image_size)
@@ -177,27 +231,73 @@ def mlp(num_classes, in_channels, image_size):
     return MLP(num_classes, in_channels, image_size)
 
 
+@register("unet")
+def unet(num_classes, in_channels, image_size):
+    return UNet(num_classes, in_channels, image_size)
+
+
 def _torchvision_network(name, num_classes, in_channels):
     import torchvision
 
+    segmentation = torchvision.models.list_models(module=torchvision.models.segmentation)
     available = torchvision.models.list_models(module=torchvision.models)
-    if name not in available:
-        raise ValueError(f"unknown torchvision classifier {name!r}; "
-                         f"choose one of: {', '.join(available)}")
+    if name not in available + segmentation:
+        raise ValueError(f"unknown torchvision network {name!r}; choose one of: "
+                         f"{', '.join(available + segmentation)}")
     if in_channels != 3:
         raise ValueError(f"torchvision/{name} takes 3-channel images, the dataset has "
                          f"{in_channels}; use a 3-channel dataset or one of "
                          f"{', '.join(sorted(NETWORKS))}")
     # weights=None: never download implicitly; --pretrained loads a local file instead.
+    if name in segmentation:
+        return _torchvision_segmentation(name, num_classes)
     return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+
+
+def _torchvision_segmentation(name, num_classes):
+    """One of torchvision's segmentation networks, random weights (its backbone's too:
+    the builders' default would download ImageNet weights), with the auxiliary
+    classifier where the network has one (FCN and DeepLabV3; not LR-ASPP), as the
+    reference trains them and as their pretrained weights are saved."""
+    import torchvision
+
+    builder = torchvision.models.get_model_builder(name)
+    aux = {"aux_loss": True} if has_aux_classifier(name) else {}
+    return builder(weights=None, weights_backbone=None, num_classes=num_classes, **aux)
+
+
+def has_aux_classifier(name):
+    """Whether torchvision's segmentation builder ``name`` (``deeplabv3_resnet50``, ...)
+    takes ``aux_loss``: FCN and DeepLabV3 do, LR-ASPP has no auxiliary head."""
+    import inspect
+
+    import torchvision
+
+    builder = torchvision.models.get_model_builder(name)
+    return "aux_loss" in inspect.signature(builder).parameters
+
+
+def is_segmentation(name):
+    """Whether ``--network name`` gives per-pixel logits (``unet``, torchvision's
+    segmentation networks) rather than a classifier's."""
+    if name == "unet":
+        return True
+    if not str(name).startswith("torchvision/"):
+        return False
+    import torchvision
+
+    return name.split("/", 1)[1] in torchvision.models.list_models(
+        module=torchvision.models.segmentation)
 
 
 def build_network(name, num_classes=10, in_channels=3, image_size=32):
     """Builds a network by registry name.
 
     Args:
-        name: a key of NETWORKS (``simple_cnn``, ``resnet18``, ``resnet9``, ``mlp``...) or
-            ``torchvision/<name>`` for any torchvision classifier (random weights).
+        name: a key of NETWORKS (``simple_cnn``, ``resnet18``, ``resnet9``, ``mlp``,
+            ``unet``...) or ``torchvision/<name>`` for any torchvision classifier or
+            segmentation network (random weights; a segmentation network returns
+            ``{"out": logits, "aux": logits}``, ``"aux"`` where it has one).
         num_classes: outputs of the classifier.
         in_channels: channels of the input images.
         image_size: side of the (square) input images; networks with a flattening

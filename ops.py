@@ -171,6 +171,9 @@ def count_parameters(module):
     return trainable, frozen
 
 
+POLY_POWER = 0.9  # --scheduler poly: the power of torchvision's segmentation reference
+
+
 def lr_factor(step, total_steps, schedule="cosine", warmup_steps=0):
     """The learning rate at an optimizer step, as a fraction of the base rate.
 
@@ -181,7 +184,9 @@ def lr_factor(step, total_steps, schedule="cosine", warmup_steps=0):
         total_steps: optimizer steps of the whole run.
         schedule: ``none`` (constant), ``step`` (x0.1 at 50% and again at 75% of the
             run), ``cosine`` (cosine from 1 to 0), ``onecycle`` (linear up over the
-            warmup, 30% of the run if no warmup is given, then linear down to 0).
+            warmup, 30% of the run if no warmup is given, then linear down to 0),
+            ``poly`` (``(1 - progress) ** 0.9`` after the warmup: torchvision's
+            segmentation reference, its ``PolynomialLR(power=0.9)`` step by step).
         warmup_steps: steps of linear warmup from 0 to 1 (all schedules).
 
     Returns:
@@ -201,6 +206,8 @@ def lr_factor(step, total_steps, schedule="cosine", warmup_steps=0):
         return 0.5 * (1.0 + math.cos(math.pi * progress))
     if schedule == "onecycle":
         return 1.0 - progress
+    if schedule == "poly":
+        return (1.0 - progress) ** POLY_POWER
     raise ValueError(f"unknown schedule {schedule!r}")
 
 

@@ -206,7 +206,8 @@ class _PhotoLoader:
 def torchvision_weights(network, pretrained):
     """The torchvision weights that ``--pretrained torchvision[:NAME]`` names for
     ``--network torchvision/<name>``, or None when ``pretrained`` names no such thing (a
-    file of that name that exists wins: it is a path).
+    file of that name that exists wins: it is a path). ``torchvision:backbone`` names the
+    ImageNet weights of a segmentation network's backbone (``backbone_weights``).
 
     Raises:
         ops.UserError: another network, or a NAME the architecture has not.
@@ -227,6 +228,8 @@ def torchvision_weights(network, pretrained):
     except (ValueError, KeyError):
         raise UserError(f"torchvision has no pretrained weights for {name}") from None
     which = pretrained.split(":", 1)[1] if ":" in pretrained else "DEFAULT"
+    if which == "backbone":
+        return backbone_weights(name)
     if which == "DEFAULT":
         return enum.DEFAULT
     try:
@@ -234,6 +237,31 @@ def torchvision_weights(network, pretrained):
     except KeyError:
         raise UserError(f"--pretrained {pretrained}: {name} has no weights {which!r}; it has "
                         f"{', '.join(w.name for w in enum)} (or DEFAULT)") from None
+
+
+def backbone_weights(name):
+    """The ImageNet weights torchvision's segmentation builder ``name`` puts in its
+    backbone by default (its ``weights_backbone``: ``ResNet50_Weights.IMAGENET1K_V1``,
+    ``MobileNet_V3_Large_Weights.IMAGENET1K_V1``), what its reference trains from.
+
+    Raises:
+        ops.UserError: ``name`` has no separate backbone weights (a classifier).
+    """
+    import inspect
+
+    import torchvision
+
+    from ops import UserError
+
+    try:
+        builder = torchvision.models.get_model_builder(name)
+    except ValueError:
+        builder = None
+    param = inspect.signature(builder).parameters.get("weights_backbone") if builder else None
+    if param is None or param.default is None:
+        raise UserError(f"--pretrained torchvision:backbone: {name} has no separate backbone "
+                        f"weights; use --pretrained torchvision")
+    return param.default
 
 
 def fetch_weights(weights):
@@ -293,3 +321,88 @@ def transforms(config, policy=((), ())):
     if not config["augment"]:
         train = [CenterCrop(size), normalise]
     return v2.Compose(train), v2.Compose([CenterCrop(size), normalise])
+
+
+# ------------------------------------------- torchvision weights for segmentation networks
+
+HEADS = ("classifier.", "aux_classifier.")  # torchvision's segmentation heads
+
+
+def fit_segmentation_weights(net, weights, state):
+    """A torchvision state_dict of a segmentation network or of its backbone's
+    classifier, made to fit ``net`` (torchvision's segmentation network, built by
+    ``networks.build_network``).
+
+    * The network's own weights (COCO with VOC's 21 classes): the heads' layers whose
+      shape differs (another ``--num-classes``: the last convolution of ``classifier`` and
+      of ``aux_classifier``; LR-ASPP's ``low_classifier`` and ``high_classifier``) keep
+      their fresh initialisation; everything else is loaded.
+    * ImageNet weights of its backbone (``torchvision:backbone``): the classifier's names
+      are mapped into ``backbone.`` (ResNet's ``conv1...layer4``, MobileNetV3's
+      ``features.N`` as ``backbone.N``), its ImageNet classifier dropped; both heads
+      start fresh.
+
+    Args:
+        net: the segmentation network.
+        weights: the torchvision weights enum value the state is of.
+        state: its state_dict.
+
+    Returns:
+        ``(state, kept, line)``: a state_dict with every key of ``net`` in its shape, the
+        keys of ``net`` kept at their fresh values, and one line saying what was loaded.
+
+    Raises:
+        ops.UserError: the state fits neither way (a name or shape the head does not
+            explain), listing the first keys concerned.
+    """
+    from ops import UserError
+
+    own = net.state_dict()
+    categories = len(weights.meta.get("categories") or ()) or "?"
+    if any(k.startswith("backbone.") for k in state):  # the segmentation network's own
+        kept = sorted(k for k in own if k in state and state[k].shape != own[k].shape)
+        modules = sorted({k.rsplit(".", 1)[0] for k in kept})
+        kept = [k for k in own if k.rsplit(".", 1)[0] in modules]  # weight and bias alike
+        what = f"torchvision's {weights} ({categories} classes)"
+        line = f"pretrained: loaded {what}" + (
+            f"; new heads for {_classes(net)} classes, fresh: {', '.join(modules)}"
+            if modules else "")
+        bad = [k for k in kept if not k.startswith(HEADS)]
+    else:  # its backbone's classifier: the names mapped into backbone.
+        mapped = {}
+        for key, value in state.items():
+            for name in (f"backbone.{key}", f"backbone.{key.removeprefix('features.')}"):
+                if name in own and own[name].shape == value.shape:
+                    mapped[name] = value
+                    break
+        state = mapped
+        kept = [k for k in own if k not in state]
+        line = (f"pretrained: loaded the backbone from torchvision's {weights} (ImageNet, "
+                f"{len(state)} tensors); the heads start fresh")
+        bad = [k for k in kept if not k.startswith(HEADS)]
+    missing = [k for k in own if k not in state and k not in kept]
+    missing += [k for k in state if k not in own]  # (an auxiliary head this net has not)
+    if bad or missing:
+        raise UserError(f"--pretrained torchvision: {weights} does not fit this network: "
+                        f"{', '.join((bad + missing)[:4])} ...")
+    return {**state, **{k: own[k] for k in kept}}, kept, line
+
+
+def _classes(net):
+    """The classes of a torchvision segmentation network (its main head's outputs)."""
+    return [m for m in net.classifier.modules() if isinstance(m, torch.nn.Conv2d)][-1] \
+        .out_channels
+
+
+def load_segmentation_weights(net, weights):
+    """Loads torchvision's ``weights`` (``torchvision_weights``' answer) into ``net``, a
+    torchvision segmentation network: fetched (``fetch_weights``: TORCH_HOME, or
+    downloaded once), fitted (``fit_segmentation_weights``: a new head for another
+    number of classes; an ImageNet backbone mapped), loaded.
+
+    Returns:
+        The line to log: what was loaded and which heads start fresh.
+    """
+    state, _, line = fit_segmentation_weights(net, weights, fetch_weights(weights))
+    net.load_state_dict(state)
+    return line

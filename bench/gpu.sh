@@ -9,7 +9,8 @@
 #    cost (bench/checkpoint.py), the loop's overhead (bench/overhead.py), prefetching
 #    (bench/prefetch.py), the data path alone (bench/data.py) and in train.py on an image
 #    folder (bench/train_paths.py), what each recipe costs a step (bench/recipes.py),
-#    export on this machine's CPU (bench/export.py), photos (bench/photos.py);
+#    export on this machine's CPU (bench/export.py), photos (bench/photos.py), segmentation
+#    against torchvision's reference loop (bench/segmentation.py);
 # 3. train.py end to end on CIFAR-shaped data: resnet18 and resnet9, each data path,
 #    eager and compiled, as "figure:" lines (samples/s, compute efficiency, MFU, the time
 #    of a 50,000-sample epoch);
@@ -50,6 +51,8 @@ if [ "$device" = cuda ]; then
   check python bench/recipes.py --device cuda --repeats 3
   check python bench/export.py --networks simple_cnn,resnet18 --steps 12
   check python bench/photos.py --device cuda --workers 8 --finetune-steps 20
+  check python bench/segmentation.py --device cuda --network torchvision/lraspp_mobilenet_v3_large \
+    --samples 1024 --size 256 --crop-size 224 --batch-size 32 --workers 8 --epochs 2 --amp bf16
 else
   check python bench/data.py --samples 256 --batch-size 64 --workers 0 --repeats 1
 fi

@@ -36,10 +36,13 @@ SMALLEST = {
                      "0"], "recommendation:"),
     "recipes.py": (["--network", "mlp", "--batch-size", "16", "--steps", "2", "--chunk", "1",
                     "--repeats", "1", "--samples", "16"], "+ random_erase 1"),
+    "segmentation.py": (["--samples", "16", "--size", "32", "--crop-size", "24", "--epochs",
+                         "1", "--batch-size", "8", "--workers", "0"], "plain     "),
     "train_paths.py": (["--images", "40", "--batch-size", "16", "--workers", "0", "--repeats",
                         "1"], "device path / per-sample path:"),
 }
-WRITES_INTO = {"checkpoint.py": "--dir", "export.py": "--dir", "photos.py": "--dir"}
+WRITES_INTO = {"checkpoint.py": "--dir", "export.py": "--dir", "photos.py": "--dir",
+               "segmentation.py": "--dir"}
 
 
 def test_every_bench_script_has_a_smallest_run():
