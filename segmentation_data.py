@@ -43,6 +43,7 @@ from torchvision.transforms.v2 import functional as TF
 
 import data
 import decoded_cache
+import device_data
 from ops import UserError
 from runtime import say
 
@@ -381,7 +382,7 @@ def load_mask(path):
     if values.size and int(values.max()) > IGNORE:
         raise data.UnreadableImage(f"it holds the value {int(values.max())}; class indices "
                                    f"are 0..254 and 255 is ignored")
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.uint8))
+    return torch.from_numpy(np.array(values, dtype=np.uint8))  # (a writable copy)
 
 
 class MaskPairs(torch.utils.data.Dataset):
@@ -707,3 +708,137 @@ def set_identity(dataset):
                  f"{dataset.in_channels} {dataset.num_classes}".encode())
         h.update(base.masks.numpy().tobytes())
     return {"size": len(dataset), "fingerprint": h.hexdigest()}
+
+
+# ------------------------------------------------------------------ the device path
+
+class DeviceLoader:
+    """The device path of a segmentation set (device_data.py's, for ``(image, mask)``):
+    the set held as tensors on ``device``, each batch made there with the per-sample
+    path's draws and arithmetic, so both paths give the same batches, bit for bit on the
+    CPU.
+
+    Small sizes: one gather per batch (``device_data.crop_flip_batch``) for the images,
+    and the same gather for the masks, padded with 255 (the gather of ``255 - mask``
+    padded with 0, turned back: the very offsets and flips of the images). Photo sizes:
+    each sample through the set's own joint steps on the device (images of many sizes),
+    the batch then normalised at once (``data.normalise``, elementwise: the same bits).
+
+    Iterating yields ``(x, y)`` on ``device``: ``x`` float32 (N, C, H, W) in
+    ``memory_format``, ``y`` int64 (N, H, W).
+
+    Args:
+        dataset: a ``SegmentationSet`` from ``build_datasets``.
+        device: where the set is held and batches are made.
+        batch_sampler: an EpochBatchSampler (training), or
+        indices: the indices to go through in order (validation), in batches of
+            ``batch_size``.
+        memory_format: of the batches.
+    """
+
+    def __init__(self, dataset, device, batch_sampler=None, indices=None, batch_size=None,
+                 memory_format=torch.contiguous_format):
+        if (batch_sampler is None) == (indices is None):
+            raise ValueError("DeviceLoader takes a batch_sampler or indices, not both")
+        self.dataset, self.device = dataset, torch.device(device)
+        self.batch_sampler, self.batch_size = batch_sampler, batch_size
+        self.indices = None if indices is None else torch.as_tensor(indices, dtype=torch.long)
+        self.memory_format = memory_format
+        transform, base = dataset.transform, dataset.base
+        self.steps = transform.transforms
+        self.stats = None if transform.mean is None else tuple(
+            torch.tensor(s, dtype=torch.float32, device=self.device).view(-1, 1, 1)
+            for s in (transform.mean, transform.std))
+        self.padding = next((s.padding for s in self.steps if isinstance(s, PadCrop)), 0)
+        self.flip = any(isinstance(s, Flip) for s in self.steps)
+        self.photo = dataset.image_size >= data.PHOTO_SIDE
+        self.shapes = None
+        if isinstance(base, SyntheticMasks):
+            self.images, self.masks = base.images, base.masks
+        elif base.decoded.shapes is None:  # small: (N, 4, S, S)
+            both = base.decoded.images
+            self.images, self.masks = both[:, :3], both[:, 3]
+        else:  # photos: many sizes in one flat buffer
+            self.images, self.shapes = base.decoded.images, base.decoded.shapes.tolist()
+            self.offsets = base.decoded.offsets.tolist()
+        self.images = self.images.to(self.device)
+        self.masks = None if self.shapes else self.masks.to(self.device)
+
+    def __len__(self):
+        if self.batch_sampler is not None:
+            return len(self.batch_sampler)
+        return -(-len(self.indices) // self.batch_size)
+
+    def nbytes(self):
+        """Bytes the set takes where it is held."""
+        held = self.images.numel() * self.images.element_size()
+        return held + (0 if self.masks is None else self.masks.numel())
+
+    def __iter__(self):
+        if self.batch_sampler is not None:
+            batches = list(self.batch_sampler.index_batches())
+            epoch = self.batch_sampler.epoch
+        else:
+            batches, epoch = list(self.indices.split(self.batch_size)), 0
+        random = self.dataset.random
+        for index in batches:
+            if self.photo:
+                x, y = self._photos(index, epoch, random)
+            else:
+                x, y = self._gather(index, epoch, random)
+            x = x.contiguous(memory_format=self.memory_format)
+            if self.stats is not None:
+                x = data.normalise(x, *self.stats)
+            yield x, y.to(torch.long)
+
+    def _gather(self, index, epoch, random):
+        where = index.to(self.device)
+        x, y = self.images.index_select(0, where), self.masks.index_select(0, where)
+        if not random or not (self.padding or self.flip):
+            return x, y
+        seed, zero = self.dataset.seed, torch.zeros_like(index)
+        top, left = data.crop_offsets(seed, epoch, index, self.padding) if self.padding \
+            else (zero, zero)
+        flip = data.flip_draw(seed, epoch, index) if self.flip else zero
+        top, left, flip = (t.to(self.device) for t in (top, left, flip))
+        x = device_data.crop_flip_batch(x, top, left, flip, self.padding)
+        y = IGNORE - device_data.crop_flip_batch(IGNORE - y[:, None], top, left, flip,
+                                                 self.padding)[:, 0]
+        return x, y
+
+    def _photos(self, index, epoch, random):
+        images, masks = [], []
+        for i in index.tolist():
+            c, h, w = self.shapes[i]
+            both = self.images[self.offsets[i]:self.offsets[i] + c * h * w].view(c, h, w)
+            image, mask = both[:3], both[3]
+            data._SAMPLE.key = (self.dataset.seed, epoch, i) if random else None
+            try:
+                for step in self.steps:
+                    image, mask = step(image, mask)
+            finally:
+                data._SAMPLE.key = None
+            images.append(image)
+            masks.append(mask)
+        return torch.stack(images), torch.stack(masks)
+
+
+def device_nbytes(dataset):
+    """Bytes a segmentation set takes on the device path (images and masks)."""
+    base = dataset.base
+    if isinstance(base, SyntheticMasks):
+        return base.images.numel() * base.images.element_size() + base.masks.numel()
+    return base.decoded.nbytes
+
+
+def build_device_loaders(config, train_set, val_set, sampler, device, rank=0, world_size=1,
+                         memory_format=torch.contiguous_format):
+    """The device path's loaders of a segmentation run (as ``device_data.
+    build_device_loaders``): ``(train_loader, val_loader)``, two ``DeviceLoader``; the
+    validation loader goes through this process's shard (``data.shard_indices``)."""
+    train_loader = DeviceLoader(train_set, device, batch_sampler=sampler,
+                                memory_format=memory_format)
+    val_loader = DeviceLoader(val_set, device, indices=data.shard_indices(
+        len(val_set), rank, world_size), batch_size=config["batch_size"],
+        memory_format=memory_format)
+    return train_loader, val_loader

@@ -346,3 +346,29 @@ def test_what_would_move_the_image_and_not_the_mask_is_refused(flags, words):
     one_line_error(e, words)
     with pytest.raises(UserError):
         seg.build_datasets(config(**flags))
+
+
+# ------------------------------------------------------------------ the device path
+
+
+@pytest.mark.parametrize("kind", ["synthetic", "maskfolder", "photos"])
+def test_the_device_path_gives_the_dataloaders_batches_bit_for_bit(tmp_path, kind):
+    if kind == "synthetic":
+        cfg = config(synthetic_size=24)
+    else:
+        cfg = folder_config(write_mask_folder(tmp_path / "set", counts=(("train", 7),
+                                                                       ("val", 3))),
+                            image_size=64 if kind == "photos" else 16)
+    train, val = seg.build_datasets(cfg)
+    (x, y), sampler = load_epoch(train, 0)
+    device = seg.DeviceLoader(train, "cpu", batch_sampler=sampler)
+    assert len(device) == len(sampler)
+    batches = list(device)
+    assert all(len(b[0]) <= 4 for b in batches)
+    assert torch.equal(torch.cat([b[0] for b in batches]), x)
+    assert torch.equal(torch.cat([b[1] for b in batches]), y)
+    assert (y == 255).any() and y.dtype == torch.int64
+    loader = data.build_loader(val, batch_size=2)
+    _, device_val = seg.build_device_loaders({"batch_size": 2}, train, val, sampler, "cpu")
+    for (a, m), (b, n) in zip(loader, device_val, strict=True):
+        assert torch.equal(a, b) and torch.equal(m, n)
