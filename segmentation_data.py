@@ -95,13 +95,24 @@ def check_config(config):
 
 # ------------------------------------------------------------------ the joint transforms
 
+def resized_size(height, width, size, max_size=None):
+    """``(height, width)`` with the short side at ``size`` and the long one in proportion,
+    truncated (torchvision's ``Resize(size, max_size=max_size)``: where the long side
+    would pass ``max_size`` it is ``max_size``), no side below 1 px."""
+    short, long = sorted((height, width))
+    new_short, new_long = size, int(size * long / short)
+    if max_size is not None and new_long > max_size:
+        new_short, new_long = max(int(max_size * new_short / new_long), 1), max_size
+    return (new_short, new_long) if height <= width else (new_long, new_short)
+
+
 def _resize_pair(image, mask, size, max_size=None):
-    """Image (bilinear, antialiased) and mask (nearest) with the short side at ``size``
-    (the long side in proportion, truncated, as torchvision's ``Resize(int)``)."""
-    image = TF.resize(image, [size], interpolation=v2.InterpolationMode.BILINEAR,
-                      max_size=max_size, antialias=True)
-    mask = TF.resize(mask[None], [size], interpolation=v2.InterpolationMode.NEAREST,
-                     max_size=max_size)[0]
+    """Image (bilinear, antialiased) and mask (nearest: the reference's and tv_tensors.Mask's
+    interpolation) with the short side at ``size`` (``resized_size``)."""
+    shape = list(resized_size(*image.shape[-2:], size, max_size))
+    image = TF.resize(image, shape, interpolation=v2.InterpolationMode.BILINEAR,
+                      antialias=True)
+    mask = TF.resize(mask[None], shape, interpolation=v2.InterpolationMode.NEAREST)[0]
     return image, mask
 
 
@@ -191,8 +202,7 @@ class EvalResize:
         self.base, self.canvas = base, canvas
 
     def __call__(self, image, mask):
-        image, mask = _resize_pair(image, mask, self.base,
-                                   self.canvas if self.canvas > self.base else None)
+        image, mask = _resize_pair(image, mask, self.base, self.canvas)
         h, w = image.shape[-2:]
         return _pad_pair(image, mask, [0, self.canvas - w, 0, self.canvas - h])
 

@@ -372,3 +372,16 @@ def test_the_device_path_gives_the_dataloaders_batches_bit_for_bit(tmp_path, kin
     _, device_val = seg.build_device_loaders({"batch_size": 2}, train, val, sampler, "cpu")
     for (a, m), (b, n) in zip(loader, device_val, strict=True):
         assert torch.equal(a, b) and torch.equal(m, n)
+
+
+def test_resized_sizes_are_torchvisions_and_never_zero():
+    from torchvision.transforms.v2 import functional as TF
+
+    for h, w, size, top in [(40, 90, 69, 92), (120, 70, 69, 92), (60, 72, 69, 92),
+                            (375, 500, 520, None), (500, 333, 260, None)]:
+        out = TF.resize(torch.zeros(1, h, w), [size], max_size=top).shape[-2:]
+        assert seg.resized_size(h, w, size, top) == tuple(out)
+    evaluation = seg.pair_transforms(64, augment=False)[1]
+    image, mask = evaluation(torch.zeros(3, 2, 400, dtype=torch.uint8),
+                             torch.zeros(2, 400, dtype=torch.uint8))
+    assert image.shape == (3, 92, 92) and (mask[:, :92] == 0).sum() == 92  # 1 x 92 px
