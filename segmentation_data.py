@@ -56,7 +56,7 @@ BASE_PER_CROP = 520 / 480    # the reference's base size for its crop
 RESIZE_RANGE = (0.5, 2.0)    # the reference's random resize of the short side, x base
 EVAL_ASPECT = 4 / 3          # evaluation: the long side at most this x base (the canvas)
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
-MASK_MODES = ("P", "L", "I;16", "I;16L", "I;16B", "I")  # palette or grayscale indices
+MASK_MODES = ("P", "L", "1", "I;16", "I;16L", "I;16B", "I")  # palette or grayscale indices
 # Streams of data.sample_hash (data.py uses 1-3, presets.py 100-139).
 STREAM_SIZE, STREAM_TOP, STREAM_LEFT = 200, 201, 202
 
@@ -383,6 +383,8 @@ def load_mask(path):
         with Image.open(path, formats=data.IMAGE_FORMATS) as mask:
             mask.load()
             mode = mask.mode
+            if mask.format != "PNG":  # a JPEG's values are not the indices it was saved with
+                raise ValueError(f"a {mask.format} file, not a PNG")
             if mode not in MASK_MODES:
                 raise ValueError(f"a {mode} image, not palette or grayscale class indices")
             values = np.asarray(ImageOps.exif_transpose(mask))
@@ -441,7 +443,8 @@ class MaskPairs(torch.utils.data.Dataset):
             path = image_path
             try:
                 image = TF.pil_to_tensor(data.load_image(image_path))
-                path, mask = mask_path, load_mask(mask_path)
+                path = mask_path
+                mask = load_mask(mask_path)
                 if tuple(mask.shape) != tuple(image.shape[-2:]):
                     raise data.UnreadableImage(
                         f"the mask is {mask.shape[1]}x{mask.shape[0]}, its image "
@@ -563,9 +566,12 @@ def _check_pairs(pairs):
             with Image.open(image_path, formats=data.IMAGE_FORMATS) as image:
                 size = _oriented_size(image)
             with Image.open(mask_path, formats=data.IMAGE_FORMATS) as mask:
-                mode, mask_size = mask.mode, _oriented_size(mask)
+                kind, mode, mask_size = mask.format, mask.mode, _oriented_size(mask)
         except Exception:
             continue
+        if kind != "PNG":
+            raise UserError(f"the mask {mask_path} is a {kind} file: masks are PNGs (lossless) "
+                            f"of class indices")
         if mode not in MASK_MODES:
             raise UserError(f"the mask {mask_path} is a {mode} image: masks are palette or "
                             f"grayscale PNGs of class indices (255 = ignore)")
