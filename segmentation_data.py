@@ -796,27 +796,38 @@ class DeviceLoader:
             epoch = self.batch_sampler.epoch
         else:
             batches, epoch = list(self.indices.split(self.batch_size)), 0
+        if not batches:
+            return
         random = self.dataset.random
-        for index in batches:
-            if self.photo:
-                x, y = self._photos(index, epoch, random)
-            else:
-                x, y = self._gather(index, epoch, random)
+        parts = batches if self.photo else self._columns(batches, epoch, random)
+        for part in parts:
+            x, y = self._photos(part, epoch, random) if self.photo else self._gather(part)
             x = x.contiguous(memory_format=self.memory_format)
             if self.stats is not None:
                 x = data.normalise(x, *self.stats)
             yield x, y.to(torch.long)
 
-    def _gather(self, index, epoch, random):
-        where = index.to(self.device)
-        x, y = self.images.index_select(0, where), self.masks.index_select(0, where)
-        if not random or not (self.padding or self.flip):
+    def _columns(self, batches, epoch, random):
+        """Each batch's indices and draws (rows: index, top, left, flip) on the device:
+        the whole epoch's in one copy, from pinned memory on CUDA (as device_data's)."""
+        index = torch.cat(batches)
+        zero = torch.zeros_like(index)
+        top = left = flip = zero
+        if random and self.padding:
+            top, left = data.crop_offsets(self.dataset.seed, epoch, index, self.padding)
+        if random and self.flip:
+            flip = data.flip_draw(self.dataset.seed, epoch, index)
+        packed = torch.stack([index, top, left, flip])
+        if self.device.type == "cuda":
+            packed = packed.pin_memory()
+        packed = packed.to(self.device, non_blocking=True)
+        return packed.split([len(b) for b in batches], dim=1)
+
+    def _gather(self, part):
+        x, y = self.images.index_select(0, part[0]), self.masks.index_select(0, part[0])
+        if not self.dataset.random or not (self.padding or self.flip):
             return x, y
-        seed, zero = self.dataset.seed, torch.zeros_like(index)
-        top, left = data.crop_offsets(seed, epoch, index, self.padding) if self.padding \
-            else (zero, zero)
-        flip = data.flip_draw(seed, epoch, index) if self.flip else zero
-        top, left, flip = (t.to(self.device) for t in (top, left, flip))
+        top, left, flip = part[1], part[2], part[3]
         x = device_data.crop_flip_batch(x, top, left, flip, self.padding)
         y = IGNORE - device_data.crop_flip_batch(IGNORE - y[:, None], top, left, flip,
                                                  self.padding)[:, 0]

@@ -373,6 +373,8 @@ def test_the_device_path_gives_the_dataloaders_batches_bit_for_bit(tmp_path, kin
     assert torch.equal(torch.cat([b[0] for b in batches]), x)
     assert torch.equal(torch.cat([b[1] for b in batches]), y)
     assert (y == 255).any() and y.dtype == torch.int64
+    sampler.set_epoch(2, start=len(train))  # resumed after the epoch's last step
+    assert list(device) == []
     loader = data.build_loader(val, batch_size=2)
     _, device_val = seg.build_device_loaders({"batch_size": 2}, train, val, sampler, "cpu")
     for (a, m), (b, n) in zip(loader, device_val, strict=True):
@@ -390,3 +392,16 @@ def test_resized_sizes_are_torchvisions_and_never_zero():
     image, mask = evaluation(torch.zeros(3, 2, 400, dtype=torch.uint8),
                              torch.zeros(2, 400, dtype=torch.uint8))
     assert image.shape == (3, 92, 92) and (mask[:, :92] == 0).sum() == 92  # 1 x 92 px
+
+
+def test_set_identity_tells_another_set(tmp_path):
+    root = write_mask_folder(tmp_path / "set")
+    a = seg.set_identity(seg.build_datasets(folder_config(root))[0])
+    assert a == seg.set_identity(seg.build_datasets(folder_config(root))[0])
+    assert a["size"] == 5
+    os.rename(root / "train" / "masks" / "p4.png", root / "train" / "masks" / "p9.png")
+    os.rename(root / "train" / "images" / "p4.png", root / "train" / "images" / "p9.png")
+    assert seg.set_identity(seg.build_datasets(folder_config(root))[0]) != a
+    synthetic = seg.set_identity(seg.build_datasets(config())[0])
+    assert synthetic == seg.set_identity(seg.build_datasets(config())[0])
+    assert synthetic != seg.set_identity(seg.build_datasets(config(seed=1))[0])
