@@ -17,8 +17,9 @@ import yaml
 import data
 import presets
 import runtime
+import segmentation_data
 import tasks
-from networks import NETWORKS
+from networks import NETWORKS, is_segmentation
 from ops import UserError
 from runtime import say, shown
 
@@ -57,7 +58,9 @@ def _data_flags(g):
     """The task, datasets, augmentation and the data path."""
     g.add_argument("--task", default="classification", choices=list(tasks.TASKS),
                    help="what is trained: the batches, loss and figures (tasks.py)")
-    g.add_argument("--dataset", default="cifar10", help=f"one of {', '.join(data.DATASETS)}")
+    g.add_argument("--dataset", default="cifar10", help=f"classification: one of "
+                   f"{', '.join(data.DATASETS)}; segmentation: one of "
+                   f"{', '.join(segmentation_data.DATASETS)}")
     g.add_argument("--data-dir", default="data", help="where data lives or is downloaded to; "
                    "for imagefolder it holds train/ and val/ (or test/)")
     g.add_argument("--synthetic-size", type=int, default=512,
@@ -414,16 +417,19 @@ def parse_config(argv):
     explicit = set(vars(bare.parse_args(argv))) | set(from_yaml)
     if config["network"] is None:
         config["network"] = default_network(config["dataset"], config["image_size"],
-                                            config["pretrained"])
+                                            config["pretrained"], config["task"])
     return apply_pretrained_preset(config, explicit), explicit - {"config"}
 
 
-def default_network(dataset, image_size=32, pretrained=None):
+def default_network(dataset, image_size=32, pretrained=None, task="classification"):
     """The network a run gets without --network: resnet18 (the CIFAR one: full
     resolution), simple_cnn for the synthetic set (the README's smoke run takes seconds),
+    unet for segmentation,
     and for photos (an image folder at 64 px and above) or ``--pretrained torchvision``
     torchvision's resnet18, whose ImageNet stem downsamples 4x at once (the CIFAR
     resnet18 would cost 15x its FLOPs at 224 px)."""
+    if task == "segmentation":
+        return "unet"
     if pretrained and presets.torchvision_weights("torchvision/resnet18", pretrained):
         return "torchvision/resnet18"
     if dataset == "synthetic":
@@ -460,7 +466,8 @@ def with_defaults(stored):
     """
     config = {**vars(build_parser().parse_args([])), **stored}
     if config["network"] is None:
-        config["network"] = default_network(config["dataset"], config["image_size"])
+        config["network"] = default_network(config["dataset"], config["image_size"],
+                                            task=config["task"])
     return config
 
 
@@ -538,7 +545,7 @@ def check_config(c):
         if key in actions:
             _typed(key, value, actions[key])
             _check_choice(key, value, actions[key])
-    if c["dataset"] not in data.DATASETS:
+    if c["task"] == "classification" and c["dataset"] not in data.DATASETS:
         raise UserError(f"unknown dataset {c['dataset']!r}; choose one of: "
                         f"{', '.join(data.DATASETS)}")
     if c["network"] not in NETWORKS and not str(c["network"]).startswith("torchvision/"):
@@ -565,6 +572,8 @@ def check_config(c):
                         "would not be reproducible); use --num-workers 1 or more")
     if c["resume"] == "auto" and not c["run_dir"]:
         raise UserError("--resume auto needs --run-dir (the run to continue)")
+    _check_network_task(c)
+    tasks.check_config(c)
     _check_device(c["device"])
     if c["dataset"] == "synthetic":
         _check_synthetic(c)
@@ -574,6 +583,19 @@ def check_config(c):
     if c["unfreeze_at"] > c["epochs"]:
         _warn(f"--unfreeze-at {c['unfreeze_at']} is beyond --epochs {c['epochs']}: the "
               f"frozen parameters stay frozen for the whole run")
+
+
+def _check_network_task(c):
+    """A segmentation network for --task segmentation, a classifier otherwise."""
+    segmenting = c["task"] == "segmentation"
+    if is_segmentation(c["network"]) == segmenting:
+        return
+    if segmenting:
+        raise UserError(f"--network {c['network']} is a classifier (one label an image): "
+                        f"--task segmentation needs per-pixel logits: unet, or "
+                        f"torchvision/<a segmentation network> (deeplabv3_resnet50, ...)")
+    raise UserError(f"--network {c['network']} gives per-pixel logits: train it with "
+                    f"--task segmentation")
 
 
 def _check_device(device):

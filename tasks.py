@@ -21,7 +21,7 @@ What a task provides (``Classification`` is the reference; ``build_task`` picks 
     predict(model, inputs, tta)             -> outputs for evaluation (--tta flip)
     evaluation(device)                      -> an accumulator: update / sums / result
     extra_figures(result, names, suffix)    -> metrics.jsonl figures beyond the scalars
-    images(result, names, title)            -> [(tag suffix, CHW image)] for TensorBoard
+    images(result, names, title)            -> [(tag, HxWx3 uint8)] for TensorBoard
     example(dataset)                        -> one input sample's shape (FLOPs, summary)
 
 A micro-batch weighs its number of samples (the sampler's plan), for every task.
@@ -32,9 +32,11 @@ import math
 import torch
 import torch.nn.functional as F
 
+import data
 import losses
 import recipes
 import seg_metrics
+import segmentation_data
 from ops import UserError
 
 TASKS = ("classification", "segmentation")
@@ -52,6 +54,27 @@ def build_task(config, train_set):
         return Segmentation(train_set.num_classes, train_set.classes,
                             config["label_smoothing"])
     raise UserError(f"unknown task {name!r}; choose one of: {', '.join(TASKS)}")
+
+
+def build_datasets(config, log, stop=None):
+    """The training and validation sets of the task: ``(train, val)``, SeededDatasets of
+    (image, label) for classification (data.py), of (image, mask) for segmentation
+    (segmentation_data.py)."""
+    if config.get("task", "classification") == "segmentation":
+        return segmentation_data.build_datasets(config, log, stop)
+    return data.build_datasets(config, log, stop)
+
+
+def check_config(config):
+    """Refuses, in one line each, the flags that make no sense for the task."""
+    if config.get("task", "classification") != "segmentation":
+        return
+    mixing = [f for f, on in (("--mixup-alpha", config["mixup_alpha"]),
+                              ("--cutmix-alpha", config["cutmix_alpha"])) if on]
+    if mixing:
+        raise UserError(f"{' and '.join(mixing)} mix the images of a batch, not their masks: "
+                        f"not for --task segmentation")
+    segmentation_data.check_config(config)
 
 
 def to_device(batch, device, memory_format):
@@ -238,7 +261,8 @@ class Segmentation:
     def images(self, result, names, title):
         """A few validation images, each with its true and its predicted mask."""
         images, targets, preds = result["examples"]
-        return [("masks", seg_metrics.mask_grid(images, targets, preds, self.num_classes))]
+        grid = seg_metrics.mask_grid(images, targets, preds, self.num_classes)
+        return [("masks", grid.permute(1, 2, 0).numpy())]  # (H, W, 3), as runlog.image takes
 
     @staticmethod
     def example(dataset):

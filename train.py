@@ -224,8 +224,8 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
     """
     log = runtime.main_print
     train_set, val_set = runtime.main_process_first(
-        procs, f"reading {config['dataset']} (downloading it if needed)", data.build_datasets,
-        config, stop=stop)
+        procs, f"reading {config['dataset']} (downloading it if needed)", tasks.build_datasets,
+        config, log, stop=stop)
     sampler = data.EpochBatchSampler(len(train_set), config["batch_size"], config["seed"],
                                      rank=procs.rank, world_size=procs.world_size)
     train_loader, val_loader = device_data.build_loaders(config, procs, train_set, val_set,
