@@ -48,7 +48,7 @@ QUANTIZE_KINDS = {"int8": "static int8 (QDQ, per-channel int8 weights, uint8 act
 CALIBRATION_SAMPLES = 256   # --calibration-samples default
 CALIBRATION_BATCH = 32      # images per calibration batch (MinMax: the batching changes nothing)
 METADATA_FILE = "metadata.json"  # the extra file of .pt2 and .ts that holds the metadata
-STORED_CONFIG = ("network", "dataset", "data_dir", "seed", "batch_size", "synthetic_size",
+STORED_CONFIG = ("task", "network", "dataset", "data_dir", "seed", "batch_size", "synthetic_size",
                  "crop_pct", "pretrained")  # (the last two: how photos are cropped)
 INPUT_NAME, OUTPUT_NAME = "images", "logits"
 

@@ -269,6 +269,26 @@ class Segmentation:
         return (dataset.in_channels, dataset.image_size, dataset.image_size)
 
 
+class _Logits(torch.nn.Module):
+    """A segmentation network whose dict output (``{"out", "aux"}``) is reduced to its
+    logits: what inference and export take."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return _out(self.net(x))
+
+
+def inference_network(net):
+    """``net`` as inference takes it (export, a measured file): a network that returns a
+    dict gives its ``out`` logits; any other is returned as it is."""
+    if not type(net).__module__.startswith("torchvision.models.segmentation"):
+        return net
+    return _Logits(net).eval()
+
+
 def _out(output):
     """The logits of a network's output: torchvision's segmentation networks return a dict."""
     return output["out"] if isinstance(output, dict) else output

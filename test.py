@@ -352,12 +352,14 @@ def load_network(state, config, val_set, path, weights="raw"):
 
 # ------------------------------------------------------------------------ evaluation
 
-def evaluate_checkpoint(net, val_set, config, device, batch_size, num_workers, tta=False):
+def evaluate_checkpoint(net, val_set, config, device, batch_size, num_workers, task,
+                        tta=False):
     """Evaluates like training's validation (autocast and memory format of the run; with
     ``tta``, each image and its mirror).
 
     Returns:
-        engine.evaluate's dict: ``loss``, ``acc``, ``count``, ``confusion``.
+        engine.evaluate's dict: the task's (classification: ``loss``, ``acc``, ``count``,
+        ``confusion``; segmentation: ``loss``, ``miou``, ``pixel_acc``, ``class_iou``...).
     """
     memory_format = torch.channels_last if config["channels_last"] \
         else torch.contiguous_format
@@ -368,8 +370,7 @@ def evaluate_checkpoint(net, val_set, config, device, batch_size, num_workers, t
     loader = data.build_loader(val_set, batch_size=batch_size, num_workers=num_workers,
                                pin_memory=device.type == "cuda")
     try:
-        return engine.evaluate(model, loader, loop, tasks.Classification(val_set.num_classes),
-                               tta=tta)
+        return engine.evaluate(model, loader, loop, task, tta=tta)
     finally:
         data.shutdown_loader(loader)
 
@@ -378,7 +379,14 @@ def make_report(path, result, classes, key="checkpoint"):
     """The results as plain JSON types (an absent class's accuracy is None).
 
     ``key`` names what was evaluated: ``checkpoint``, or ``model`` for an exported file.
+    A segmentation result (``miou``) gives ``miou``, ``pixel_accuracy`` and
+    ``per_class_iou`` (None: a class absent from the set and the predictions).
     """
+    if "miou" in result:
+        return {key: path, "loss": result["loss"], "miou": result["miou"],
+                "pixel_accuracy": result["pixel_acc"],
+                "per_class_iou": dict(zip(classes, result["class_iou"].values())),
+                "confusion": result["confusion"].tolist(), "count": result["count"]}
     top5 = {"accuracy_top5": result["acc5"]} if "acc5" in result else {}
     return {key: path, "loss": result["loss"], "accuracy": result["acc"], **top5,
             "per_class": tasks.class_accuracy(result["confusion"], classes),
@@ -390,15 +398,12 @@ def format_report(report, state, config, title=None):
 
     ``title`` replaces the first line (which names the checkpoint, its epoch and step).
     """
+    if "miou" in report:
+        return format_segmentation_report(report, state, config, title)
     confusion = report["confusion"]
     names = list(report["per_class"])
     correct = sum(row[i] for i, row in enumerate(confusion))
-    extras = "".join(f", {what}" for what, on in (
-        ("the moving average of the weights", report.get("weights") == "ema"),
-        ("flip TTA", report.get("tta") == "flip")) if on)
-    title = title or (f"checkpoint {report['checkpoint']} (epoch {state.get('epoch', '?')}, "
-                      f"step {state.get('step', '?')}{extras}): {config['network']} on "
-                      f"{config['dataset']}")
+    title = title or _title(report, state, config)
     top5 = f"  top-5 accuracy {report['accuracy_top5']:.4f}" if "accuracy_top5" in report \
         else ""
     lines = [title,
@@ -414,6 +419,25 @@ def format_report(report, state, config, title=None):
     lines.append(f"  {'':<{width}}  " + " ".join(f"{j:>{cell}}" for j in range(len(names))))
     for name, row in zip(names, confusion):
         lines.append(f"  {name:<{width}}  " + " ".join(f"{v:>{cell}}" for v in row))
+    return "\n".join(lines)
+
+
+def _title(report, state, config):
+    extras = "".join(f", {what}" for what, on in (
+        ("the moving average of the weights", report.get("weights") == "ema"),
+        ("flip TTA", report.get("tta") == "flip")) if on)
+    return (f"checkpoint {report['checkpoint']} (epoch {state.get('epoch', '?')}, step "
+            f"{state.get('step', '?')}{extras}): {config['network']} on {config['dataset']}")
+
+
+def format_segmentation_report(report, state, config, title=None):
+    """A segmentation report as text: loss, mIoU, pixel accuracy, each class's IoU."""
+    lines = [title or _title(report, state, config),
+             f"loss {report['loss']:.4f}  mIoU {report['miou']:.4f}  pixel accuracy "
+             f"{report['pixel_accuracy']:.4f} ({report['count']} pixels)", "per-class IoU:"]
+    width = max(len(n) for n in report["per_class_iou"])
+    for name, iou in report["per_class_iou"].items():
+        lines.append(f"  {name:<{width}}  {'-' if iou is None else f'{iou:.4f}':>6}")
     return "\n".join(lines)
 
 
@@ -446,7 +470,7 @@ class _Exported(torch.nn.Module):
         return self.run(x)
 
 
-def evaluate_exported(run, val_set, batch_size, num_workers):
+def evaluate_exported(run, val_set, batch_size, num_workers, task):
     """Evaluates an exported file's callable on the CPU, with engine.evaluate (as training).
 
     Returns:
@@ -455,8 +479,7 @@ def evaluate_exported(run, val_set, batch_size, num_workers):
     loop = engine.LoopSettings(device=torch.device("cpu"), show_progress=False)
     loader = data.build_loader(val_set, batch_size=batch_size, num_workers=num_workers)
     try:
-        return engine.evaluate(_Exported(run), loader, loop,
-                               tasks.Classification(val_set.num_classes))
+        return engine.evaluate(_Exported(run), loader, loop, task)
     finally:
         data.shutdown_loader(loader)
 
@@ -552,7 +575,8 @@ def compare_onnx(args, net, val_set, train_set, config, batch_size, report, meta
         files.append((f"onnx {args.quantize}", path))
     for name, path in files:
         run = export.load_onnx(path)
-        result = evaluate_exported(run, val_set, batch_size, args.num_workers)
+        result = evaluate_exported(run, val_set, batch_size, args.num_workers,
+                                   tasks.build_task(config, val_set))
         file_report = make_report(path, result, val_set.classes, key="model")
         rows[name] = measured(file_report, os.path.getsize(path),
                               samples_per_second(run, shape), rows["eager"], path)
@@ -612,9 +636,10 @@ def evaluate_model_file(args):
     config = exported_config(args, metadata, shape, outputs)
     check_stored_config(config, path, need_batch_size=False)
     batch_size = args.batch_size or config["batch_size"]
-    _, val_set = data.build_datasets(config)
+    _, val_set = tasks.build_datasets(config, say)
     export.check_exported_data(path, metadata, val_set, config, shape)
-    result = evaluate_exported(run, val_set, batch_size, args.num_workers)
+    result = evaluate_exported(run, val_set, batch_size, args.num_workers,
+                               tasks.build_task(config, val_set))
     report = make_report(path, result, val_set.classes, key="model")
     sample_shape = (val_set.in_channels, val_set.image_size, val_set.image_size)
     report.update(format=EXPORT_KINDS[suffix], quantization=metadata.get("quantization"),
@@ -678,16 +703,21 @@ def evaluate_and_export(args):
     check_stored_config(stored, args.checkpoint, need_batch_size=args.batch_size is None)
     config = with_defaults(stored)  # must be there; flags added since take their defaults
     batch_size = args.batch_size or config["batch_size"]
+    if args.quantize and config["task"] != "classification":
+        raise UserError(f"--quantize measures a classifier's accuracy cost; {args.checkpoint!r} "
+                        f"is a {config['task']} checkpoint: export it without --quantize")
 
     # 3. Data and network, evaluated as training validated (the training split unaugmented:
     #    --quantize int8 calibrates on it).
-    train_set, val_set = data.build_datasets(dict(config, augment=False))
+    train_set, val_set = tasks.build_datasets(dict(config, augment=False), say)
+    task = tasks.build_task(config, val_set)
     weights = choose_weights(state, args.weights, args.checkpoint)
     tta = (args.tta or config["tta"]) == "flip" and \
         data.mirror_keeps_class(config["dataset"])
     net = load_network(state, config, val_set, args.checkpoint, weights)
     result = evaluate_checkpoint(net, val_set, config, device, batch_size, args.num_workers,
-                                 tta)
+                                 task, tta)
+    net = tasks.inference_network(net)  # (torchvision's segmentation networks: the logits)
     report = make_report(args.checkpoint, result, val_set.classes)
     report.update(weights=weights, tta="flip" if tta else "none")
     say(format_report(report, state, config))
@@ -727,7 +757,7 @@ def export_and_compare(args, suffix, net, state, config, train_set, val_set, bat
                         "max_abs_diff": worst}
     say(f"exported {EXPORT_KINDS[suffix]} to {args.export} ({_size(size)}, dynamic batch); "
         f"max abs difference from the eager network {worst:.3g} at batch sizes {sizes}")
-    if suffix == ".onnx":
+    if suffix == ".onnx" and config["task"] == "classification":  # measured: accuracy
         compare_onnx(args, net, val_set, train_set, config, batch_size, report, metadata)
     return 0
 
