@@ -360,9 +360,8 @@ def fit_segmentation_weights(net, weights, state):
     own = net.state_dict()
     categories = len(weights.meta.get("categories") or ()) or "?"
     if any(k.startswith("backbone.") for k in state):  # the segmentation network's own
-        kept = sorted(k for k in own if k in state and state[k].shape != own[k].shape)
-        modules = sorted({k.rsplit(".", 1)[0] for k in kept})
-        kept = [k for k in own if k.rsplit(".", 1)[0] in modules]  # weight and bias alike
+        kept = [k for k in own if k in state and state[k].shape != own[k].shape]
+        modules = sorted({k.rsplit(".", 1)[0] for k in kept})  # (their weight and bias)
         what = f"torchvision's {weights} ({categories} classes)"
         line = f"pretrained: loaded {what}" + (
             f"; new heads for {_classes(net)} classes, fresh: {', '.join(modules)}"
