@@ -236,6 +236,22 @@ def test_figures_equal_torchmetrics(seed):
     assert got["pixels"] == int(confusion.sum()) > 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_update_on_cuda_reads_nothing_back_to_the_host():
+    confusion = seg_metrics.new_confusion(5, "cuda")
+    batches = [(x.cuda(), t.cuda()) for x, t in _random_batches(5, 0)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising call raises
+    try:
+        bad = sum(seg_metrics.update_confusion(confusion, x, t) for x, t in batches)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    expected = seg_metrics.new_confusion(5)
+    for logits, target in _random_batches(5, 0):
+        seg_metrics.update_confusion(expected, logits, target)
+    assert torch.equal(confusion.cpu(), expected) and int(bad) == 0
+
+
 def test_update_takes_logits_or_classes_alike_and_counts_bad_targets_apart():
     logits = torch.randn(2, 4, 5, 5)
     target = torch.randint(0, 4, (2, 5, 5))
