@@ -171,7 +171,9 @@ class UNet(GradCheckpointing, nn.Module):
     scale and applies two ConvBlocks; a 1x1 convolution to the class logits. Any image
     side works: the pools round up, and an upsampled map one pixel longer than its skip
     (an odd side) loses its last row or column.
-    About 118 k parameters at the defaults (width 16, depth 2, 21 classes).
+    About 118 k parameters at the defaults (width 16, depth 2, 21 classes). The encoder's
+    stages are ``backbone`` as in torchvision's segmentation networks, so that
+    ``--freeze 'backbone.*'`` freezes the encoder of either.
 
     Returns:
         ``(N, num_classes, H, W)`` logits at the input's size.
@@ -184,10 +186,10 @@ class UNet(GradCheckpointing, nn.Module):
             return nn.Sequential(ConvBlock(cin, cout, 3), ConvBlock(cout, cout, 3))
 
         widths = [width * 2 ** i for i in range(depth + 1)]  # e.g. 16, 32, 64
-        self.down = nn.ModuleList()
+        self.backbone = nn.ModuleList()  # the encoder (torchvision's name: one --freeze)
         channels = in_channels
         for w in widths[:-1]:
-            self.down.append(double(channels, w))
+            self.backbone.append(double(channels, w))
             channels = w
         self.pool = nn.MaxPool2d(2, ceil_mode=True)
         self.bottleneck = double(channels, widths[-1])
@@ -200,7 +202,7 @@ class UNet(GradCheckpointing, nn.Module):
 
     def forward(self, x):
         skips = []
-        for block in self.down:
+        for block in self.backbone:
             x = self.run_block(block, x)  # (N, w, h, w')
             skips.append(x)
             x = self.pool(x)  # ceil(side / 2)

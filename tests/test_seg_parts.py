@@ -33,6 +33,13 @@ def test_unet_is_small_and_built_from_convblocks():
     assert sum(isinstance(m, ConvBlock) for m in net.modules()) == 10  # 2 x (2 + 1 + 2)
 
 
+def test_unet_encoder_is_its_backbone_as_in_torchvision():
+    net = networks.build_network("unet", num_classes=3, in_channels=3, image_size=16)
+    frozen = ops.freeze(net, ["backbone.*"])
+    assert frozen and all(name.startswith("backbone.") for name in frozen)
+    assert any(p.requires_grad for p in net.parameters())  # the decoder still trains
+
+
 def test_unet_learns_a_segmentation():
     torch.manual_seed(0)
     x = torch.randn(4, 3, 8, 8)
