@@ -235,8 +235,10 @@ def torchvision_weights(network, pretrained):
     try:
         return enum[which]
     except KeyError:
+        extra = ", backbone" if name in torchvision.models.list_models(
+            module=torchvision.models.segmentation) else ""
         raise UserError(f"--pretrained {pretrained}: {name} has no weights {which!r}; it has "
-                        f"{', '.join(w.name for w in enum)} (or DEFAULT)") from None
+                        f"{', '.join(w.name for w in enum)} (or DEFAULT{extra})") from None
 
 
 def backbone_weights(name):

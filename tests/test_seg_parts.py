@@ -198,6 +198,11 @@ def test_weights_that_do_not_fit_are_one_user_error():
         presets.fit_segmentation_weights(net, weights, other)
 
 
+def test_an_unknown_weights_name_lists_backbone_for_a_segmentation_network():
+    with pytest.raises(ops.UserError, match=r"COCO_WITH_VOC_LABELS_V1 \(or DEFAULT, backbone\)"):
+        presets.torchvision_weights("torchvision/fcn_resnet50", "torchvision:IMAGENET1K_V1")
+
+
 def test_backbone_weights_of_a_classifier_are_refused():
     with pytest.raises(ops.UserError, match="has no separate backbone"):
         presets.torchvision_weights("torchvision/resnet18", "torchvision:backbone")
@@ -279,6 +284,11 @@ def test_a_class_present_only_in_predictions_counts_with_iou_zero():
     got = seg_metrics.figures(confusion)
     assert got["class_iou"] == {"0": 0.5, "1": 1.0, "2": 0.0}
     assert got["miou"] == pytest.approx(0.5) and got["pixel_acc"] == 0.75
+
+
+def test_class_names_must_match_the_matrix():
+    with pytest.raises(ValueError, match="2 class names for a 3-class"):
+        seg_metrics.figures(seg_metrics.new_confusion(3), classes=["a", "b"])
 
 
 def test_no_pixel_counted_gives_nan_not_an_error():
