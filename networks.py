@@ -17,12 +17,16 @@ import torch.nn as nn
 from layers import BasicBlock, ConvBlock, checkpoint_forward
 
 NETWORKS = {}
+SEGMENTATION = set()  # the names in NETWORKS whose networks give per-pixel logits
 
 
-def register(name):
-    """Decorator adding a builder ``fn(num_classes, in_channels, image_size)`` to NETWORKS."""
+def register(name, segmentation=False):
+    """Decorator adding a builder ``fn(num_classes, in_channels, image_size)`` to NETWORKS;
+    ``segmentation=True`` for a network that returns ``(N, num_classes, H, W)`` logits."""
     def add(fn):
         NETWORKS[name] = fn
+        if segmentation:
+            SEGMENTATION.add(name)
         return fn
     return add
 
@@ -233,7 +237,7 @@ def mlp(num_classes, in_channels, image_size):
     return MLP(num_classes, in_channels, image_size)
 
 
-@register("unet")
+@register("unet", segmentation=True)
 def unet(num_classes, in_channels, image_size):
     return UNet(num_classes, in_channels, image_size)
 
@@ -282,7 +286,7 @@ def has_aux_classifier(name):
 def is_segmentation(name):
     """Whether ``--network name`` gives per-pixel logits (``unet``, torchvision's
     segmentation networks) rather than a classifier's."""
-    if name == "unet":
+    if name in SEGMENTATION:
         return True
     if not str(name).startswith("torchvision/"):
         return False

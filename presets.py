@@ -384,8 +384,10 @@ def fit_segmentation_weights(net, weights, state):
     missing = [k for k in own if k not in state and k not in kept]
     missing += [k for k in state if k not in own]  # (an auxiliary head this net has not)
     if bad or missing:
+        keys = bad + missing
         raise UserError(f"--pretrained torchvision: {weights} does not fit this network: "
-                        f"{', '.join((bad + missing)[:4])} ...")
+                        f"{len(keys)} tensors differ or are missing ({', '.join(keys[:4])}"
+                        f"{', ...' if len(keys) > 4 else ''})")
     return {**state, **{k: own[k] for k in kept}}, kept, line
 
 
