@@ -17,12 +17,16 @@ import torch.nn as nn
 from layers import BasicBlock, ConvBlock, checkpoint_forward
 
 NETWORKS = {}
+SEGMENTATION = set()  # the names in NETWORKS whose networks give per-pixel logits
 
 
-def register(name):
-    """Decorator adding a builder ``fn(num_classes, in_channels, image_size)`` to NETWORKS."""
+def register(name, segmentation=False):
+    """Decorator adding a builder ``fn(num_classes, in_channels, image_size)`` to NETWORKS;
+    ``segmentation=True`` for a network that returns ``(N, num_classes, H, W)`` logits."""
     def add(fn):
         NETWORKS[name] = fn
+        if segmentation:
+            SEGMENTATION.add(name)
         return fn
     return add
 
@@ -171,7 +175,9 @@ class UNet(GradCheckpointing, nn.Module):
     scale and applies two ConvBlocks; a 1x1 convolution to the class logits. Any image
     side works: the pools round up, and an upsampled map one pixel longer than its skip
     (an odd side) loses its last row or column.
-    About 118 k parameters at the defaults (width 16, depth 2, 21 classes).
+    About 118 k parameters at the defaults (width 16, depth 2, 21 classes). The encoder's
+    stages are ``backbone`` as in torchvision's segmentation networks, so that
+    ``--freeze 'backbone.*'`` freezes the encoder of either.
 
     Returns:
         ``(N, num_classes, H, W)`` logits at the input's size.
@@ -184,10 +190,10 @@ class UNet(GradCheckpointing, nn.Module):
             return nn.Sequential(ConvBlock(cin, cout, 3), ConvBlock(cout, cout, 3))
 
         widths = [width * 2 ** i for i in range(depth + 1)]  # e.g. 16, 32, 64
-        self.down = nn.ModuleList()
+        self.backbone = nn.ModuleList()  # the encoder (torchvision's name: one --freeze)
         channels = in_channels
         for w in widths[:-1]:
-            self.down.append(double(channels, w))
+            self.backbone.append(double(channels, w))
             channels = w
         self.pool = nn.MaxPool2d(2, ceil_mode=True)
         self.bottleneck = double(channels, widths[-1])
@@ -200,7 +206,7 @@ class UNet(GradCheckpointing, nn.Module):
 
     def forward(self, x):
         skips = []
-        for block in self.down:
+        for block in self.backbone:
             x = self.run_block(block, x)  # (N, w, h, w')
             skips.append(x)
             x = self.pool(x)  # ceil(side / 2)
@@ -231,7 +237,7 @@ def mlp(num_classes, in_channels, image_size):
     return MLP(num_classes, in_channels, image_size)
 
 
-@register("unet")
+@register("unet", segmentation=True)
 def unet(num_classes, in_channels, image_size):
     return UNet(num_classes, in_channels, image_size)
 
@@ -280,7 +286,7 @@ def has_aux_classifier(name):
 def is_segmentation(name):
     """Whether ``--network name`` gives per-pixel logits (``unet``, torchvision's
     segmentation networks) rather than a classifier's."""
-    if name == "unet":
+    if name in SEGMENTATION:
         return True
     if not str(name).startswith("torchvision/"):
         return False

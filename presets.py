@@ -235,8 +235,10 @@ def torchvision_weights(network, pretrained):
     try:
         return enum[which]
     except KeyError:
+        extra = ", backbone" if name in torchvision.models.list_models(
+            module=torchvision.models.segmentation) else ""
         raise UserError(f"--pretrained {pretrained}: {name} has no weights {which!r}; it has "
-                        f"{', '.join(w.name for w in enum)} (or DEFAULT)") from None
+                        f"{', '.join(w.name for w in enum)} (or DEFAULT{extra})") from None
 
 
 def backbone_weights(name):
@@ -360,9 +362,8 @@ def fit_segmentation_weights(net, weights, state):
     own = net.state_dict()
     categories = len(weights.meta.get("categories") or ()) or "?"
     if any(k.startswith("backbone.") for k in state):  # the segmentation network's own
-        kept = sorted(k for k in own if k in state and state[k].shape != own[k].shape)
-        modules = sorted({k.rsplit(".", 1)[0] for k in kept})
-        kept = [k for k in own if k.rsplit(".", 1)[0] in modules]  # weight and bias alike
+        kept = [k for k in own if k in state and state[k].shape != own[k].shape]
+        modules = sorted({k.rsplit(".", 1)[0] for k in kept})  # (their weight and bias)
         what = f"torchvision's {weights} ({categories} classes)"
         line = f"pretrained: loaded {what}" + (
             f"; new heads for {_classes(net)} classes, fresh: {', '.join(modules)}"
@@ -383,8 +384,10 @@ def fit_segmentation_weights(net, weights, state):
     missing = [k for k in own if k not in state and k not in kept]
     missing += [k for k in state if k not in own]  # (an auxiliary head this net has not)
     if bad or missing:
+        keys = bad + missing
         raise UserError(f"--pretrained torchvision: {weights} does not fit this network: "
-                        f"{', '.join((bad + missing)[:4])} ...")
+                        f"{len(keys)} tensors differ or are missing ({', '.join(keys[:4])}"
+                        f"{', ...' if len(keys) > 4 else ''})")
     return {**state, **{k: own[k] for k in kept}}, kept, line
 
 

@@ -90,6 +90,8 @@ def figures(confusion, classes=None):
     present = ~torch.isnan(iou)
     miou = float(iou[present].mean()) if bool(present.any()) else math.nan
     names = [str(c) for c in (classes if classes is not None else range(len(iou)))]
+    if len(names) != len(iou):
+        raise ValueError(f"{len(names)} class names for a {len(iou)}-class confusion matrix")
     return {"miou": miou,
             "pixel_acc": float(counts.diag().sum()) / pixels if pixels else math.nan,
             "class_iou": {name: None if math.isnan(v) else v

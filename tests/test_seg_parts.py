@@ -33,6 +33,13 @@ def test_unet_is_small_and_built_from_convblocks():
     assert sum(isinstance(m, ConvBlock) for m in net.modules()) == 10  # 2 x (2 + 1 + 2)
 
 
+def test_unet_encoder_is_its_backbone_as_in_torchvision():
+    net = networks.build_network("unet", num_classes=3, in_channels=3, image_size=16)
+    frozen = ops.freeze(net, ["backbone.*"])
+    assert frozen and all(name.startswith("backbone.") for name in frozen)
+    assert any(p.requires_grad for p in net.parameters())  # the decoder still trains
+
+
 def test_unet_learns_a_segmentation():
     torch.manual_seed(0)
     x = torch.randn(4, 3, 8, 8)
@@ -62,6 +69,8 @@ def test_unet_grad_checkpointing_gives_the_same_gradients_and_statistics():
         torch.testing.assert_close(a.grad, b.grad, msg=name)
     for (name, a), b in zip(plain.named_buffers(), checkpointed.buffers()):
         assert torch.equal(a, b), name  # running statistics updated once, not twice
+    # and it keeps less than half for backward (every block's inside is recomputed)
+    assert ops.saved_tensor_bytes(checkpointed, x) < 0.5 * ops.saved_tensor_bytes(plain, x)
 
 
 # -------------------------------------------------------- torchvision's segmentation nets
@@ -189,6 +198,11 @@ def test_weights_that_do_not_fit_are_one_user_error():
         presets.fit_segmentation_weights(net, weights, other)
 
 
+def test_an_unknown_weights_name_lists_backbone_for_a_segmentation_network():
+    with pytest.raises(ops.UserError, match=r"COCO_WITH_VOC_LABELS_V1 \(or DEFAULT, backbone\)"):
+        presets.torchvision_weights("torchvision/fcn_resnet50", "torchvision:IMAGENET1K_V1")
+
+
 def test_backbone_weights_of_a_classifier_are_refused():
     with pytest.raises(ops.UserError, match="has no separate backbone"):
         presets.torchvision_weights("torchvision/resnet18", "torchvision:backbone")
@@ -234,6 +248,22 @@ def test_figures_equal_torchmetrics(seed):
     assert got["pixels"] == int(confusion.sum()) > 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_update_on_cuda_reads_nothing_back_to_the_host():
+    confusion = seg_metrics.new_confusion(5, "cuda")
+    batches = [(x.cuda(), t.cuda()) for x, t in _random_batches(5, 0)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising call raises
+    try:
+        bad = sum(seg_metrics.update_confusion(confusion, x, t) for x, t in batches)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    expected = seg_metrics.new_confusion(5)
+    for logits, target in _random_batches(5, 0):
+        seg_metrics.update_confusion(expected, logits, target)
+    assert torch.equal(confusion.cpu(), expected) and int(bad) == 0
+
+
 def test_update_takes_logits_or_classes_alike_and_counts_bad_targets_apart():
     logits = torch.randn(2, 4, 5, 5)
     target = torch.randint(0, 4, (2, 5, 5))
@@ -254,6 +284,11 @@ def test_a_class_present_only_in_predictions_counts_with_iou_zero():
     got = seg_metrics.figures(confusion)
     assert got["class_iou"] == {"0": 0.5, "1": 1.0, "2": 0.0}
     assert got["miou"] == pytest.approx(0.5) and got["pixel_acc"] == 0.75
+
+
+def test_class_names_must_match_the_matrix():
+    with pytest.raises(ValueError, match="2 class names for a 3-class"):
+        seg_metrics.figures(seg_metrics.new_confusion(3), classes=["a", "b"])
 
 
 def test_no_pixel_counted_gives_nan_not_an_error():
