@@ -183,11 +183,13 @@ class UNet(GradCheckpointing, nn.Module):
         ``(N, num_classes, H, W)`` logits at the input's size.
     """
 
-    def __init__(self, num_classes=21, in_channels=3, image_size=None, width=16, depth=2):
+    def __init__(self, num_classes=21, in_channels=3, image_size=None, width=16, depth=2,
+                 norm_layer=nn.BatchNorm2d):
         super().__init__()
 
         def double(cin, cout):
-            return nn.Sequential(ConvBlock(cin, cout, 3), ConvBlock(cout, cout, 3))
+            return nn.Sequential(ConvBlock(cin, cout, 3, norm_layer=norm_layer),
+                                 ConvBlock(cout, cout, 3, norm_layer=norm_layer))
 
         widths = [width * 2 ** i for i in range(depth + 1)]  # e.g. 16, 32, 64
         self.backbone = nn.ModuleList()  # the encoder (torchvision's name: one --freeze)
@@ -240,6 +242,15 @@ def mlp(num_classes, in_channels, image_size):
 @register("unet", segmentation=True)
 def unet(num_classes, in_channels, image_size):
     return UNet(num_classes, in_channels, image_size)
+
+
+@register("unet_gn", segmentation=True)
+def unet_gn(num_classes, in_channels, image_size):
+    """The U-Net with GroupNorm (4 groups) for BatchNorm: statistics of each sample alone,
+    for batches too small for BatchNorm, and so a run equals itself under accumulation
+    and any number of processes."""
+    return UNet(num_classes, in_channels, image_size,
+                norm_layer=lambda channels: nn.GroupNorm(4, channels))
 
 
 def _torchvision_network(name, num_classes, in_channels):

@@ -329,7 +329,9 @@ def train_flops_per_sample(module, sample_shape, device):
         x = torch.randn(2, *sample_shape, device=device)
         counter = FlopCounterMode(display=False)
         with counter:
-            clone(x).float().sum().backward()
+            out = clone(x)  # (a dict for torchvision's segmentation networks: "out", "aux")
+            sum(o.float().sum() for o in (out.values() if isinstance(out, dict)
+                                          else [out])).backward()
     return counter.get_total_flops() // 2
 
 

@@ -222,9 +222,19 @@ class Segmentation:
         self.num_classes = num_classes
         self.classes = list(classes) if classes is not None else \
             [str(i) for i in range(num_classes)]
-        self.criterion = torch.nn.CrossEntropyLoss(ignore_index=seg_metrics.IGNORE_INDEX,
-                                                   label_smoothing=float(label_smoothing))
+        self.label_smoothing = float(label_smoothing)
         self.aux_weight = aux_weight
+
+    def criterion(self, logits, y):
+        """Per-pixel cross-entropy (255 ignored), averaged over each image's counted pixels,
+        then over the images: a sample's share of the loss does not depend on the others
+        in its batch (torchvision's reference averages over the batch's pixels, so the
+        images with fewer ignored pixels weigh more), and so accumulation and any number
+        of processes give the large batch's gradient, as they do for a classifier."""
+        per_pixel = F.cross_entropy(logits, y, ignore_index=seg_metrics.IGNORE_INDEX,
+                                    label_smoothing=self.label_smoothing, reduction="none")
+        counted = (y != seg_metrics.IGNORE_INDEX).sum(dim=(-2, -1)).clamp_(min=1)
+        return (per_pixel.sum(dim=(-2, -1)) / counted).mean()
 
     to_device = staticmethod(to_device)
 

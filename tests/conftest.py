@@ -26,6 +26,34 @@ def tiny_args(run_dir, *extra, network="mlp", size=64, image=8, batch=16, epochs
             *extra]
 
 
+def seg_args(run_dir, *extra, network="unet", size=32, image=16, batch=8, epochs=1,
+             classes=3):
+    """train.py flags for a tiny --task segmentation run on the synthetic shapes."""
+    return ["--task", "segmentation", "--dataset", "synthetic", "--network", network,
+            "--synthetic-size", str(size), "--image-size", str(image), "--num-classes",
+            str(classes), "--batch-size", str(batch), "--epochs", str(epochs),
+            "--num-workers", "0", "--run-dir", str(run_dir), "--log-every", "1",
+            "--optimizer", "sgd", "--lr", "0.05", "--warmup-epochs", "0", "--device", "cpu",
+            *extra]
+
+
+def read_metrics(run_dir):
+    """The records of a run's metrics.jsonl."""
+    import json
+
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def events(run_dir):
+    """TensorBoard's own reader over a run directory's event files, loaded."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+    return acc
+
+
 def load_test_py():
     """Imports the project's test.py by path (``import test`` would find the stdlib's)."""
     spec = importlib.util.spec_from_file_location("project_test", os.path.join(ROOT, "test.py"))
