@@ -404,6 +404,7 @@ class MaskPairs(torch.utils.data.Dataset):
 
     A pair whose image or mask cannot be read is replaced by the next readable pair,
     with one warning naming the file (as ``data.SafeImageFolder`` does), and counted.
+    Where none is readable, a 1 x 1 placeholder pair: ``_decode`` then raises UserError.
 
     Args:
         root: the folder of the images (the cache's names and relative paths).
@@ -454,8 +455,10 @@ class MaskPairs(torch.utils.data.Dataset):
                 self.unreadable[i] = 1
                 say(f"warning: skipping unreadable pair {path} ({e}); the next readable "
                     f"pair of the set stands in for it", file=sys.stderr)
-        raise UserError(f"no image and mask pair in {self.root!r} can be read (see the "
-                        f"warnings above)")
+        # None readable: a placeholder, not an exception, which in a decoding worker would
+        # come back with the DataLoader's traceback (_decode says it in one line).
+        return (torch.zeros(3, 1, 1, dtype=torch.uint8),
+                torch.full((1, 1), IGNORE, dtype=torch.uint8))
 
     def unreadable_count(self):
         return int(self.unreadable.sum())
@@ -634,6 +637,9 @@ def _decode(pairs, split, config, log, stop):
 
     decoded = decoded_cache.decoded_folder(pairs, decoder, cache_dir, config["num_workers"],
                                            log, stop, reason)
+    if pairs.unreadable_count() == len(pairs):
+        raise UserError(f"no image and mask pair in {pairs.root!r} can be read (see the "
+                        f"warnings above)")
     return CachedPairs(pairs, decoded)
 
 

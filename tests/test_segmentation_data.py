@@ -299,6 +299,11 @@ def test_unreadable_mask_is_skipped_with_a_warning(tmp_path, capfd):
         f"holds the value 300" in err
     assert train.unreadable_count() == 1 and len(train) == 5
     assert torch.equal(train[2][1], train[3][1])  # the next readable pair stands in
+    for path in (root / "val" / "masks").iterdir():
+        path.write_bytes(b"")
+    with pytest.raises(UserError) as e:  # (found by a decoding worker process)
+        seg.build_datasets(folder_config(root, num_workers=1))
+    one_line_error(e, "no image and mask pair in", root / "val" / "images")
 
 
 def write_voc(root, names=(("train", ["a1", "a2"]), ("val", ["b1"]))):
