@@ -44,6 +44,7 @@ from torchvision.transforms.v2 import functional as TF
 import data
 import decoded_cache
 import device_data
+import runtime
 from ops import UserError
 from runtime import say
 
@@ -404,6 +405,7 @@ class MaskPairs(torch.utils.data.Dataset):
 
     A pair whose image or mask cannot be read is replaced by the next readable pair,
     with one warning naming the file (as ``data.SafeImageFolder`` does), and counted.
+    Where none is readable, a 1 x 1 placeholder pair: ``_decode`` then raises UserError.
 
     Args:
         root: the folder of the images (the cache's names and relative paths).
@@ -454,8 +456,10 @@ class MaskPairs(torch.utils.data.Dataset):
                 self.unreadable[i] = 1
                 say(f"warning: skipping unreadable pair {path} ({e}); the next readable "
                     f"pair of the set stands in for it", file=sys.stderr)
-        raise UserError(f"no image and mask pair in {self.root!r} can be read (see the "
-                        f"warnings above)")
+        # None readable: a placeholder, not an exception, which in a decoding worker would
+        # come back with the DataLoader's traceback (_decode says it in one line).
+        return (torch.zeros(3, 1, 1, dtype=torch.uint8),
+                torch.full((1, 1), IGNORE, dtype=torch.uint8))
 
     def unreadable_count(self):
         return int(self.unreadable.sum())
@@ -634,6 +638,9 @@ def _decode(pairs, split, config, log, stop):
 
     decoded = decoded_cache.decoded_folder(pairs, decoder, cache_dir, config["num_workers"],
                                            log, stop, reason)
+    if pairs.unreadable_count() == len(pairs):
+        raise UserError(f"no image and mask pair in {pairs.root!r} can be read (see the "
+                        f"warnings above)")
     return CachedPairs(pairs, decoded)
 
 
@@ -728,8 +735,10 @@ def set_identity(dataset):
 
 # ------------------------------------------------------------------ the device path
 
-class DeviceLoader:
-    """The device path of a segmentation set (device_data.py's, for ``(image, mask)``):
+class DeviceLoader(device_data.DeviceLoader):
+    """The device path of a segmentation set (device_data.py's, for ``(image, mask)``; one
+    of its kind, so that ``isinstance`` checks for the device path hold, with its own
+    ``__init__``):
     the set held as tensors on ``device``, each batch made there with the per-sample
     path's draws and arithmetic, so both paths give the same batches, bit for bit on the
     CPU.
@@ -858,11 +867,48 @@ def device_nbytes(dataset):
     return base.decoded.nbytes
 
 
+def device_decision(config, train_set, val_set, device):
+    """Whether a segmentation run takes the device path (``--data-on-device``), and one
+    line saying why: ``device_data.device_data_decision``'s rules (``auto``: when both
+    sets take at most ``device_data.DEVICE_SHARE`` of the free memory) for these sets.
+
+    Returns:
+        ``(use, reason)``.
+
+    Raises:
+        UserError: ``on`` and the sets do not fit in the free memory of a CUDA device.
+    """
+    mode, device = config["data_on_device"], torch.device(device)
+    workers = config["num_workers"]
+    loader = f"data path: per-sample DataLoader, {workers} worker{'s' * (workers != 1)}"
+    if mode == "off":
+        return False, f"{loader} (--data-on-device off)"
+    need = device_nbytes(train_set) + device_nbytes(val_set)
+    what = f"{config['dataset']} images and masks ({decoded_cache.mib(need)})"
+    how = "each batch gathered, augmented and normalised there, no DataLoader workers"
+    if device.type == "cuda":
+        free, where = torch.cuda.mem_get_info(device)[0], f"free on {device}"
+    else:
+        free, where = runtime.available_memory(), "of memory available"
+    share = need / max(free, 1)
+    if mode == "auto" and share > device_data.DEVICE_SHARE:
+        return False, f"{loader} ({what} would take {share:.0%} of the " \
+                      f"{decoded_cache.mib(free)} {where}; auto allows " \
+                      f"{device_data.DEVICE_SHARE:.0%})"
+    if share > 1 and device.type == "cuda":
+        raise UserError(f"--data-on-device on: {what} do not fit in the "
+                        f"{decoded_cache.mib(free)} free on {device}; use --data-on-device off")
+    return True, f"data path: on {device}: {what}, {share:.1%} of the " \
+                 f"{decoded_cache.mib(free)} {where}; {how}"
+
+
 def build_device_loaders(config, train_set, val_set, sampler, device, rank=0, world_size=1,
-                         memory_format=torch.contiguous_format):
+                         memory_format=torch.contiguous_format, log=None, should_stop=None):
     """The device path's loaders of a segmentation run (as ``device_data.
-    build_device_loaders``): ``(train_loader, val_loader)``, two ``DeviceLoader``; the
-    validation loader goes through this process's shard (``data.shard_indices``)."""
+    build_device_loaders``, whose arguments it takes; ``log`` and ``should_stop`` are
+    unused: ``build_datasets`` decoded the files): ``(train_loader, val_loader)``, two
+    ``DeviceLoader``; the validation loader goes through this process's shard
+    (``data.shard_indices``) in batches of ``config["batch_size"]``."""
     train_loader = DeviceLoader(train_set, device, batch_sampler=sampler,
                                 memory_format=memory_format)
     val_loader = DeviceLoader(val_set, device, indices=data.shard_indices(

@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 import data
+import device_data
 import segmentation_data as seg
 from config import with_defaults
 from ops import UserError
@@ -299,6 +300,11 @@ def test_unreadable_mask_is_skipped_with_a_warning(tmp_path, capfd):
         f"holds the value 300" in err
     assert train.unreadable_count() == 1 and len(train) == 5
     assert torch.equal(train[2][1], train[3][1])  # the next readable pair stands in
+    for path in (root / "val" / "masks").iterdir():
+        path.write_bytes(b"")
+    with pytest.raises(UserError) as e:  # (found by a decoding worker process)
+        seg.build_datasets(folder_config(root, num_workers=1))
+    one_line_error(e, "no image and mask pair in", root / "val" / "images")
 
 
 def write_voc(root, names=(("train", ["a1", "a2"]), ("val", ["b1"]))):
@@ -377,6 +383,7 @@ def test_the_device_path_gives_the_dataloaders_batches_bit_for_bit(tmp_path, kin
     assert list(device) == []
     loader = data.build_loader(val, batch_size=2)
     _, device_val = seg.build_device_loaders({"batch_size": 2}, train, val, sampler, "cpu")
+    assert isinstance(device_val, device_data.DeviceLoader)  # train.py's checks see it
     for (a, m), (b, n) in zip(loader, device_val, strict=True):
         assert torch.equal(a, b) and torch.equal(m, n)
 
@@ -405,3 +412,16 @@ def test_set_identity_tells_another_set(tmp_path):
     synthetic = seg.set_identity(seg.build_datasets(config())[0])
     assert synthetic == seg.set_identity(seg.build_datasets(config())[0])
     assert synthetic != seg.set_identity(seg.build_datasets(config(seed=1))[0])
+
+
+def test_the_device_decision_counts_images_and_masks(monkeypatch):
+    train, val = seg.build_datasets(config(synthetic_size=50))
+    need = 50 * 3 * 16 * 16 * 4 + 50 * 16 * 16 + 10 * (3 * 16 * 16 * 4 + 16 * 16)
+    assert seg.device_nbytes(train) + seg.device_nbytes(val) == need
+    use, why = seg.device_decision(config(data_on_device="auto"), train, val, "cpu")
+    assert use and why.startswith("data path: on cpu: synthetic images and masks")
+    assert not seg.device_decision(config(data_on_device="off"), train, val, "cpu")[0]
+    monkeypatch.setattr(seg.runtime, "available_memory", lambda: need * 3)  # 33% > 25%
+    use, why = seg.device_decision(config(data_on_device="auto"), train, val, "cpu")
+    assert not use and "would take 33%" in why and "auto allows 25%" in why
+    assert seg.device_decision(config(data_on_device="on"), train, val, "cpu")[0]
