@@ -31,7 +31,8 @@ def update_confusion(confusion, pred, target, ignore_index=IGNORE_INDEX):
     Args:
         confusion: the ``(C, C)`` int64 matrix (``new_confusion``).
         pred: ``(N, C, H, W)`` logits or ``(N, H, W)`` predicted classes.
-        target: ``(N, H, W)`` integer classes; ``ignore_index`` pixels are not counted.
+        target: ``(N, H, W)`` integer classes (any integer dtype: uint8 masks too);
+            ``ignore_index`` pixels are not counted.
         ignore_index: the target value that counts nowhere.
 
     Returns:
@@ -46,7 +47,8 @@ def update_confusion(confusion, pred, target, ignore_index=IGNORE_INDEX):
     if pred.shape != target.shape:
         raise ValueError(f"predictions {tuple(pred.shape)} and targets "
                          f"{tuple(target.shape)} differ in shape")
-    pred, target = pred.reshape(-1), target.reshape(-1).to(pred.device)
+    # int64: a uint8 mask times C would wrap around at 256
+    pred, target = pred.reshape(-1).long(), target.reshape(-1).to(pred.device, torch.long)
     valid = (target >= 0) & (target < n)
     invalid = (~valid & (target != ignore_index)).sum()
     # Ignored and invalid pixels add 0 at index 0: the same kernel and no boolean

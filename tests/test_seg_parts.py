@@ -276,6 +276,17 @@ def test_update_takes_logits_or_classes_alike_and_counts_bad_targets_apart():
     assert int(bad_a) == int(bad_b) == 2
 
 
+def test_a_uint8_mask_counts_as_its_int64_copy():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 20, 6, 6, generator=g)  # 20 x 20 cells: past uint8's 255
+    target = torch.randint(0, 20, (2, 6, 6), generator=g)
+    target[0, 0] = 255
+    a, b = seg_metrics.new_confusion(20), seg_metrics.new_confusion(20)
+    seg_metrics.update_confusion(a, logits, target)
+    seg_metrics.update_confusion(b, logits, target.to(torch.uint8))
+    assert torch.equal(a, b) and int(a.sum()) == 72 - 6
+
+
 def test_a_class_present_only_in_predictions_counts_with_iou_zero():
     confusion = seg_metrics.new_confusion(3)
     target = torch.tensor([[[0, 0, 1, 1]]])
