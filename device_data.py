@@ -424,14 +424,16 @@ def build_device_loaders(config, train_set, val_set, sampler, device, rank=0, wo
     return train_loader, val_loader
 
 
-def build_loaders(config, procs, train_set, val_set, sampler, stop=None):
+def build_loaders(config, procs, train_set, val_set, sampler, stop=None,
+                  decide=device_data_decision, device_loaders=build_device_loaders):
     """Loaders: training batches from the seeded sampler, this process's validation shard.
 
     With --data-on-device (auto decides, and says why), both sets live on the device as
     tensors and whole batches are augmented there; otherwise DataLoader workers augment
-    each sample. Both paths give the same batches.
+    each sample. Both paths give the same batches. ``decide`` and ``device_loaders`` are
+    the device path's decision and builder (segmentation_data has its own for masks).
     """
-    use, why = device_data_decision(config, train_set, val_set, procs.device)
+    use, why = decide(config, train_set, val_set, procs.device)
     if procs.world_size > 1:  # auto may differ between GPUs: one path for every process
         use = sum_over_processes([int(use)], procs.device,
                                      procs.world_size)[0] == procs.world_size
@@ -441,7 +443,7 @@ def build_loaders(config, procs, train_set, val_set, sampler, stop=None):
             else torch.contiguous_format
         return runtime.main_process_first(  # it builds an image folder's decoded cache
             procs, "holding the data on the device (an image folder: decoding it once)",
-            build_device_loaders, config, train_set, val_set, sampler,
+            device_loaders, config, train_set, val_set, sampler,
             procs.device, procs.rank, procs.world_size, memory_format,
             log=runtime.main_print, stop=stop, should_stop=stop)
     pin = procs.device.type == "cuda"

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 import data
+import device_data
 import losses
 import recipes
 import seg_metrics
@@ -60,14 +61,34 @@ def build_datasets(config, log, stop=None):
     """The training and validation sets of the task: ``(train, val)``, SeededDatasets of
     (image, label) for classification (data.py), of (image, mask) for segmentation
     (segmentation_data.py)."""
-    if config.get("task", "classification") == "segmentation":
+    if _segmenting(config):
         return segmentation_data.build_datasets(config, log, stop)
     return data.build_datasets(config, log, stop)
 
 
+def build_loaders(config, procs, train_set, val_set, sampler, stop=None):
+    """The training and validation loaders (``device_data.build_loaders``): the device
+    path or DataLoader workers, as --data-on-device decides; segmentation's device path
+    carries the masks."""
+    if _segmenting(config):
+        return device_data.build_loaders(
+            config, procs, train_set, val_set, sampler, stop,
+            segmentation_data.device_decision, segmentation_data.build_device_loaders)
+    return device_data.build_loaders(config, procs, train_set, val_set, sampler, stop)
+
+
+def set_identity(config, dataset):
+    """What a checkpoint records of the training set (a resume onto another says so)."""
+    return (segmentation_data if _segmenting(config) else data).set_identity(dataset)
+
+
+def _segmenting(config):
+    return config.get("task", "classification") == "segmentation"
+
+
 def check_config(config):
     """Refuses, in one line each, the flags that make no sense for the task."""
-    if config.get("task", "classification") != "segmentation":
+    if not _segmenting(config):
         return
     mixing = [f for f, on in (("--mixup-alpha", config["mixup_alpha"]),
                               ("--cutmix-alpha", config["cutmix_alpha"])) if on]

@@ -228,8 +228,8 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
         config, log, stop=stop)
     sampler = data.EpochBatchSampler(len(train_set), config["batch_size"], config["seed"],
                                      rank=procs.rank, world_size=procs.world_size)
-    train_loader, val_loader = device_data.build_loaders(config, procs, train_set, val_set,
-                                                        sampler, stop)
+    train_loader, val_loader = tasks.build_loaders(config, procs, train_set, val_set, sampler,
+                                                   stop)
     net, model = build_model(config, train_set, procs.device, procs.world_size, log,
                              resuming=saved is not None)
     task = tasks.build_task(config, train_set)  # what a batch is, its loss, its figures
@@ -251,7 +251,7 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
             f"built for such images (a 4x stem), costs about {3.6 * (size / 224) ** 2:.1f}: "
             f"pass --network torchvision/resnet18")
 
-    identity = {"train": data.set_identity(train_set)}  # recorded: a resume sees other data
+    identity = {"train": tasks.set_identity(config, train_set)}  # a resume sees other data
     state = engine.TrainState()
     if saved is not None:  # weights, EMA, optimizer, scaler, position, RNG of the saved step
         restore(saved, resume_path, net, ema, optimizer, loop.scaler, state, config, procs)

@@ -6,8 +6,7 @@ import signal
 
 import pytest
 import torch
-from conftest import (assert_states_equal, events, final_state, load_test_py,
-                      read_metrics, seg_args)
+from conftest import assert_states_equal, events, final_state, load_test_py, read_metrics, seg_args
 from test_resume import stop_at_step
 
 import engine
@@ -82,9 +81,11 @@ def test_quantize_is_refused_in_one_line(learned, tmp_path, capsys):
     assert code == 2 and len(err) == 1 and err[0].startswith("error: --quantize")
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_sigterm_mid_epoch_then_resume_equals_the_run_that_never_stopped(tmp_path, workers):
-    flags = ("--epochs", "2", "--num-workers", str(workers), "--ema-decay", "0.9")
+@pytest.mark.parametrize("path", [("--num-workers", "0", "--data-on-device", "off"),
+                                  ("--num-workers", "2", "--data-on-device", "off"),
+                                  ("--data-on-device", "on")])
+def test_sigterm_mid_epoch_then_resume_equals_the_run_that_never_stopped(tmp_path, path):
+    flags = ("--epochs", "2", "--ema-decay", "0.9", *path)
     full, stopped = tmp_path / "full", tmp_path / "stopped"
     assert train.main(seg_args(full, *flags, size=48)) == 0
     with stop_at_step(3):  # of 6 steps: inside the first epoch
@@ -95,6 +96,15 @@ def test_sigterm_mid_epoch_then_resume_equals_the_run_that_never_stopped(tmp_pat
     assert_states_equal({k: a[k] for k in ("model", "ema", "optimizer", "rng")},
                         {k: b[k] for k in ("model", "ema", "optimizer", "rng")})
     assert read_metrics(full)[-1]["val_miou"] == read_metrics(stopped)[-1]["val_miou"]
+
+
+def test_the_device_path_trains_as_the_dataloader_does(tmp_path, capsys):
+    loader, device = tmp_path / "loader", tmp_path / "device"
+    assert train.main(seg_args(loader, "--data-on-device", "off", "--num-workers", "2")) == 0
+    assert "data path: per-sample DataLoader, 2 workers" in capsys.readouterr().out
+    assert train.main(seg_args(device, "--data-on-device", "on")) == 0
+    assert "data path: on cpu: synthetic images and masks" in capsys.readouterr().out
+    assert_states_equal(final_state(loader)["model"], final_state(device)["model"])
 
 
 def test_accumulation_equals_the_large_batch(tmp_path):
