@@ -22,15 +22,16 @@
 # so a run cut short keeps what it measured); without $OUT, to runs/gpu-sh/. Each check
 # runs under its own `timeout`, cut at the smaller of its limit and what is left of the
 # budget (GPU_SH_BUDGET seconds of work, 400 in the slot profile; a check that would start
-# with under GPU_SH_MIN_LEFT seconds left, 20 by default, is SKIPPED). A check that fails or is cut prints "FAILED: ...",
-# the rest still runs, and the script exits 1.
+# with under GPU_SH_MIN_LEFT seconds left, 20 by default, is SKIPPED). A check that fails
+# or is cut prints "FAILED: ...", the rest still runs, and the script exits 1.
 #
 # Settings (environment): PYTHON (the interpreter, default python3; used for everything),
-# GPU_SH_BUDGET, GPU_SH_SKIP (names of checks to leave out, e.g. "tests photos"), and the
-# limits in seconds GPU_SH_T_IMPORTS, GPU_SH_T_TESTS (the whole pytest command),
-# GPU_SH_T_TEST (one test, where pytest-timeout is installed), GPU_SH_T_TRAIN (each
-# train.py run), GPU_SH_T_STEP_RATE, GPU_SH_T_PHOTOS, GPU_SH_T_LIGHTNING,
-# GPU_SH_T_COMPILE, GPU_SH_T_BENCH (each bench of the full profile).
+# GPU_SH_BUDGET, GPU_SH_MIN_LEFT, GPU_SH_SKIP (names of checks to leave out, e.g. "tests
+# photos"; a check's name is what its "==" line says), and the limits in seconds
+# GPU_SH_T_IMPORTS, GPU_SH_T_TESTS (the whole pytest command), GPU_SH_T_TEST (one test,
+# where pytest-timeout is installed), GPU_SH_T_TRAIN (each train.py run),
+# GPU_SH_T_STEP_RATE, GPU_SH_T_PHOTOS, GPU_SH_T_LIGHTNING, GPU_SH_T_COMPILE, GPU_SH_T_BENCH
+# (each bench of the full profile).
 set -uo pipefail
 if [ -n "${OUT:-}" ]; then  # (before the cd: a relative $OUT is the caller's)
   mkdir -p "$OUT" && out=$(cd "$OUT" && pwd) || { echo "error: cannot write to $OUT"; exit 1; }
@@ -47,8 +48,10 @@ if [ "${GPU_SH_SMOKE:-0}" = 1 ]; then
   lightning_args="--network mlp --image-size 8 --batch-size 16 --steps 4 --epochs 1"
   limit=300  # a loaded 2-core CPU
 else
-  profile=slot device=cuda samples=50000 batch=512 epochs=3 image=32 workers=8 budget=400
-  net9=resnet9 net18=resnet18 photos=512 photo_size=224 photo_batch=64
+  # 100 full batches an epoch (no partial last batch to autotune or compile for); the
+  # figures are the last epoch's, after cuDNN's autotuning and compiling in the first
+  profile=slot device=cuda samples=51200 batch=512 epochs=2 image=32 workers=8 budget=400
+  net9=resnet9 net18=resnet18 photos=256 photo_size=224 photo_batch=64
   lightning_args="--network resnet9 --image-size 32 --batch-size 512 --steps 100 --epochs 3"
   limit=
   [ "${GPU_SH_FULL:-0}" = 1 ] && profile=full budget=3000
@@ -63,6 +66,12 @@ T_PHOTOS=${GPU_SH_T_PHOTOS:-${limit:-100}}
 T_LIGHTNING=${GPU_SH_T_LIGHTNING:-${limit:-100}}
 T_COMPILE=${GPU_SH_T_COMPILE:-${limit:-180}}
 T_BENCH=${GPU_SH_T_BENCH:-${limit:-600}}
+for v in budget min_left T_IMPORTS T_TESTS T_TEST T_TRAIN T_STEP_RATE T_PHOTOS T_LIGHTNING \
+    T_COMPILE T_BENCH; do
+  [[ ${!v} =~ ^[0-9]+$ ]] ||
+    { echo "error: GPU_SH_${v^^}: a number of seconds, not '${!v}'"; exit 1; }
+done
+command -v "$PY" > /dev/null || { echo "error: no interpreter '$PY': set PYTHON"; exit 1; }
 
 # Step rates of other kinds of training, one "name: command" entry each; the command
 # prints its own "figure:" lines and runs under GPU_SH_T_STEP_RATE. Segmentation and GAN
@@ -304,7 +313,7 @@ EOF
         "bench/photos.py --device cuda --workers 8 --finetune-steps 20"; do
       name=${b%%.py *} && name=${name#bench/}
       # shellcheck disable=SC2086  # the arguments are words
-      wanted "$name" && check "bench/$name.py" "$T_BENCH" "$PY" $b
+      wanted "$name" && check "$name" "$T_BENCH" "$PY" $b
     done
     if [ -d data/cifar-10-batches-py ]; then  # the fast recipe, where a copy is present
       check cifar10_fast "$T_BENCH" "$PY" train.py --config configs/cifar10_fast.yaml \
