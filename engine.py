@@ -16,10 +16,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from prefetch_generator import BackgroundGenerator
 from tqdm import tqdm
 
-from ops import OutOfMemory, keep_frozen_norms_eval, memory_error
+from ops import OutOfMemory, UserError, keep_frozen_norms_eval, memory_error
 
 
 class StepTimer:
@@ -83,6 +82,11 @@ class _Prefetcher:
         self._stop = threading.Event()
         self._bg = None
         if depth > 0:
+            try:  # only --prefetch needs it (some GPU images lack it)
+                from prefetch_generator import BackgroundGenerator
+            except ImportError:
+                raise UserError(f"--prefetch {depth} needs prefetch_generator: pip install "
+                                f"prefetch_generator (or --prefetch 0)") from None
             self._bg = BackgroundGenerator(self._until_stopped(loader), max_prefetch=depth)
             self._it = self._bg
         else:

@@ -435,8 +435,14 @@ class RunLog:
         """
         if not self.enabled:
             return
-        import torchinfo
-
+        try:
+            import torchinfo
+        except ImportError:  # a GPU image may lack it: the run goes on without its summary
+            runtime.say("warning: torchinfo is not installed: no network summary "
+                        "(pip install torchinfo)")
+            if self.tracker is not None:
+                self.tracker.artifacts()  # config.yaml still
+            return
         trainable, frozen = ops.count_parameters(net)
         shape = (1, train_set.in_channels, train_set.image_size, train_set.image_size)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):

@@ -10,7 +10,7 @@ The same network (one seeded initialisation, a copy per loop), the same DataLoad
 and the same criterion (losses.build_criterion, label smoothing 0.1) go through:
 
 * bare: ``for x, y in loader``: copy to the device, zero_grad, forward, loss, backward,
-  step. Nothing else.
+  step (the engine's SGD implementation: fused on CUDA). Nothing else.
 * engine: train.py's own step loop, ``train.run_epoch``, over a ``train.Training`` that
   ``train.build_training`` made from train.py's flags (what a run of ``python train.py
   --dataset synthetic --no-augment ...`` builds: the LoopSettings with a disabled
@@ -91,10 +91,13 @@ def parse_args(argv=None):
     return args
 
 
-def make_optimizer(net):
-    """SGD as train.py's build_optimizer makes it with the default flags."""
+def make_optimizer(net, like):
+    """SGD as train.py's build_optimizer makes it with the default flags, with the
+    implementation of ``like`` (the engine's optimizer): fused on CUDA, as the engine's,
+    so that the two loops differ in the loop alone."""
     group = {"params": [p for p in net.parameters() if p.requires_grad], "base_lr": 0.1}
-    return torch.optim.SGD([group], lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    return torch.optim.SGD([group], lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4,
+                           fused=like.defaults["fused"], foreach=like.defaults["foreach"])
 
 
 def bare_epoch(model, loader, optimizer, criterion, device):
@@ -170,7 +173,7 @@ def main(argv=None):
 
     loops = {}  # name -> callable(epoch)
     bare_net = copy.deepcopy(first.training.net)  # the same initialisation as every row
-    bare_opt = make_optimizer(bare_net)
+    bare_opt = make_optimizer(bare_net, first.training.optimizer)
     def bare(epoch, start=0):
         sampler.set_epoch(epoch, start)
         bare_epoch(bare_net, loader, bare_opt, criterion, device)

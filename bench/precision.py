@@ -11,9 +11,11 @@ avoids threads waiting for each other.
 
 Each configuration trains a freshly seeded network on random images already on the
 device (no data loading), with the engine's step: autocast, GradScaler for fp16,
-``engine._optimizer_step``. samples/s is the mean over the repeats (spread: the standard
-deviation), after warmup steps that also absorb torch.compile's compilation. A
-configuration the device or this torch cannot run prints its reason instead of a number.
+``engine._optimizer_step``, and train.py's SGD (``train.build_optimizer``: fused on CUDA
+and under fp16, as in a run). samples/s is the mean over the repeats (spread: the
+standard deviation), after warmup steps that also absorb torch.compile's compilation. A
+configuration the device or this torch cannot run (bf16 on a GPU without native bf16,
+which train.py refuses too) prints its reason instead of a number.
 
 Activation memory: bytes of the tensors kept for backward by one forward (autograd's
 saved tensors, parameters excluded, plus the block inputs that checkpointing keeps),
@@ -28,17 +30,20 @@ import platform
 import statistics
 import sys
 import time
-import warnings
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from common import setup_device, sync  # noqa: E402  (puts the repository on the path)
+from common import setup_device, sync, train_defaults  # noqa: E402  (the repository's path)
 
 import engine  # noqa: E402
 import ops  # noqa: E402
+import runtime  # noqa: E402
+import train  # noqa: E402
 from networks import build_network  # noqa: E402
+from ops import UserError  # noqa: E402
 
 AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+AMP_FLAG = {"fp32": "none", "bf16": "bf16", "fp16": "fp16"}  # train.py's --amp
 
 
 def parse_args(argv=None):
@@ -70,25 +75,25 @@ def parse_args(argv=None):
     return args
 
 
-def amp_problem(device, dtype):
-    """Why autocast cannot run ``dtype`` on ``device``, or None."""
-    if dtype is None:
-        return None
-    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        return "no bf16 on this GPU"
-    if not torch.amp.is_autocast_available(device.type):
-        return f"no autocast on {device.type}"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch warns, then runs at full precision
-        with torch.autocast(device.type, dtype=dtype):
-            enabled = torch.is_autocast_enabled(device.type)
-    return None if enabled else f"autocast on {device.type} cannot do {dtype}"
+def amp_problem(device, amp):
+    """Why train.py's ``--amp`` cannot run ``amp`` on ``device`` (``runtime.amp_dtype``'s
+    check: bf16 on a GPU of compute capability 8.0 or more, autocast that works), or
+    None."""
+    try:
+        runtime.amp_dtype(AMP_FLAG[amp], device, remedy="not measured")
+    except UserError as e:
+        return str(e)
+    return None
 
 
-def make_loop(device, dtype, net):
+def make_loop(device, amp, net):
+    """The engine's loop settings and train.py's optimizer (``build_optimizer``: fused on
+    CUDA and under fp16, so GradScaler reads no flag back per step) for ``amp``."""
+    dtype = AMP[amp]
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    optimizer = torch.optim.SGD([{"params": list(net.parameters()), "base_lr": 0.01}],
-                                lr=0.01, momentum=0.9)
+    config = {**train_defaults(), "amp": AMP_FLAG[amp], "optimizer": "sgd", "lr": 0.01,
+              "momentum": 0.9, "nesterov": False, "weight_decay": 0.0}
+    optimizer = train.build_optimizer(net, config, device)
     loop = engine.LoopSettings(device=device, amp_dtype=dtype, scaler=scaler,
                                counters=engine.Counters(device), show_progress=False)
     return loop, optimizer
@@ -111,15 +116,14 @@ def build(args, device, channels_last):
 
 def throughput(args, device, amp, channels_last, compiled):
     """samples/s (mean, std over repeats), or a string saying why it could not run."""
-    dtype = AMP[amp]
-    problem = amp_problem(device, dtype)
+    problem = amp_problem(device, amp)
     if problem:
         return problem
     net, memory_format = build(args, device, channels_last)
     if compiled:
         torch._dynamo.reset()  # each configuration compiles afresh, within the cache limit
     model = torch.compile(net) if compiled else net
-    loop, optimizer = make_loop(device, dtype, net)
+    loop, optimizer = make_loop(device, amp, net)
     g = torch.Generator().manual_seed(1)
     side = args.image_size
     x = torch.randn(args.batch_size, 3, side, side, generator=g)
@@ -145,7 +149,7 @@ def checkpointing_memory(args, device, checkpointing):
     net, _ = build(args, device, channels_last=False)
     net.set_grad_checkpointing(checkpointing)
     net.train()
-    loop, optimizer = make_loop(device, None, net)
+    loop, optimizer = make_loop(device, "fp32", net)
     g = torch.Generator().manual_seed(1)
     side = args.image_size
     x = torch.randn(args.batch_size, 3, side, side, generator=g).to(device)

@@ -4,11 +4,17 @@ The figures they print are not checked (a test never asserts a time); that each 
 runs to its end, prints its table and leaves nothing in the repository is.
 """
 
+import importlib.util
+import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 from conftest import ROOT
 
 # script -> (smallest arguments, a line of its output that says it got to its figures)
@@ -20,6 +26,9 @@ SMALLEST = {
                  "1"], "first batch identical on every path: yes"),
     "distributed.py": (["--network", "mlp", "--size", "64", "--batch", "32", "--epochs", "1",
                         "--repeats", "1"], "scaling efficiency"),
+    "lightning.py": (["--device", "cpu", "--network", "mlp", "--image-size", "8",
+                      "--batch-size", "16", "--steps", "4", "--epochs", "1"],
+                     "train.py (train.run_epoch)"),
     "export.py": (["--networks", "simple_cnn", "--samples", "64", "--steps", "2",
                    "--calibration-samples", "8", "--batches", "1", "--seconds", "0.01"],
                   "| simple_cnn | int8 .onnx |"),
@@ -73,30 +82,140 @@ def test_gpu_script_is_valid_bash_and_names_every_bench():
     text = open(path).read()
     missing = [s for s in SMALLEST if f"bench/{s}" not in text and s != "distributed.py"]
     assert missing == []
+    # One interpreter throughout: no command calls python or python3 by name.
+    bare = [line for line in text.splitlines() if not line.lstrip().startswith("#")
+            and re.search(r"(^|[\s;|&(])python3?\s", line)]
+    assert bare == []
 
 
-def _gpu_sh(env_extra, tmp_path):
-    env = {**os.environ, "GPU_SH_SMOKE": "1", "OMP_NUM_THREADS": "2", **env_extra}
-    return subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu.sh")], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=300)
+# What gpu.sh calls besides $PYTHON: a PATH of these alone has no python in it.
+TOOLS = ["bash", "mkdir", "dirname", "mktemp", "touch", "timeout", "tee", "grep", "awk",
+         "sed", "rm", "cat", "tail", "sleep", "env", "sh", "ls", "uname"]
 
 
-def test_gpu_script_prints_a_line_per_figure_and_exits_0(tmp_path):
-    out = _gpu_sh({}, tmp_path)  # its smallest settings, on the CPU
+def _gpu_sh(tmp_path, python=sys.executable, **env_extra):
+    """Runs bench/gpu.sh's smoke profile with PATH holding TOOLS only (no python) and
+    $OUT in ``tmp_path/out``; returns ``(completed process, seconds)``."""
+    tools = tmp_path / "tools"
+    tools.mkdir(exist_ok=True)
+    for name in TOOLS:
+        found = shutil.which(name)
+        if found and not (tools / name).exists():
+            (tools / name).symlink_to(found)
+    assert shutil.which("python", path=str(tools)) is None
+    env = {**os.environ, "GPU_SH_SMOKE": "1", "OMP_NUM_THREADS": "2", "PATH": str(tools),
+           "PYTHON": str(python), "OUT": str(tmp_path / "out"), **env_extra}
+    for name in ("GPU_SH_FULL", "GPU_SH_SKIP", "GPU_SH_BUDGET", "RANK", "WORLD_SIZE"):
+        if name not in env_extra:
+            env.pop(name, None)
+    start = time.monotonic()
+    out = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu.sh")], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=900)
+    return out, time.monotonic() - start
+
+
+def _shim(tmp_path, body):
+    """A $PYTHON that runs ``body`` (sh) first, then the real interpreter."""
+    shim = tmp_path / "python-shim"
+    shim.write_text(f"#!/bin/sh\n{body}\nexec {sys.executable} \"$@\"\n")
+    shim.chmod(0o755)
+    return shim
+
+
+def test_gpu_script_smoke_writes_its_log_and_figures_under_out(tmp_path):
+    # The whole smoke profile (the CPU, smallest settings) without python on PATH: every
+    # command goes through $PYTHON. Slow (every check is a process that imports torch) and
+    # worth it: this is the only run of the script before a GPU is borrowed.
+    before = set(os.listdir(ROOT))
+    out, _ = _gpu_sh(tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    figures = [line for line in out.stdout.splitlines() if line.startswith("figure: train.py")]
-    assert len(figures) == 2 and all("samples/s, efficiency" in f for f in figures), figures
-    assert "FAILED" not in out.stdout and out.stdout.rstrip().endswith("every check passed")
+    assert out.stdout.rstrip().endswith("gpu.sh: every check passed")
+    assert "FAILED" not in out.stdout
+    log = (tmp_path / "out" / "gpu-sh.log").read_text()
+    assert log == out.stdout + out.stderr  # the whole log, as it scrolled by
+    result = json.loads((tmp_path / "out" / "gpu-figures.json").read_text())
+    assert result["profile"] == "smoke" and result["status"] == "passed"
+    assert result["failed"] == [] and result["skipped"] == [
+        "compile (the smoke profile: torch.compile on a CPU takes minutes)"]
+    figures = result["figures"]
+    for key in ("mlp.device.bf16", "mlp.loader.bf16", "simple_cnn.device.bf16",
+                "simple_cnn.device.none"):
+        assert figures[f"{key}.samples_per_s"]["value"] > 0
+        assert 0 < figures[f"{key}.compute_efficiency"]["value"] <= 1
+    assert figures["simple_cnn.bf16_over_fp32"]["value"] > 0
+    assert figures["photos.64.device.images_per_s"]["value"] > 0
+    assert figures["lightning.mlp.train_py.samples_per_s"]["value"] > 0
+    assert figures["tests.passed"]["value"] >= 1  # the CUDA cases' CPU part
+    assert figures["env.torch"]["value"].startswith(torch.__version__)
+    lines = [line for line in log.splitlines() if line.startswith("figure: ")]
+    assert {line.split()[1] for line in lines} == set(figures)  # each figure is a line
+    assert result["goals"]["resnet9.device.bf16.samples_per_s"]["met"] is None
+    assert set(os.listdir(ROOT)) - before == set()  # nothing left in the repository
 
 
-def test_gpu_script_exits_1_when_a_check_fails(tmp_path):
-    # A python that fails whenever it runs train.py: the script says so and goes on.
-    shim = tmp_path / "bin"
-    shim.mkdir()
-    (shim / "python").write_text(f"#!/bin/sh\ncase \"$*\" in *train.py*) exit 3;; esac\n"
-                                 f"exec {sys.executable} \"$@\"\n")
-    (shim / "python").chmod(0o755)
-    out = _gpu_sh({"PATH": f"{shim}{os.pathsep}{os.environ['PATH']}"}, tmp_path)
-    assert out.returncode == 1
-    assert out.stdout.count("FAILED: train.py simple_cnn") == 2
-    assert "first batch identical on every path: yes" in out.stdout  # the rest still ran
+def test_gpu_script_exits_1_when_a_check_fails_and_runs_the_rest(tmp_path):
+    # A $PYTHON that fails train.py's run on the device path: said, and the next check runs.
+    shim = _shim(tmp_path, 'case "$*" in *train.py*resnet9-device*) exit 3;; esac')
+    out, _ = _gpu_sh(tmp_path, shim, GPU_SH_SKIP="tests photos lightning resnet18-bf16 "
+                     "resnet18-fp32")
+    assert out.returncode == 1, out.stdout[-3000:]
+    assert "FAILED: resnet9-device (exit status 3)" in out.stdout
+    assert out.stdout.rstrip().endswith("gpu.sh: some checks FAILED")
+    result = json.loads((tmp_path / "out" / "gpu-figures.json").read_text())
+    assert result["status"] == "failed"
+    assert result["failed"] == ["resnet9-device (exit status 3)"]
+    assert result["figures"]["mlp.loader.bf16.samples_per_s"]["value"] > 0  # the rest ran
+
+
+def test_gpu_script_cuts_a_hanging_check_and_keeps_to_its_budget(tmp_path):
+    # Every train.py run hangs. Each is cut at its own limit (2 s here) and the next runs.
+    shim = _shim(tmp_path, 'case "$*" in *train.py*) exec sleep 120;; esac')
+    skip = "imports tests photos lightning resnet18-bf16 resnet18-fp32"
+    out, seconds = _gpu_sh(tmp_path, shim, GPU_SH_T_TRAIN="2", GPU_SH_SKIP=skip)
+    assert out.returncode == 1, out.stdout[-3000:]
+    result = json.loads((tmp_path / "out" / "gpu-figures.json").read_text())
+    assert result["failed"] == ["resnet9-device: cut by its time limit of 2 s",
+                                "resnet9-loader: cut by its time limit of 2 s"]
+    assert seconds < 60  # not the 120 s the runs would have hung
+    # Within a budget of 6 s (each check's limit 300 s here), the first run is cut at what
+    # is left of it, and the next one, with under GPU_SH_MIN_LEFT (3 s) left, never starts.
+    out, seconds = _gpu_sh(tmp_path, shim, GPU_SH_BUDGET="6", GPU_SH_MIN_LEFT="3",
+                           GPU_SH_SKIP=skip)
+    assert out.returncode == 1, out.stdout[-3000:]
+    assert re.search(r"FAILED: resnet9-device: cut by its time limit of [3-6] s", out.stdout)
+    assert "SKIPPED: resnet9-loader (the 6 s budget is spent)" in out.stdout
+    assert seconds < 30
+
+
+def _bench_module(name, monkeypatch):
+    """Imports bench/NAME.py as a module, its folder last on the path (for ``common``:
+    first, bench/data.py would hide the repository's data.py)."""
+    monkeypatch.setattr(sys, "path", [*sys.path, os.path.join(ROOT, "bench")])
+    spec = importlib.util.spec_from_file_location(f"bench_{name}",
+                                                  os.path.join(ROOT, "bench", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_precision_bench_uses_train_pys_optimizer_and_bf16_check(monkeypatch):
+    precision = _bench_module("precision", monkeypatch)
+    net = torch.nn.Linear(4, 2)
+    cpu = torch.device("cpu")
+    # train.py fuses SGD under fp16 (GradScaler reads no flag back then); so does the bench
+    assert precision.make_loop(cpu, "fp16", net)[1].defaults["fused"] is True
+    assert not precision.make_loop(cpu, "fp32", net)[1].defaults["fused"]
+    # bf16 on a GPU before compute capability 8.0: refused as train.py refuses it, even
+    # where torch.cuda.is_bf16_supported() says yes (it counts emulated bf16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    problem = precision.amp_problem(torch.device("cuda"), "bf16")
+    assert problem and "has no native bfloat16" in problem
+
+
+def test_overhead_bench_bare_loop_uses_the_engines_sgd_implementation(monkeypatch):
+    overhead = _bench_module("overhead", monkeypatch)
+    engine_sgd = torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=0.1, fused=True)
+    bare = overhead.make_optimizer(torch.nn.Linear(4, 2), engine_sgd)
+    assert bare.defaults["fused"] is True and bare.defaults["nesterov"] is True
