@@ -443,7 +443,7 @@ def apply_pretrained_preset(config, explicit):
     """``--pretrained torchvision``: the image size and crop fraction the weights were
     trained with, where the user set none (their own transforms' crop and resize)."""
     weights = presets.torchvision_weights(config["network"], config["pretrained"])
-    if weights is None:
+    if weights is None or is_segmentation(config["network"]):  # (their own geometry)
         return config
     t = weights.transforms()
     if "image_size" not in explicit:

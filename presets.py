@@ -27,7 +27,10 @@ import torch.hub
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
+import checkpoint
 import data
+from networks import is_segmentation
+from ops import UserError
 
 PHOTO_SIDE = data.PHOTO_SIDE  # image folders at this --image-size and above
 RATIO = (3 / 4, 4 / 3)  # the random-resized crop's aspect ratios, as torchvision's
@@ -212,8 +215,6 @@ def torchvision_weights(network, pretrained):
     Raises:
         ops.UserError: another network, or a NAME the architecture has not.
     """
-    from ops import UserError
-
     if not (pretrained == "torchvision" or str(pretrained).startswith("torchvision:")) \
             or os.path.exists(pretrained):
         return None
@@ -253,8 +254,6 @@ def backbone_weights(name):
 
     import torchvision
 
-    from ops import UserError
-
     try:
         builder = torchvision.models.get_model_builder(name)
     except ValueError:
@@ -278,8 +277,6 @@ def fetch_weights(weights):
     import sys
     import urllib.error
     import urllib.parse
-
-    from ops import UserError
 
     filename = os.path.basename(urllib.parse.urlparse(weights.url).path)
     path = os.path.join(torch.hub.get_dir(), "checkpoints", filename)
@@ -357,8 +354,6 @@ def fit_segmentation_weights(net, weights, state):
         ops.UserError: the state fits neither way (a name or shape the head does not
             explain), listing the first keys concerned.
     """
-    from ops import UserError
-
     own = net.state_dict()
     categories = len(weights.meta.get("categories") or ()) or "?"
     if any(k.startswith("backbone.") for k in state):  # the segmentation network's own
@@ -409,3 +404,49 @@ def load_segmentation_weights(net, weights):
     state, _, line = fit_segmentation_weights(net, weights, fetch_weights(weights))
     net.load_state_dict(state)
     return line
+
+
+def load_pretrained(net, path, log, which="ema", network=None):
+    """Initialises ``net`` from a checkpoint of this project or a plain state_dict, or,
+    where ``path`` is ``torchvision[:NAME]`` and no such file exists, from torchvision's
+    pretrained weights of ``network`` (``presets.fetch_weights``).
+
+    From a checkpoint with a moving average of the weights, ``which="ema"`` takes the
+    average. A classifier head of another size (another number of classes) keeps its
+    fresh initialisation and is listed; any other mismatch is a UserError listing the keys.
+    A torchvision segmentation network takes its weights through
+    ``load_segmentation_weights`` (new heads for another number of classes).
+
+    Returns:
+        The names of the tensors that kept their fresh initialisation.
+    """
+    tv_weights = torchvision_weights(network, path)  # (a file of that name wins)
+    if tv_weights is not None and is_segmentation(network):  # two heads, maybe a backbone
+        log(load_segmentation_weights(net, tv_weights))
+        return []
+    if tv_weights is not None:
+        state = fetch_weights(tv_weights)
+        path = f"torchvision's {tv_weights}"
+    else:
+        state = checkpoint.load_checkpoint(path)
+    weights = state["model"] if "model" in state else state
+    if which == "ema" and "model" in state and "ema" in state:
+        weights = state["ema"]
+        log(f"pretrained: taking the moving average (ema) of {path}")
+    if not isinstance(weights, dict) or not weights or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()):
+        raise UserError(f"--pretrained {path!r} holds no weights: expected a checkpoint of "
+                        f"this project or a state_dict (names mapped to tensors)")
+    weights = checkpoint.unwrap_state_dict(weights)
+    own = net.state_dict()
+    head = list(dict(net.named_parameters()))[-1].rsplit(".", 1)[0]  # e.g. "fc"
+    resized = [k for k in weights if k in own and own[k].shape != weights[k].shape]
+    skipped = []
+    if resized and all(k.rsplit(".", 1)[0] == head for k in resized):
+        skipped = [k for k in own if k.rsplit(".", 1)[0] == head]
+        weights = {**weights, **{k: own[k] for k in skipped}}
+    checkpoint.check_compatible(net, weights, path)
+    net.load_state_dict(weights)
+    log(f"pretrained: loaded {len(weights) - len(skipped)} tensors from {path}"
+        + (f"; kept the new head ({', '.join(skipped)}): its size differs" if skipped else ""))
+    return skipped

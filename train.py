@@ -634,7 +634,7 @@ def build_model(config, train_set, device, world_size, log, resuming=False):
     except ValueError as e:
         raise UserError(str(e)) from None
     if config["pretrained"] and not resuming:
-        load_pretrained(net, config["pretrained"], log, config["pretrained_weights"],
+        presets.load_pretrained(net, config["pretrained"], log, config["pretrained_weights"],
                         config["network"])
     if config["freeze"]:
         frozen = ops.freeze(net, config["freeze"])
@@ -675,44 +675,6 @@ def wrap_model(net, config, device, world_size):
     if config["compile"]:
         model = torch.compile(model)
     return model
-
-
-def load_pretrained(net, path, log, which="ema", network=None):
-    """Initialises ``net`` from a checkpoint of this project or a plain state_dict, or,
-    where ``path`` is ``torchvision[:NAME]`` and no such file exists, from torchvision's
-    pretrained weights of ``network`` (``presets.fetch_weights``).
-
-    From a checkpoint with a moving average of the weights, ``which="ema"`` takes the
-    average. A classifier head of another size (another number of classes) keeps its
-    fresh initialisation and is listed; any other mismatch is a UserError listing the keys.
-    """
-    tv_weights = presets.torchvision_weights(network, path)  # (a file of that name wins)
-    if tv_weights is not None:
-        state = presets.fetch_weights(tv_weights)
-        path = f"torchvision's {tv_weights}"
-    else:
-        state = checkpoint.load_checkpoint(path)
-    weights = state["model"] if "model" in state else state
-    if which == "ema" and "model" in state and "ema" in state:
-        weights = state["ema"]
-        log(f"pretrained: taking the moving average (ema) of {path}")
-    if not isinstance(weights, dict) or not weights or not all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()):
-        raise UserError(f"--pretrained {path!r} holds no weights: expected a checkpoint of "
-                        f"this project or a state_dict (names mapped to tensors)")
-    weights = checkpoint.unwrap_state_dict(weights)
-    own = net.state_dict()
-    head = list(dict(net.named_parameters()))[-1].rsplit(".", 1)[0]  # e.g. "fc"
-    resized = [k for k in weights if k in own and own[k].shape != weights[k].shape]
-    skipped = []
-    if resized and all(k.rsplit(".", 1)[0] == head for k in resized):
-        skipped = [k for k in own if k.rsplit(".", 1)[0] == head]
-        weights = {**weights, **{k: own[k] for k in skipped}}
-    checkpoint.check_compatible(net, weights, path)
-    net.load_state_dict(weights)
-    log(f"pretrained: loaded {len(weights) - len(skipped)} tensors from {path}"
-        + (f"; kept the new head ({', '.join(skipped)}): its size differs" if skipped else ""))
-    return skipped
 
 
 # ------------------------------------------------------------------------ optimiser

@@ -1,5 +1,6 @@
 """Shared helpers: tiny, fast training runs on synthetic data, on the CPU."""
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -52,6 +53,20 @@ def events(run_dir):
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 0})
     acc.Reload()
     return acc
+
+
+def put_in_torch_hub(weights, state, tmp_path, monkeypatch):
+    """``state`` saved where torch.hub looks for ``weights`` (TORCH_HOME/hub/checkpoints),
+    under a name carrying its own hash as torchvision's do; no network."""
+    blob = tmp_path / "blob.pth"
+    torch.save(state, blob)
+    stem = weights.url.rsplit("/", 1)[1].rsplit("-", 1)[0]
+    name = f"{stem}-{hashlib.sha256(blob.read_bytes()).hexdigest()[:8]}.pth"
+    monkeypatch.setattr(weights.value, "url", f"https://download.pytorch.org/models/{name}")
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    hub = tmp_path / "torch_home" / "hub" / "checkpoints"
+    hub.mkdir(parents=True)
+    blob.rename(hub / name)
 
 
 def load_test_py():

@@ -13,6 +13,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import data
 import ops
+import presets
 import train
 from networks import build_network
 
@@ -225,7 +226,7 @@ def test_plain_torchvision_state_dict_fine_tunes_offline(tmp_path, train_main, o
     torch.save(weights, path)
 
     net = build_network("torchvision/resnet18", 10, 3, 32)
-    assert train.load_pretrained(net, str(path), print) == []
+    assert presets.load_pretrained(net, str(path), print) == []
     assert_states_equal(net.state_dict(), weights)
 
     argv = tiny_args(tmp_path / "run", "--pretrained", str(path), "--freeze", "layer1.*",
@@ -248,7 +249,7 @@ def test_state_dict_with_a_1000_class_head_into_10_classes(tmp_path, offline):
     net = build_network("torchvision/resnet18", 10, 3, 32)
     fresh = {k: v.clone() for k, v in net.state_dict().items()}
     messages = []
-    assert train.load_pretrained(net, str(path), messages.append) == ["fc.weight", "fc.bias"]
+    assert presets.load_pretrained(net, str(path), messages.append) == ["fc.weight", "fc.bias"]
     assert "kept the new head (fc.weight, fc.bias): its size differs" in messages[0]
     loaded = net.state_dict()
     assert_states_equal({k: loaded[k] for k in ("fc.weight", "fc.bias")},

@@ -2,13 +2,13 @@
 pretrained weights, the figures (against torchmetrics), the poly schedule (against
 PyTorch's PolynomialLR) and the mask pictures."""
 
-import hashlib
 import math
 import urllib.request
 
 import pytest
 import torch
 import torchvision
+from conftest import put_in_torch_hub
 
 import networks
 import ops
@@ -110,27 +110,13 @@ def test_an_unknown_torchvision_name_lists_the_segmentation_networks_too():
 
 # ------------------------------------------------------------- their pretrained weights
 
-def _put_in_hub(weights, state, tmp_path, monkeypatch):
-    """``state`` saved where torch.hub looks for ``weights`` (TORCH_HOME/hub/checkpoints),
-    under a name carrying its own hash as torchvision's do; no network."""
-    blob = tmp_path / "blob.pth"
-    torch.save(state, blob)
-    stem = weights.url.rsplit("/", 1)[1].rsplit("-", 1)[0]
-    name = f"{stem}-{hashlib.sha256(blob.read_bytes()).hexdigest()[:8]}.pth"
-    monkeypatch.setattr(weights.value, "url", f"https://download.pytorch.org/models/{name}")
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
-    hub = tmp_path / "torch_home" / "hub" / "checkpoints"
-    hub.mkdir(parents=True)
-    blob.rename(hub / name)
-
-
 def test_pretrained_segmentation_weights_load_with_a_new_head(tmp_path, monkeypatch, offline):
     network = "torchvision/deeplabv3_mobilenet_v3_large"
     weights = presets.torchvision_weights(network, "torchvision")
     assert weights.name == "COCO_WITH_VOC_LABELS_V1"
     torch.manual_seed(0)
     saved = networks.build_network(network, num_classes=21).state_dict()  # as VOC's 21
-    _put_in_hub(weights, saved, tmp_path, monkeypatch)
+    put_in_torch_hub(weights, saved, tmp_path, monkeypatch)
     torch.manual_seed(1)
     net = networks.build_network(network, num_classes=5)
     fresh = {k: v.clone() for k, v in net.state_dict().items()}
@@ -148,7 +134,7 @@ def test_pretrained_weights_with_as_many_classes_load_whole(tmp_path, monkeypatc
     network = "torchvision/lraspp_mobilenet_v3_large"
     weights = presets.torchvision_weights(network, "torchvision")
     saved = networks.build_network(network, num_classes=21).state_dict()
-    _put_in_hub(weights, saved, tmp_path, monkeypatch)
+    put_in_torch_hub(weights, saved, tmp_path, monkeypatch)
     net = networks.build_network(network, num_classes=21)
     line = presets.load_segmentation_weights(net, weights)
     assert "fresh" not in line
@@ -161,7 +147,7 @@ def test_backbone_weights_map_into_the_backbone_and_the_heads_start_fresh(tmp_pa
     weights = presets.torchvision_weights(network, "torchvision:backbone")
     assert weights == torchvision.models.MobileNet_V3_Large_Weights.IMAGENET1K_V1
     imagenet = torchvision.models.mobilenet_v3_large().state_dict()
-    _put_in_hub(weights, imagenet, tmp_path, monkeypatch)
+    put_in_torch_hub(weights, imagenet, tmp_path, monkeypatch)
     net = networks.build_network(network, num_classes=3)
     fresh = {k: v.clone() for k, v in net.state_dict().items()}
     line = presets.load_segmentation_weights(net, weights)

@@ -6,7 +6,8 @@ import signal
 
 import pytest
 import torch
-from conftest import assert_states_equal, events, final_state, load_test_py, read_metrics, seg_args
+from conftest import (assert_states_equal, events, final_state, load_test_py,
+                      put_in_torch_hub, read_metrics, seg_args)
 from test_resume import stop_at_step
 
 import engine
@@ -199,3 +200,24 @@ def test_torchvision_segmentation_networks_train_with_their_aux_head(tmp_path, m
                                size=4, batch=2, image=32)) == 0
     keys, total, main_only = seen[0]
     assert keys == {"out", "aux"} and total > main_only  # plus 0.5 x the aux head's loss
+
+
+def test_pretrained_torchvision_weights_train_with_a_new_head(tmp_path, monkeypatch, capsys):
+    import networks
+    import presets
+
+    network = "torchvision/lraspp_mobilenet_v3_large"
+    weights = presets.torchvision_weights(network, "torchvision")
+    torch.manual_seed(0)
+    saved = networks.build_network(network, num_classes=21).state_dict()  # VOC's 21
+    put_in_torch_hub(weights, saved, tmp_path, monkeypatch)
+    run = tmp_path / "run"
+    assert train.main(seg_args(run, "--pretrained", "torchvision", "--max-steps", "1",
+                               "--lr", "0", network=network, size=4, batch=2, image=32)) == 0
+    out = capsys.readouterr().out
+    assert "new heads for 3 classes" in out and "COCO_WITH_VOC_LABELS_V1" in out
+    trained = final_state(run)["model"]
+    backbone = [k for k in saved if k.startswith("backbone.") and "running" not in k
+                and "num_batches" not in k]
+    assert backbone and all(torch.equal(trained[k], saved[k]) for k in backbone)  # lr 0
+    assert trained["classifier.low_classifier.weight"].shape[0] == 3
