@@ -6,8 +6,15 @@ import signal
 
 import pytest
 import torch
-from conftest import (assert_states_equal, events, final_state, load_test_py,
-                      put_in_torch_hub, read_metrics, seg_args)
+from conftest import (
+    assert_states_equal,
+    events,
+    final_state,
+    load_test_py,
+    put_in_torch_hub,
+    read_metrics,
+    seg_args,
+)
 from test_resume import stop_at_step
 
 import engine
