@@ -6,7 +6,7 @@ import signal
 
 import pytest
 from conftest import assert_states_equal, final_state, tiny_args
-from test_resume import stop_at_step
+from helpers import stop_at_step
 
 import train
 
@@ -75,7 +75,7 @@ def test_requeue_signal_picks_another_signal(tmp_path, monkeypatch, capsys, scon
 
 def test_under_torchrun_sigusr1_to_one_process_stops_all_and_requeues_once(tmp_path,
                                                                           scontrol):
-    from test_distributed import FLAGS, assert_exit_codes, signal_a_worker_once_an_epoch_is_saved
+    from helpers import FLAGS, assert_exit_codes, signal_a_worker_once_an_epoch_is_saved
 
     run = tmp_path / "run"
     os.environ["SLURM_JOB_ID"] = "4242"  # the workers inherit it (and the stand-in's PATH)

@@ -151,7 +151,7 @@ def test_dataparallel_replicas_compute_in_bfloat16():
 
 @two_gpus
 def test_nccl_processes_train_like_one_gpu(tmp_path):
-    from test_distributed import torchrun
+    from helpers import torchrun
 
     flags = ("--no-augment", "--scheduler", "none", "--deterministic")
     ddp = tmp_path / "ddp"

@@ -11,9 +11,9 @@ import time
 
 import pytest
 from conftest import ROOT, tiny_args, write_image_folder
+from helpers import KILLED_BUILD as SLOW_BUILD
+from helpers import check_against_per_sample, make_config
 from PIL import Image
-from test_device_data import KILLED_BUILD as SLOW_BUILD
-from test_device_data import check_against_per_sample, make_config
 
 import decoded_cache
 import train

@@ -7,9 +7,7 @@ once, reused, rebuilt when the folder changes and never trusted half-written; re
 """
 
 import os
-import pickle
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -18,6 +16,17 @@ import numpy as np
 import pytest
 import torch
 from conftest import ROOT, assert_states_equal, final_state, tiny_args, write_image_folder
+from helpers import (
+    KILLED_BUILD,
+    assert_batches_equal,
+    check_against_per_sample,
+    folder_loaders,
+    make_config,
+    per_sample,
+    stop_at_step,
+    torchrun,
+    whole_val,
+)
 from PIL import Image
 from torchvision.transforms import v2
 
@@ -33,51 +42,6 @@ from ops import UserError
 # ------------------------------------------------------------------- sources on disk
 
 
-def write_cifar(root, hundred=False, train=40, test=12):
-    """A tiny CIFAR-10/100 copy in torchvision's pickle layout (md5s are not checked:
-    see ``cifar_integrity``)."""
-    folder = root / ("cifar-100-python" if hundred else "cifar-10-batches-py")
-    folder.mkdir(parents=True)
-    g = np.random.default_rng(0)
-    key = "fine_labels" if hundred else "labels"
-    classes = 100 if hundred else 10
-
-    def batch(n):
-        return {"data": g.integers(0, 256, (n, 3072), dtype=np.uint8),
-                key: [int(v) for v in g.integers(0, classes, n)]}
-
-    names = ["train"] if hundred else [f"data_batch_{i}" for i in range(1, 6)]
-    for name in names:
-        with open(folder / name, "wb") as f:
-            pickle.dump(batch(train // len(names)), f)
-    with open(folder / ("test" if hundred else "test_batch"), "wb") as f:
-        pickle.dump(batch(test), f)
-    meta = {"fine_label_names" if hundred else "label_names":
-            [f"c{i}" for i in range(classes)]}
-    with open(folder / ("meta" if hundred else "batches.meta"), "wb") as f:
-        pickle.dump(meta, f)
-    return root
-
-
-def write_idx(path, array):
-    """An MNIST idx file (big-endian header, uint8 data), as torchvision reads it."""
-    header = struct.pack(">BBBB", 0, 0, 0x08, array.dim())
-    header += b"".join(struct.pack(">I", d) for d in array.shape)
-    path.write_bytes(header + array.numpy().tobytes())
-
-
-def write_mnist(root, name="MNIST", train=40, test=12):
-    raw = root / name / "raw"
-    raw.mkdir(parents=True)
-    g = torch.Generator().manual_seed(0)
-    for prefix, n in (("train", train), ("t10k", test)):
-        write_idx(raw / f"{prefix}-images-idx3-ubyte",
-                  torch.randint(0, 256, (n, 28, 28), generator=g, dtype=torch.uint8))
-        write_idx(raw / f"{prefix}-labels-idx1-ubyte",
-                  torch.arange(n, dtype=torch.uint8) % 10)
-    return root
-
-
 @pytest.fixture
 def cifar_integrity(monkeypatch):
     # torchvision checks each CIFAR file's md5 against the real files'.
@@ -87,39 +51,6 @@ def cifar_integrity(monkeypatch):
 
 
 SOURCES = ["synthetic", "cifar10", "cifar100", "mnist", "fashion_mnist", "imagefolder"]
-
-
-def make_config(tmp_path, name, augment=True, seed=5, **extra):
-    """A config for ``name`` with its files written under tmp_path."""
-    if name in ("cifar10", "cifar100"):
-        write_cifar(tmp_path, hundred=name == "cifar100")
-    elif name in ("mnist", "fashion_mnist"):
-        write_mnist(tmp_path, "MNIST" if name == "mnist" else "FashionMNIST")
-    elif name == "imagefolder":
-        write_image_folder(tmp_path, classes=("a", "b", "c"), per_class=5, val_per_class=2,
-                           size=None, formats=("jpg", "png"))
-    return with_defaults({"dataset": name, "data_dir": str(tmp_path), "seed": seed,
-                          "augment": augment, "image_size": 16 if name == "imagefolder" else 12,
-                          "synthetic_size": 40, "num_classes": 4, "batch_size": 8,
-                          "num_workers": 0, **extra})
-
-
-def per_sample(dataset, sampler=None, indices=None, batch_size=None):
-    """Every batch of the per-sample path (a DataLoader over the SeededDataset)."""
-    if sampler is not None:
-        loader = data.build_loader(dataset, batch_sampler=sampler)
-    else:
-        loader = data.build_loader(dataset, batch_size=batch_size, sampler=indices)
-    return list(loader)
-
-
-def assert_batches_equal(expected, got):
-    assert len(expected) == len(got)
-    for (x0, y0), (x1, y1) in zip(expected, got):
-        assert x1.dtype == torch.float32 and y1.dtype == torch.long
-        assert x0.shape == x1.shape
-        assert torch.equal(x0, x1), (x0 - x1).abs().max()
-        assert torch.equal(y0, y1)
 
 
 # ------------------------------------------------------------------------ the hash
@@ -275,10 +206,6 @@ def test_processes_gather_their_share_of_each_global_batch(cifar_integrity, tmp_
     assert torch.equal(torch.cat(vals), torch.cat([x for x, _ in whole_val(val_set)]))
 
 
-def whole_val(val_set):
-    return per_sample(val_set, indices=list(range(len(val_set))), batch_size=8)
-
-
 def test_a_short_last_global_batch_gives_a_stand_in(tmp_path):
     # 40 samples, 2 processes x 16: the last global batch of 8 splits 4 + 4; with 3
     # processes x 13 the last holds 1 sample and ranks 1, 2 get a stand-in (weighted 0).
@@ -387,20 +314,6 @@ def test_an_augmentation_the_device_cannot_do(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- the decoded cache
 
-def folder_loaders(cfg, log):
-    train_set, val_set = data.build_datasets(cfg)
-    sampler = data.EpochBatchSampler(len(train_set), 4, cfg["seed"])
-    sampler.set_epoch(1)
-    loaders = device_data.build_device_loaders(cfg, train_set, val_set, sampler, "cpu", log=log)
-    return train_set, val_set, sampler, loaders
-
-
-def check_against_per_sample(cfg, log):
-    train_set, val_set, sampler, (train, val) = folder_loaders(cfg, log)
-    assert_batches_equal(per_sample(train_set, sampler), list(train))
-    assert_batches_equal(whole_val(val_set), list(val))
-    return train_set, val_set
-
 
 def test_the_cache_is_built_once_then_reused(tmp_path):
     cfg = make_config(tmp_path, "imagefolder")
@@ -474,22 +387,6 @@ def test_an_interrupted_build_leaves_no_cache_to_trust(tmp_path, monkeypatch):
     lines = []
     check_against_per_sample(cfg, lines.append)
     assert all("built in" in line for line in lines)
-
-
-KILLED_BUILD = """
-import sys, time
-sys.path.insert(0, {root!r})
-import data
-import decoded_cache
-import device_data
-original = decoded_cache._Decoding.__getitem__
-def slow(self, index):
-    time.sleep(0.2)
-    return original(self, index)
-decoded_cache._Decoding.__getitem__ = slow
-train_set, _ = data.build_datasets({cfg!r})
-device_data.source_tensors(train_set, {cache!r})
-"""
 
 
 def test_a_build_killed_with_sigkill_is_not_trusted(tmp_path):
@@ -635,7 +532,6 @@ def test_train_on_and_off_give_the_same_weights(tmp_path, capsys):
 
 
 def test_train_resumes_exactly_on_the_device_path(tmp_path):
-    from test_resume import stop_at_step
 
     import train
 
@@ -674,7 +570,6 @@ def test_on_with_an_augmentation_the_device_cannot_do_is_one_error_line(tmp_path
 
 
 def test_ddp_on_the_device_path_trains_like_one_process(tmp_path):
-    from test_distributed import torchrun
 
     import train
 

@@ -17,14 +17,21 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, assert_states_equal, final_state, tiny_args
+from conftest import assert_states_equal, final_state, tiny_args
+from helpers import (
+    FLAGS,
+    assert_exit_codes,
+    ckpt,
+    finish,
+    signal_a_worker_once_an_epoch_is_saved,
+    start_torchrun,
+    torchrun,
+    write_launcher,
+)
 
 import checkpoint
 import data
@@ -32,82 +39,7 @@ import train
 from config import parse_config
 from networks import build_network
 
-TIMEOUT = 300  # seconds for one torchrun; generous, the two cores are shared
-# mlp without augmentation and with a constant LR, so runs of different lengths share a
-# schedule; lr 0.003 keeps validation accuracy between 0 and 1 for the first epochs. The
-# per-sample DataLoader (tests/test_device_data.py runs DDP on the device path).
-FLAGS = ("--no-augment", "--scheduler", "none", "--lr", "0.003", "--data-on-device", "off")
-
-
 # ----------------------------------------------------------------------------- helpers
-
-def _child_env():
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"  # two workers on two cores
-    return env
-
-
-def start_torchrun(args, script="train.py", nproc=2, torchrun_args=()):
-    """Starts ``torchrun --standalone`` (it picks a free port) in the repository root;
-    ``torchrun_args`` go before the script (``--max-restarts 3``)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node", str(nproc), *torchrun_args, script, *map(str, args)]
-    return subprocess.Popen(cmd, cwd=ROOT, env=_child_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
-
-def _children(pid):
-    paths = glob.glob(f"/proc/{pid}/task/*/children")
-    if not paths:  # kernels without /proc/.../children
-        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
-        return [int(p) for p in out.stdout.split()]
-    kids = []
-    for path in paths:
-        with contextlib.suppress(OSError), open(path) as f:
-            kids += [int(p) for p in f.read().split()]
-    return kids
-
-
-def worker_pids(torchrun_pid):
-    """``{rank: pid}`` of torchrun's worker processes, read from their environment."""
-    workers = {}
-    for pid in _children(torchrun_pid):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
-            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-            if b"RANK" in env:
-                workers[int(env[b"RANK"])] = pid
-    return workers
-
-
-def _kill(proc):
-    """Kills torchrun and its workers (they run in sessions of their own), by pid."""
-    pending, pids = [proc.pid], []
-    while pending:  # collect the whole tree before anything dies and is re-parented
-        pid = pending.pop()
-        kids = _children(pid)
-        pids += kids
-        pending += kids
-    for pid in pids + [proc.pid]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    proc.communicate()
-
-
-def finish(proc, timeout=TIMEOUT):
-    """Waits for torchrun; returns ``(exit code, output)``; kills it all on timeout."""
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill(proc)
-        pytest.fail(f"torchrun did not finish within {timeout} s")
-    return proc.returncode, out
-
-
-def torchrun(args, **kwargs):
-    rc, out = finish(start_torchrun(args, **kwargs))
-    assert rc == 0, out[-3000:]
-    return out
 
 
 def assert_close_f32(a, b):
@@ -116,20 +48,9 @@ def assert_close_f32(a, b):
                                torch.tensor(b, dtype=torch.float32))
 
 
-def assert_exit_codes(out, code):
-    """Every worker that torchrun reports ended with ``code``, except those torchrun itself
-    ended with SIGTERM (-15) after the first one had exited; at least one ended with it."""
-    codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", out)]
-    assert code in codes and set(codes) <= {code, -15}, out[-3000:]
-
-
 def metrics(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def ckpt(run_dir, name):
-    return os.path.join(run_dir, "checkpoints", name)
 
 
 # ------------------------------------------------------------ runs shared by the tests
@@ -270,35 +191,6 @@ def test_gradual_unfreezing_under_ddp_trains_like_one_process(tmp_path, train_ma
     torchrun(tiny_args(stopped, *flags, "--max-steps", "0", "--resume", "auto", size=55,
                        batch=16, epochs=4))
     torch.testing.assert_close(final_state(stopped)["model"], final_state(single)["model"])
-
-
-def signal_a_worker_once_an_epoch_is_saved(run_dir, args, signum, script="train.py",
-                                           rank=1, torchrun_args=()):
-    """Starts torchrun with ``args``, waits for its first epoch checkpoint, sends ``signum``
-    to worker ``rank`` only and returns ``(exit code, output, {rank: pid})``; kills it all
-    if it hangs."""
-    proc = start_torchrun(args, script=script, torchrun_args=torchrun_args)
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while not glob.glob(ckpt(run_dir, "epoch-*.pt")) and proc.poll() is None:
-            assert time.monotonic() < deadline, "no progress"
-            time.sleep(0.05)
-        workers = worker_pids(proc.pid)
-        assert sorted(workers) == [0, 1], proc.poll()
-        os.kill(workers[rank], signum)
-        rc, out = finish(proc)
-    finally:
-        if proc.poll() is None:
-            _kill(proc)
-    return rc, out, workers
-
-
-def write_launcher(path, patch):
-    """A script that runs train.main() under torchrun after ``patch`` (Python source) ran:
-    the child-process counterpart of monkeypatch."""
-    path.write_text(f"import os, sys\nsys.path.insert(0, {ROOT!r})\nimport checkpoint, "
-                    f"train\n{patch}\nsys.exit(train.main())\n")
-    return str(path)
 
 
 RECORD_SAVES = """

@@ -246,7 +246,7 @@ def test_gpu_memory_fraction_must_be_a_share(tmp_path, capsys, train_main):
 def test_early_stop_under_ddp_stops_every_process_with_one_process(tmp_path, train_main):
     """Two processes of 16 stop at the epoch one process of 32 stops at, all of them: the
     validation figures are all-reduced, so each process decides the same."""
-    from test_distributed import torchrun
+    from helpers import torchrun
 
     flags = (*EARLY, "--no-augment", "--scheduler", "none")
     ddp, single = tmp_path / "ddp", tmp_path / "single"

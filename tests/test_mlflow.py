@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 from conftest import ROOT, final_state, tiny_args
-from test_resume import stop_at_step
+from helpers import stop_at_step
 
 import tracking
 import train

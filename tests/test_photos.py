@@ -11,8 +11,8 @@ import pytest
 import torch
 import torchvision
 from conftest import assert_states_equal, final_state, load_test_py, tiny_args, write_image_folder
+from helpers import assert_batches_equal
 from PIL import Image
-from test_device_data import assert_batches_equal
 from torchvision.transforms import v2
 
 import data
@@ -117,7 +117,7 @@ def photo_args(run_dir, images, *extra, **kwargs):
 
 
 def test_train_on_photos_gives_the_same_weights_on_both_paths_and_across_a_stop(tmp_path):
-    from test_resume import stop_at_step
+    from helpers import stop_at_step
 
     images = photo_folder(tmp_path / "images")
     off = photo_args(tmp_path / "off", images, "--data-on-device", "off", "--num-workers", "2")

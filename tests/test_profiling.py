@@ -11,7 +11,7 @@ import signal
 import pytest
 import torch
 from conftest import assert_states_equal, final_state, tiny_args
-from test_resume import stop_at_step
+from helpers import stop_at_step
 
 import profiling
 import train
@@ -135,7 +135,7 @@ def test_bound_line_names_the_bottleneck():
 
 
 def test_one_trace_per_process_under_ddp(tmp_path):
-    from test_distributed import TIMEOUT, start_torchrun
+    from helpers import TIMEOUT, start_torchrun
     proc = start_torchrun(tiny_args(tmp_path, "--profile-steps", "1", "--data-on-device",
                                     "off", size=128))  # 4 steps of 2 x 16
     out, _ = proc.communicate(timeout=TIMEOUT)

@@ -606,7 +606,7 @@ def test_random_erasing_fills_the_mean_on_the_normalised_sets_as_built(tmp_path,
     # the erased box is the dataset's mean, 0 after normalisation (erasing before the
     # normalisation would leave -mean/std there).
     import torchvision.datasets.cifar
-    from test_device_data import make_config
+    from helpers import make_config
 
     monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda *a, **k: True)
     cfg = make_config(tmp_path, name)

@@ -7,8 +7,7 @@ import re
 import pytest
 import torch
 from conftest import assert_states_equal, final_state, tiny_args
-from test_distributed import finish, start_torchrun, write_launcher
-from test_resume import stop_at_step
+from helpers import finish, start_torchrun, stop_at_step, write_launcher
 
 import train
 

@@ -21,8 +21,8 @@ import sys
 import threading
 import time
 
+import helpers as distributed
 import pytest
-import test_distributed as distributed
 import torch
 from conftest import ROOT, assert_states_equal, final_state, tiny_args
 

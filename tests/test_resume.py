@@ -1,6 +1,5 @@
 """Checkpoints you can trust: exact resume, atomic saves, pre-emption (issue 3)."""
 
-import contextlib
 import json
 import os
 import random
@@ -13,7 +12,7 @@ import time
 import pytest
 import torch
 from conftest import ROOT, assert_states_equal, final_state, tiny_args
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from helpers import stop_at_step
 
 import checkpoint
 import networks
@@ -35,28 +34,6 @@ def assert_same_training_state(a, b):
     assert_states_equal(a["model"], b["model"])
     assert_states_equal(a["optimizer"], b["optimizer"])
     assert (a["epoch"], a["step"]) == (b["epoch"], b["step"])
-
-
-@contextlib.contextmanager
-def stop_at_step(step, signum=signal.SIGTERM):
-    """Delivers a real signal to this process right after optimizer step ``step``.
-
-    A global optimizer hook counts the steps of the run started inside the block, so it
-    holds however the training loop is written.
-    """
-    taken = 0
-
-    def after_optimizer_step(optimizer, args, kwargs):
-        nonlocal taken
-        taken += 1
-        if taken == step:
-            os.kill(os.getpid(), signum)
-
-    handle = register_optimizer_step_post_hook(after_optimizer_step)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 @pytest.fixture(scope="module")

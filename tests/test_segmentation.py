@@ -15,7 +15,7 @@ from conftest import (
     read_metrics,
     seg_args,
 )
-from test_resume import stop_at_step
+from helpers import stop_at_step, torchrun
 
 import engine
 import tasks
@@ -124,8 +124,6 @@ def test_accumulation_equals_the_large_batch(tmp_path):
 
 
 def test_two_processes_of_8_train_like_one_of_16(tmp_path):
-    from test_distributed import torchrun
-
     one, two = tmp_path / "one", tmp_path / "two"
     assert train.main(seg_args(one, network="unet_gn", batch=16, epochs=2)) == 0
     torchrun(seg_args(two, network="unet_gn", batch=8, epochs=2))

@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 from conftest import ROOT, final_state, load_test_py, tiny_args, write_image_folder
+from helpers import write_idx
 
 import data
 import engine
@@ -427,15 +428,6 @@ def test_tensorboard_server_shows_the_run(synthetic_run):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-
-
-def write_idx(path, array):
-    """An MNIST idx file (big-endian header, uint8 data), as torchvision reads it."""
-    import struct
-
-    header = struct.pack(">BBBB", 0, 0, 0x08, array.dim())
-    header += b"".join(struct.pack(">I", d) for d in array.shape)
-    path.write_bytes(header + array.numpy().tobytes())
 
 
 def test_torchvision_dataset_from_an_existing_copy(tmp_path):

@@ -1,0 +1,275 @@
+"""Helpers shared by several test modules: signals at a chosen step, real torchrun
+processes, the device path's reference checks. (Test modules import from here, never
+from each other.)"""
+
+import contextlib
+import glob
+import os
+import pickle
+import re
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, write_image_folder
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+import data
+import device_data
+from config import with_defaults
+
+
+@contextlib.contextmanager
+def stop_at_step(step, signum=signal.SIGTERM):
+    """Delivers a real signal to this process right after optimizer step ``step``.
+
+    A global optimizer hook counts the steps of the run started inside the block, so it
+    holds however the training loop is written.
+    """
+    taken = 0
+
+    def after_optimizer_step(optimizer, args, kwargs):
+        nonlocal taken
+        taken += 1
+        if taken == step:
+            os.kill(os.getpid(), signum)
+
+    handle = register_optimizer_step_post_hook(after_optimizer_step)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+# mlp without augmentation and with a constant LR, so runs of different lengths share a
+# schedule; lr 0.003 keeps validation accuracy between 0 and 1 for the first epochs. The
+# per-sample DataLoader (tests/test_device_data.py runs DDP on the device path).
+FLAGS = ("--no-augment", "--scheduler", "none", "--lr", "0.003", "--data-on-device", "off")
+TIMEOUT = 300  # seconds for one torchrun; generous, the two cores are shared
+
+
+def _child_env():
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"  # two workers on two cores
+    return env
+
+
+def start_torchrun(args, script="train.py", nproc=2, torchrun_args=()):
+    """Starts ``torchrun --standalone`` (it picks a free port) in the repository root;
+    ``torchrun_args`` go before the script (``--max-restarts 3``)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node", str(nproc), *torchrun_args, script, *map(str, args)]
+    return subprocess.Popen(cmd, cwd=ROOT, env=_child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _children(pid):
+    paths = glob.glob(f"/proc/{pid}/task/*/children")
+    if not paths:  # kernels without /proc/.../children
+        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+        return [int(p) for p in out.stdout.split()]
+    kids = []
+    for path in paths:
+        with contextlib.suppress(OSError), open(path) as f:
+            kids += [int(p) for p in f.read().split()]
+    return kids
+
+
+def worker_pids(torchrun_pid):
+    """``{rank: pid}`` of torchrun's worker processes, read from their environment."""
+    workers = {}
+    for pid in _children(torchrun_pid):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+            if b"RANK" in env:
+                workers[int(env[b"RANK"])] = pid
+    return workers
+
+
+def _kill(proc):
+    """Kills torchrun and its workers (they run in sessions of their own), by pid."""
+    pending, pids = [proc.pid], []
+    while pending:  # collect the whole tree before anything dies and is re-parented
+        pid = pending.pop()
+        kids = _children(pid)
+        pids += kids
+        pending += kids
+    for pid in pids + [proc.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.communicate()
+
+
+def finish(proc, timeout=TIMEOUT):
+    """Waits for torchrun; returns ``(exit code, output)``; kills it all on timeout."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+        pytest.fail(f"torchrun did not finish within {timeout} s")
+    return proc.returncode, out
+
+
+def torchrun(args, **kwargs):
+    rc, out = finish(start_torchrun(args, **kwargs))
+    assert rc == 0, out[-3000:]
+    return out
+
+
+def assert_exit_codes(out, code):
+    """Every worker that torchrun reports ended with ``code``, except those torchrun itself
+    ended with SIGTERM (-15) after the first one had exited; at least one ended with it."""
+    codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", out)]
+    assert code in codes and set(codes) <= {code, -15}, out[-3000:]
+
+
+def ckpt(run_dir, name):
+    return os.path.join(run_dir, "checkpoints", name)
+
+
+def signal_a_worker_once_an_epoch_is_saved(run_dir, args, signum, script="train.py",
+                                           rank=1, torchrun_args=()):
+    """Starts torchrun with ``args``, waits for its first epoch checkpoint, sends ``signum``
+    to worker ``rank`` only and returns ``(exit code, output, {rank: pid})``; kills it all
+    if it hangs."""
+    proc = start_torchrun(args, script=script, torchrun_args=torchrun_args)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not glob.glob(ckpt(run_dir, "epoch-*.pt")) and proc.poll() is None:
+            assert time.monotonic() < deadline, "no progress"
+            time.sleep(0.05)
+        workers = worker_pids(proc.pid)
+        assert sorted(workers) == [0, 1], proc.poll()
+        os.kill(workers[rank], signum)
+        rc, out = finish(proc)
+    finally:
+        if proc.poll() is None:
+            _kill(proc)
+    return rc, out, workers
+
+
+def write_launcher(path, patch):
+    """A script that runs train.main() under torchrun after ``patch`` (Python source) ran:
+    the child-process counterpart of monkeypatch."""
+    path.write_text(f"import os, sys\nsys.path.insert(0, {ROOT!r})\nimport checkpoint, "
+                    f"train\n{patch}\nsys.exit(train.main())\n")
+    return str(path)
+
+
+def make_config(tmp_path, name, augment=True, seed=5, **extra):
+    """A config for ``name`` with its files written under tmp_path."""
+    if name in ("cifar10", "cifar100"):
+        write_cifar(tmp_path, hundred=name == "cifar100")
+    elif name in ("mnist", "fashion_mnist"):
+        write_mnist(tmp_path, "MNIST" if name == "mnist" else "FashionMNIST")
+    elif name == "imagefolder":
+        write_image_folder(tmp_path, classes=("a", "b", "c"), per_class=5, val_per_class=2,
+                           size=None, formats=("jpg", "png"))
+    return with_defaults({"dataset": name, "data_dir": str(tmp_path), "seed": seed,
+                          "augment": augment, "image_size": 16 if name == "imagefolder" else 12,
+                          "synthetic_size": 40, "num_classes": 4, "batch_size": 8,
+                          "num_workers": 0, **extra})
+
+
+def assert_batches_equal(expected, got):
+    assert len(expected) == len(got)
+    for (x0, y0), (x1, y1) in zip(expected, got):
+        assert x1.dtype == torch.float32 and y1.dtype == torch.long
+        assert x0.shape == x1.shape
+        assert torch.equal(x0, x1), (x0 - x1).abs().max()
+        assert torch.equal(y0, y1)
+
+
+def check_against_per_sample(cfg, log):
+    train_set, val_set, sampler, (train, val) = folder_loaders(cfg, log)
+    assert_batches_equal(per_sample(train_set, sampler), list(train))
+    assert_batches_equal(whole_val(val_set), list(val))
+    return train_set, val_set
+
+
+KILLED_BUILD = """
+import sys, time
+sys.path.insert(0, {root!r})
+import data
+import decoded_cache
+import device_data
+original = decoded_cache._Decoding.__getitem__
+def slow(self, index):
+    time.sleep(0.2)
+    return original(self, index)
+decoded_cache._Decoding.__getitem__ = slow
+train_set, _ = data.build_datasets({cfg!r})
+device_data.source_tensors(train_set, {cache!r})
+"""
+
+
+def write_cifar(root, hundred=False, train=40, test=12):
+    """A tiny CIFAR-10/100 copy in torchvision's pickle layout (md5s are not checked:
+    see ``cifar_integrity``)."""
+    folder = root / ("cifar-100-python" if hundred else "cifar-10-batches-py")
+    folder.mkdir(parents=True)
+    g = np.random.default_rng(0)
+    key = "fine_labels" if hundred else "labels"
+    classes = 100 if hundred else 10
+
+    def batch(n):
+        return {"data": g.integers(0, 256, (n, 3072), dtype=np.uint8),
+                key: [int(v) for v in g.integers(0, classes, n)]}
+
+    names = ["train"] if hundred else [f"data_batch_{i}" for i in range(1, 6)]
+    for name in names:
+        with open(folder / name, "wb") as f:
+            pickle.dump(batch(train // len(names)), f)
+    with open(folder / ("test" if hundred else "test_batch"), "wb") as f:
+        pickle.dump(batch(test), f)
+    meta = {"fine_label_names" if hundred else "label_names":
+            [f"c{i}" for i in range(classes)]}
+    with open(folder / ("meta" if hundred else "batches.meta"), "wb") as f:
+        pickle.dump(meta, f)
+    return root
+
+
+def per_sample(dataset, sampler=None, indices=None, batch_size=None):
+    """Every batch of the per-sample path (a DataLoader over the SeededDataset)."""
+    if sampler is not None:
+        loader = data.build_loader(dataset, batch_sampler=sampler)
+    else:
+        loader = data.build_loader(dataset, batch_size=batch_size, sampler=indices)
+    return list(loader)
+
+
+def whole_val(val_set):
+    return per_sample(val_set, indices=list(range(len(val_set))), batch_size=8)
+
+
+def folder_loaders(cfg, log):
+    train_set, val_set = data.build_datasets(cfg)
+    sampler = data.EpochBatchSampler(len(train_set), 4, cfg["seed"])
+    sampler.set_epoch(1)
+    loaders = device_data.build_device_loaders(cfg, train_set, val_set, sampler, "cpu", log=log)
+    return train_set, val_set, sampler, loaders
+
+
+def write_mnist(root, name="MNIST", train=40, test=12):
+    raw = root / name / "raw"
+    raw.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    for prefix, n in (("train", train), ("t10k", test)):
+        write_idx(raw / f"{prefix}-images-idx3-ubyte",
+                  torch.randint(0, 256, (n, 28, 28), generator=g, dtype=torch.uint8))
+        write_idx(raw / f"{prefix}-labels-idx1-ubyte",
+                  torch.arange(n, dtype=torch.uint8) % 10)
+    return root
+
+
+def write_idx(path, array):
+    """An MNIST idx file (big-endian header, uint8 data), as torchvision reads it."""
+    header = struct.pack(">BBBB", 0, 0, 0x08, array.dim())
+    header += b"".join(struct.pack(">I", d) for d in array.shape)
+    path.write_bytes(header + array.numpy().tobytes())
