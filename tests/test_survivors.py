@@ -1,0 +1,137 @@
+"""Promises that realistic bugs once broke without any test failing (issue 29, item 5):
+each test here fails when its bug is put back (the issue names the bugs)."""
+
+import json
+import os
+import time
+
+import pytest
+import torch
+from conftest import final_state, load_test_py, tiny_args, write_image_folder
+
+import data
+import train
+from config import parse_config
+from test_photos import fake_hub, photo_folder, tv_args  # noqa: F401 (a fixture)
+
+
+def records(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+# ------------------------------------------------- a decoded cache over 64 MiB is reused
+
+def test_a_photo_cache_larger_than_a_checksum_chunk_is_reused(tmp_path, capfd):
+    # The images file is checksummed in 64 MiB pieces; a real photo folder's cache is
+    # larger than one. 18 photos kept at a short side of 1170 (--image-size 1024): about
+    # 85 MiB in the training split's cache. Each run after the first must reuse it.
+    images = write_image_folder(tmp_path / "images", per_class=6, val_per_class=1)
+    config = parse_config(["--dataset", "imagefolder", "--data-dir", str(images),
+                           "--image-size", "1024", "--num-workers", "0"])[0]
+    built = []
+    first, _ = data.build_datasets(config, log=built.append)
+    assert first.base.decoded.nbytes > 64 * 2**20  # more than one checksum piece
+    capfd.readouterr()
+    again = []
+    second, _ = data.build_datasets(config, log=again.append)
+    err = capfd.readouterr().err
+    assert "damaged" not in err and "Traceback" not in err, err
+    assert len(again) == 2 and all(line.endswith("reused") for line in again), again
+    assert torch.equal(first.base.decoded.images, second.base.decoded.images)
+
+
+# ------------------------------------------------- --pretrained torchvision and its crop
+
+def test_an_explicit_crop_pct_wins_over_the_weights(tmp_path):
+    tv = ["--dataset", "imagefolder", "--network", "torchvision/convnext_tiny",
+          "--pretrained", "torchvision"]
+    config, _ = parse_config([*tv, "--crop-pct", "0.8"])
+    assert config["crop_pct"] == 0.8 and config["image_size"] == 224  # its size kept
+    config, _ = parse_config([*tv, "--image-size", "160"])  # its crop fraction kept
+    assert config["image_size"] == 160 and config["crop_pct"] == pytest.approx(224 / 236)
+    recipe = tmp_path / "recipe.yaml"  # a recipe sets them as the command line does
+    recipe.write_text("crop_pct: 0.7\nimage_size: 96\n")
+    config, _ = parse_config([*tv, "--config", str(recipe)])
+    assert (config["crop_pct"], config["image_size"]) == (0.7, 96)
+
+
+# ---------------------------------------------------- downloaded weights, hash-checked
+
+def test_downloaded_weights_that_fail_their_hash_are_refused(tmp_path, fake_hub, capsys):
+    import pathlib
+    import urllib.parse
+
+    weights, _, cached = fake_hub
+    served = pathlib.Path(urllib.parse.urlparse(weights.url).path)
+    blob = bytearray(served.read_bytes())  # damaged on the way: 64 bytes of tensor data
+    for i in range(len(blob) // 2, len(blob) // 2 + 64):
+        blob[i] ^= 0xFF
+    served.write_bytes(bytes(blob))
+    torch.load(served, weights_only=True)  # the damage is not one torch.load sees
+    images = photo_folder(tmp_path / "images")
+    for run in (tmp_path / "run", tmp_path / "again"):  # nor is it trusted the next time
+        assert train.main(tv_args(run, images)) != 0
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "--pretrained" in errors[0], err
+        assert "Traceback" not in err
+        assert not (run / "checkpoints" / "last.pt").exists()  # nothing trained on them
+
+
+# ------------------------------------------------------------------ MLflow on a resume
+
+@pytest.fixture
+def mlflow_store(tmp_path, monkeypatch):
+    """A file store's URI (MLflow 3.7+ opens one only when allowed), the experiment the
+    dataset's; MLflow's HTTP settings restored after the test."""
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    return (tmp_path / "mlruns").as_uri()
+
+
+def test_a_resumed_mlflow_run_is_running_while_it_trains(tmp_path, mlflow_store):
+    from mlflow.tracking import MlflowClient
+    from test_resume import stop_at_step
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    run_dir = tmp_path / "run"
+    args = tiny_args(run_dir, "--mlflow", mlflow_store, epochs=2)
+    with stop_at_step(3):
+        assert train.main(args) == 143
+    client, run_id = MlflowClient(tracking_uri=mlflow_store), final_state(run_dir)[
+        "mlflow_run_id"]
+    assert client.get_run(run_id).info.status == "KILLED"
+    seen = []  # what `mlflow ui` shows after each step of the resumed run
+    handle = register_optimizer_step_post_hook(
+        lambda *_: seen.append(client.get_run(run_id).info.status))
+    try:
+        assert train.main([*args, "--resume", "auto"]) == 0
+    finally:
+        handle.remove()
+    assert seen == ["RUNNING"] * 5, seen  # steps 4-8
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_the_mlflow_run_id_survives_a_resume_while_mlflow_is_down(tmp_path, mlflow_store,
+                                                                   capsys):
+    from test_mlflow import closed_port, only_run
+
+    run_dir = tmp_path / "run"
+    assert train.main(tiny_args(run_dir, "--mlflow", mlflow_store, "--max-steps", "2",
+                                epochs=2)) == 0
+    run_id = final_state(run_dir)["mlflow_run_id"]
+    with closed_port() as sock:  # the server is down for the next part
+        down = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        assert train.main(tiny_args(run_dir, "--resume", "auto", "--mlflow", down,
+                                    "--max-steps", "5", epochs=2)) == 0
+    assert "training goes on without recording in MLflow" in capsys.readouterr().err
+    assert final_state(run_dir).get("mlflow_run_id") == run_id  # kept for later
+    assert train.main(tiny_args(run_dir, "--resume", "auto", "--mlflow", mlflow_store,
+                                "--max-steps", "0", epochs=2)) == 0
+    assert f"mlflow: continuing run {run_id}" in capsys.readouterr().out
+    _, run = only_run(mlflow_store)  # one run, the first, finished
+    assert run.info.run_id == run_id and run.info.status == "FINISHED"
