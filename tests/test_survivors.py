@@ -135,3 +135,53 @@ def test_the_mlflow_run_id_survives_a_resume_while_mlflow_is_down(tmp_path, mlfl
     assert f"mlflow: continuing run {run_id}" in capsys.readouterr().out
     _, run = only_run(mlflow_store)  # one run, the first, finished
     assert run.info.run_id == run_id and run.info.status == "FINISHED"
+
+
+# ------------------------------------------------------------------------ early stopping
+
+def stop_epoch(values, patience, min_delta, resets=True):
+    """The epoch at which --early-stop-patience stops a run whose validations give
+    ``values`` (the README's rule, computed here on its own), or None; ``resets=False``:
+    the bug where an improvement does not reset the count."""
+    best, waited = -float("inf"), 0
+    for epoch, value in enumerate(values, 1):
+        if value > best + min_delta:
+            best, waited = value, (0 if resets else waited)
+        else:
+            waited += 1
+        if waited >= patience:
+            return epoch
+    return None
+
+
+def test_an_improvement_resets_the_early_stop_patience(tmp_path, train_main):
+    # A slow learner (AdamW at 1e-4): val_acc rises by about 0.1-0.25 an epoch, so with
+    # --early-stop-min-delta 0.2 some epochs improve enough and some do not.
+    run_dir = tmp_path / "run"
+    assert train_main(tiny_args(run_dir, "--optimizer", "adamw", "--lr", "1e-4",
+                                "--scheduler", "none", "--early-stop-patience", "2",
+                                "--early-stop-min-delta", "0.2", size=96, epochs=5)) == 0
+    values = [r["val_acc"] for r in records(run_dir)]
+    assert len(values) == (stop_epoch(values, 2, 0.2) or 5), values
+    # the case at hand: a count never reset would have stopped the run sooner
+    assert (stop_epoch(values, 2, 0.2, resets=False) or 6) < len(values), values
+
+
+# ---------------------------------------------------------------------- top-5 accuracy
+
+def test_the_emas_top5_is_the_emas_own(tmp_path, train_main):
+    # 20 classes, a fast learner and a slow average (no warm-up): after one epoch the
+    # network's top-5 is far above its moving average's.
+    run_dir = tmp_path / "run"
+    assert train_main(tiny_args(run_dir, "--ema-decay", "0.99", "--no-ema-warmup",
+                                "--num-classes", "20", "--lr", "0.01", "--no-augment",
+                                size=160)) == 0
+    logged = records(run_dir)[-1]
+    test_py = load_test_py()
+    for weights, key in (("raw", "val_acc5"), ("ema", "val_acc5_ema")):
+        out = tmp_path / f"{weights}.json"
+        assert test_py.main(["--checkpoint", str(run_dir / "checkpoints" / "last.pt"),
+                             "--weights", weights, "--num-workers", "0", "--device", "cpu",
+                             "--json", str(out)]) == 0
+        assert json.loads(out.read_text())["accuracy_top5"] == logged[key], weights
+    assert logged["val_acc5"] != logged["val_acc5_ema"], logged  # the case at hand
