@@ -3,16 +3,17 @@ each test here fails when its bug is put back (the issue names the bugs)."""
 
 import json
 import os
+import re
 import time
 
 import pytest
 import torch
 from conftest import final_state, load_test_py, tiny_args, write_image_folder
+from test_photos import fake_hub, photo_folder, tv_args  # noqa: F401 (a fixture)
 
 import data
 import train
 from config import parse_config
-from test_photos import fake_hub, photo_folder, tv_args  # noqa: F401 (a fixture)
 
 
 def records(run_dir):
@@ -58,7 +59,8 @@ def test_an_explicit_crop_pct_wins_over_the_weights(tmp_path):
 
 # ---------------------------------------------------- downloaded weights, hash-checked
 
-def test_downloaded_weights_that_fail_their_hash_are_refused(tmp_path, fake_hub, capsys):
+def test_downloaded_weights_that_fail_their_hash_are_refused(
+        tmp_path, fake_hub, capsys):  # noqa: F811 (the fixture imported above)
     import pathlib
     import urllib.parse
 
@@ -185,3 +187,51 @@ def test_the_emas_top5_is_the_emas_own(tmp_path, train_main):
                              "--json", str(out)]) == 0
         assert json.loads(out.read_text())["accuracy_top5"] == logged[key], weights
     assert logged["val_acc5"] != logged["val_acc5_ema"], logged  # the case at hand
+
+
+# ----------------------------------------------------- the profiler's data/compute verdict
+
+def test_the_profilers_verdict_counts_only_the_profiled_steps(tmp_path, monkeypatch, capsys):
+    # The first two batches are slow to read (a cold disk): 0.5 s each. Steps 3-4 are
+    # profiled (1 skipped, 1 warm-up, 2 recorded); their batches come at once, so the
+    # time they waited for data is far below one slow batch's.
+    args = tiny_args(tmp_path, "--profile-steps", "2", "--data-on-device", "off",
+                     "--prefetch", "0")
+    sampler = data.EpochBatchSampler(64, 16, parse_config(args)[0]["seed"])
+    cold = {key for batch in list(sampler)[:2] for key in batch}  # epoch 0's first two
+    real = data.SeededDataset.__getitem__
+
+    def cold_then_warm(self, key):
+        if key in cold:
+            time.sleep(0.5 / 16)
+        return real(self, key)
+
+    monkeypatch.setattr(data.SeededDataset, "__getitem__", cold_then_warm)
+    assert train.main(args) == 0
+    out = capsys.readouterr().out
+    assert records(tmp_path)[0]["data_time"] > 0.9  # the epoch waited for those two
+    verdict = re.findall(r"^profile: (?:data|compute)-bound: .*\(data (\d+\.\d+) s, "
+                         r"compute \d+\.\d+ s over 2 steps\)", out, re.M)
+    assert len(verdict) == 1, out
+    assert float(verdict[0]) < 0.4, verdict  # steps 3-4 only
+
+
+# ------------------------------------------------------------------- the LR range test
+
+def test_each_step_of_the_lr_range_test_trains_at_its_own_rate(tmp_path):
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    used = []  # the rate each optimizer step is taken at
+    handle = register_optimizer_step_pre_hook(
+        lambda optimizer, *_: used.append([g["lr"] for g in optimizer.param_groups]))
+    try:
+        assert train.main(tiny_args(tmp_path, "--find-lr", "--find-lr-steps", "6",
+                                    "--find-lr-min", "1e-4", "--find-lr-max", "1e-1")) == 0
+    finally:
+        handle.remove()
+    expected = [1e-4 * 1000 ** (i / 5) for i in range(6)]  # min * (max / min) ** (i / 5)
+    with open(tmp_path / "lr_find.json") as f:
+        swept = json.load(f)
+    assert swept["lrs"] == pytest.approx(expected)  # each loss is the one taken at ...
+    assert [lrs[0] for lrs in used] == pytest.approx(expected)  # ... the rate trained at
+    assert all(len(set(lrs)) == 1 for lrs in used)  # on every param group
