@@ -235,3 +235,71 @@ def test_each_step_of_the_lr_range_test_trains_at_its_own_rate(tmp_path):
     assert swept["lrs"] == pytest.approx(expected)  # each loss is the one taken at ...
     assert [lrs[0] for lrs in used] == pytest.approx(expected)  # ... the rate trained at
     assert all(len(set(lrs)) == 1 for lrs in used)  # on every param group
+
+
+# ------------------------------------- process 0 fails while the others wait for it
+
+FAIL_ON_0 = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+import data, train
+from ops import UserError
+real = data.build_datasets
+def build_datasets(config, *args, **kwargs):  # process 0 finds no data, after a while
+    if os.environ["RANK"] == "0":
+        time.sleep(2)
+        raise UserError("made to fail: no data here")
+    return real(config, *args, **kwargs)
+data.build_datasets = build_datasets
+sys.exit(train.main())
+"""
+
+
+@pytest.mark.parametrize("store", ["process 0's", "the launcher's"],
+                         ids=["store-of-process-0", "store-of-the-agent"])
+def test_the_others_are_told_when_process_0_fails_without_a_launcher_signal(tmp_path, store):
+    """Two processes started as a launcher other than torchrun starts them (srun, mpirun,
+    a script): the environment torch.distributed reads, and no SIGTERM to the others when
+    one fails. The store is process 0's (it goes when process 0 does), or the launcher's
+    own (it stays: as torchrun's agent's, with nothing sent)."""
+    import socket
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+    from conftest import ROOT
+    from test_distributed import _child_env
+
+    env = {**_child_env(), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    server = None
+    if store == "the launcher's":
+        server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        env.update(MASTER_PORT=str(server.port), TORCHELASTIC_USE_AGENT_STORE="True")
+    else:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            env["MASTER_PORT"] = str(sock.getsockname()[1])
+    script = tmp_path / "launch.py"
+    script.write_text(FAIL_ON_0.format(root=ROOT))
+    args = tiny_args(tmp_path / "run", "--data-on-device", "off")
+    procs = [subprocess.Popen([sys.executable, str(script), *args], cwd=ROOT,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in (0, 1)]
+    try:
+        first, _ = procs[0].communicate(timeout=300)
+        try:  # once process 0 is gone, the other has a few seconds, not forever
+            other, _ = procs[1].communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("process 1 still waits, 30 s after process 0 failed")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert procs[0].returncode == 2 and "error: made to fail: no data here" in first, first
+    lines = [line for line in other.splitlines() if line.strip()]
+    assert lines == ["error: process 0 failed while reading synthetic (downloading it if "
+                     "needed) (UserError: made to fail: no data here)"], other
+    assert procs[1].returncode == 1
+    del server
