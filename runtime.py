@@ -5,6 +5,7 @@ flag names, the autocast dtype a device can do, seeding, and the signals that st
 at a step boundary (SIGINT, SIGTERM, SIGHUP).
 """
 
+import contextlib
 import os
 import random
 import re
@@ -189,7 +190,9 @@ def main_process_first(procs, what, build, *args, stop=None, **kwargs):
     barrier would fail at the process group's timeout, 10 minutes with NCCL): they poll
     the process group's store once a second, so that they still answer a stop signal
     (torchrun's SIGTERM when a peer died: ``ops.Interrupted``), and end with one line
-    when the main process failed (``RunFailed``).
+    when the main process failed (``RunFailed``): it tells them through the store and
+    waits (at most ``TELL_TIMEOUT_S``) until they have read it, since under another
+    launcher its exit takes the store with it, and no signal comes.
 
     Args:
         procs: ``Processes``.
@@ -209,17 +212,41 @@ def main_process_first(procs, what, build, *args, stop=None, **kwargs):
             result = build(*args, **kwargs)
         except BaseException as e:
             store.set(key, f"failed: {type(e).__name__}: {e}"[:500])
+            _wait_for_the_others(store, f"{key}/left", procs.world_size - 1)
             raise
         store.set(key, "done")
         return result
     while not store.check([key]):
         if stop is not None and stop() is not None:
+            _leave(store, f"{key}/left")
             raise Interrupted(stop(), f"while process 0 was {what}")
         time.sleep(1.0)
     state = store.get(key).decode()
     if state != "done":
+        _leave(store, f"{key}/left")
         raise RunFailed(f"process 0 failed while {what} ({state[len('failed: '):]})")
     return build(*args, **kwargs)
+
+
+TELL_TIMEOUT_S = 10.0  # the longest a failed process 0 waits for the others to read why
+
+
+def _leave(store, key):
+    """A waiting process stops waiting for process 0 (which waits for this when it
+    failed: ``_wait_for_the_others``)."""
+    with contextlib.suppress(Exception):
+        store.add(key, 1)
+
+
+def _wait_for_the_others(store, key, others):
+    """A failed process 0 waits, at most ``TELL_TIMEOUT_S``, until the ``others`` have read
+    why, or stopped waiting for a signal (``_leave``). Under a launcher other than torchrun
+    process 0 serves the store itself, and its exit takes the store away: a process that
+    had not looked yet (they look once a second) would find only a lost connection."""
+    deadline = time.monotonic() + TELL_TIMEOUT_S
+    with contextlib.suppress(Exception):  # a store already gone: nothing to wait for
+        while store.add(key, 0) < others and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 _KEYS = {}

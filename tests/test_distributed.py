@@ -88,8 +88,9 @@ def test_evaluation_over_two_processes_equals_one(runs):
     assert [r["epoch"] for r in ddp] == [r["epoch"] for r in single] == [1, 2, 3, 4, 5, 6]
     accuracies = [r["val_acc"] for r in single]
     assert 0 < min(accuracies) < 1  # not saturated, so a lost or doubled sample shows
+    assert 0 < min(r["val_acc5"] for r in single)  # top-5 hits on both processes count
     for a, b in zip(ddp, single):
-        assert a["val_acc"] == b["val_acc"]
+        assert (a["val_acc"], a["val_acc5"]) == (b["val_acc"], b["val_acc5"])
         assert_close_f32(a["val_loss"], b["val_loss"])
         assert_close_f32(a["train_loss"], b["train_loss"])
         assert a["step"] == b["step"]

@@ -74,15 +74,20 @@ def test_a_very_long_photo_falls_back_to_its_centre():
 def test_evaluation_is_torchvisions_resize_and_centre_crop(tmp_path):
     root = photo_folder(tmp_path, formats=("png",))  # PNG: no draft mode, the same decode
     train_set, val_set = data.build_datasets(photo_config(root, augment=False))
-    side = presets.stored_side(64, 0.875)
-    reference = v2.Compose([v2.Resize(side), v2.CenterCrop(64), v2.PILToTensor()])  # on PIL
+    # The reference is torchvision's own, on the file (none of the project's functions):
+    # ImageNet's Resize(256) + CenterCrop(224) at 64 px and --crop-pct 0.875: the short
+    # side to floor(64 / 0.875) = 73, the centre 64 x 64, then ImageNet's statistics.
+    reference = v2.Compose([v2.Resize(73), v2.CenterCrop(64), v2.PILToTensor(),
+                            v2.ToDtype(torch.float32, scale=True),
+                            v2.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
     for dataset in (val_set, train_set):  # without --augment training crops as evaluation
         for i in range(len(dataset)):
-            path, _ = dataset.base.folder.samples[i]
+            path, label = dataset.base.folder.samples[i]
             want = reference(Image.open(path).convert("RGB"))
-            got = dataset.base[i][0]
-            assert got.shape[-2:] != (64, 64) and min(got.shape[-2:]) == side
-            assert torch.equal(presets.center_crop(got, 64), want)
+            got, got_label = dataset[(i, 3)]  # what the network is given, any epoch
+            assert got_label == label and got.shape == want.shape == (3, 64, 64)
+            # the same pixels: a level of difference is 1/255/0.229 = 0.017 here
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
 def test_the_training_crop_is_a_random_resized_crop_per_sample_seed_and_epoch(tmp_path):
