@@ -188,3 +188,24 @@ def assert_states_equal(a, b):
 
 
 sys.path.insert(0, ROOT)
+
+
+@pytest.fixture
+def fake_hub(tmp_path, monkeypatch):
+    """torchvision's mobilenet_v3_small weights served from a local file (a real download
+    through torch.hub, hash-checked): random weights, a name with their hash."""
+    import torchvision
+
+    weights = torchvision.models.MobileNet_V3_Small_Weights.IMAGENET1K_V1
+    torch.manual_seed(0)
+    state = torchvision.models.mobilenet_v3_small().state_dict()
+    served = tmp_path / "served"
+    served.mkdir()
+    blob = served / "blob.pth"
+    torch.save(state, blob)
+    digest = hashlib.sha256(blob.read_bytes()).hexdigest()[:8]
+    named = served / f"mobilenet_v3_small-{digest}.pth"
+    os.replace(blob, named)
+    monkeypatch.setattr(weights.value, "url", named.as_uri())
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    return weights, state, tmp_path / "torch_home" / "hub" / "checkpoints" / named.name

@@ -8,6 +8,7 @@ import os
 import pickle
 import re
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, write_image_folder
+from conftest import ROOT, tiny_args, write_image_folder
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import data
@@ -273,3 +274,37 @@ def write_idx(path, array):
     header = struct.pack(">BBBB", 0, 0, 0x08, array.dim())
     header += b"".join(struct.pack(">I", d) for d in array.shape)
     path.write_bytes(header + array.numpy().tobytes())
+
+
+def photo_folder(root, per_class=5, classes=("cat", "dog"), formats=("jpg", "png")):
+    return write_image_folder(root, classes=classes, per_class=per_class, val_per_class=3,
+                              size=None, size_range=(70, 200), formats=formats)
+
+
+def tv_args(run_dir, images, *extra):
+    return tiny_args(run_dir, "--dataset", "imagefolder", "--data-dir", str(images),
+                     "--network", "torchvision/mobilenet_v3_small", "--pretrained",
+                     "torchvision", "--image-size", "64", *extra, network=None, batch=4,
+                     epochs=1)[2:]  # (tiny_args' own --network dropped)
+
+
+EXPERIMENT = "synthetic"  # the MLflow experiment of a synthetic run: the dataset's name
+
+
+def only_run(uri):
+    """The one run of the experiment (asserting there is exactly one) and the client."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    assert experiment is not None
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1, [r.info.run_id for r in runs]
+    return client, runs[0]
+
+
+def closed_port():
+    """A local port that refuses connections: bound, never listening (no one takes it)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock

@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -11,15 +10,13 @@ import pytest
 import torch
 import yaml
 from conftest import ROOT, final_state, tiny_args
-from helpers import stop_at_step
+from helpers import closed_port, only_run, stop_at_step
 
 import tracking
 import train
 
 mlflow = pytest.importorskip("mlflow")
-from mlflow.tracking import MlflowClient  # noqa: E402
 
-EXPERIMENT = "synthetic"  # the dataset's name
 
 
 @pytest.fixture(autouse=True)
@@ -32,16 +29,6 @@ def file_store(monkeypatch):
 def read_metrics(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
-
-
-def only_run(uri):
-    """The one run of the experiment (asserting there is exactly one) and the client."""
-    client = MlflowClient(tracking_uri=uri)
-    experiment = client.get_experiment_by_name(EXPERIMENT)
-    assert experiment is not None
-    runs = client.search_runs([experiment.experiment_id])
-    assert len(runs) == 1, [r.info.run_id for r in runs]
-    return client, runs[0]
 
 
 def history(client, run_id, key):
@@ -229,13 +216,6 @@ def test_only_process_0_records(tmp_path):
     assert steps == [1, 2]  # 64 samples, 2 processes of 16 a step
     assert_curve(history(client, run.info.run_id, "val_acc"), epoch_history(run_dir, "val_acc"))
     assert final_state(run_dir)["mlflow_run_id"] == run.info.run_id
-
-
-def closed_port():
-    """A local port that refuses connections: bound, never listening (no one takes it)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    return sock
 
 
 def test_unreachable_server_is_one_warning(tmp_path):

@@ -2,16 +2,14 @@
 decoded once (cheaply) into the cache that both data paths read, and a pretrained
 torchvision network fine-tunes on them; every bad photo is one line."""
 
-import hashlib
 import math
 import os
 
 import numpy as np
 import pytest
 import torch
-import torchvision
-from conftest import assert_states_equal, final_state, load_test_py, tiny_args, write_image_folder
-from helpers import assert_batches_equal
+from conftest import assert_states_equal, final_state, load_test_py, tiny_args
+from helpers import assert_batches_equal, photo_folder, tv_args
 from PIL import Image
 from torchvision.transforms import v2
 
@@ -20,11 +18,6 @@ import device_data
 import presets
 import train
 from config import parse_config, with_defaults
-
-
-def photo_folder(root, per_class=5, classes=("cat", "dog"), formats=("jpg", "png")):
-    return write_image_folder(root, classes=classes, per_class=per_class, val_per_class=3,
-                              size=None, size_range=(70, 200), formats=formats)
 
 
 def photo_config(root, **extra):
@@ -223,31 +216,6 @@ def test_bad_photos_are_at_most_one_line_each(tmp_path, capfd):
 
 
 # --------------------------------------------------------- pretrained torchvision
-
-@pytest.fixture
-def fake_hub(tmp_path, monkeypatch):
-    """torchvision's mobilenet_v3_small weights served from a local file (a real download
-    through torch.hub, hash-checked): random weights, a name with their hash."""
-    weights = torchvision.models.MobileNet_V3_Small_Weights.IMAGENET1K_V1
-    torch.manual_seed(0)
-    state = torchvision.models.mobilenet_v3_small().state_dict()
-    served = tmp_path / "served"
-    served.mkdir()
-    blob = served / "blob.pth"
-    torch.save(state, blob)
-    digest = hashlib.sha256(blob.read_bytes()).hexdigest()[:8]
-    named = served / f"mobilenet_v3_small-{digest}.pth"
-    os.replace(blob, named)
-    monkeypatch.setattr(weights.value, "url", named.as_uri())
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
-    return weights, state, tmp_path / "torch_home" / "hub" / "checkpoints" / named.name
-
-
-def tv_args(run_dir, images, *extra):
-    return tiny_args(run_dir, "--dataset", "imagefolder", "--data-dir", str(images),
-                     "--network", "torchvision/mobilenet_v3_small", "--pretrained",
-                     "torchvision", "--image-size", "64", *extra, network=None, batch=4,
-                     epochs=1)[2:]  # (tiny_args' own --network dropped)
 
 
 def test_pretrained_torchvision_weights_are_fetched_once_and_fine_tuned(tmp_path, fake_hub,

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 from conftest import final_state, load_test_py, tiny_args, write_image_folder
-from test_photos import fake_hub, photo_folder, tv_args  # noqa: F401 (a fixture)
+from helpers import photo_folder, tv_args
 
 import data
 import train
@@ -96,8 +96,8 @@ def mlflow_store(tmp_path, monkeypatch):
 
 
 def test_a_resumed_mlflow_run_is_running_while_it_trains(tmp_path, mlflow_store):
+    from helpers import stop_at_step
     from mlflow.tracking import MlflowClient
-    from test_resume import stop_at_step
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     run_dir = tmp_path / "run"
@@ -120,7 +120,7 @@ def test_a_resumed_mlflow_run_is_running_while_it_trains(tmp_path, mlflow_store)
 
 def test_the_mlflow_run_id_survives_a_resume_while_mlflow_is_down(tmp_path, mlflow_store,
                                                                    capsys):
-    from test_mlflow import closed_port, only_run
+    from helpers import closed_port, only_run
 
     run_dir = tmp_path / "run"
     assert train.main(tiny_args(run_dir, "--mlflow", mlflow_store, "--max-steps", "2",
@@ -268,7 +268,7 @@ def test_the_others_are_told_when_process_0_fails_without_a_launcher_signal(tmp_
 
     import torch.distributed as dist
     from conftest import ROOT
-    from test_distributed import _child_env
+    from helpers import _child_env
 
     env = {**_child_env(), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
     server = None
