@@ -33,6 +33,7 @@ import urllib.parse
 
 import metrics
 import runtime
+from ops import first_sentence
 from runlog import NOT_SAVED_IN_CONFIG
 
 RUN_ID_KEY = "mlflow_run_id"  # the checkpoint dict's key
@@ -115,7 +116,7 @@ def reason(error):
     root, depth = error, 0
     while (root.__cause__ or root.__context__) is not None and depth < 20:
         root, depth = root.__cause__ or root.__context__, depth + 1
-    return runtime.first_sentence(root if isinstance(root, OSError) else error)
+    return first_sentence(root if isinstance(root, OSError) else error)
 
 
 class Tracker:

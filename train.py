@@ -102,7 +102,7 @@ def main(argv=None):
         if not runtime.lost_peer(e):  # a collective whose peer process died (gloo, NCCL)
             raise
         runtime.say(f"error: process {runtime.process_rank()} lost another process of the "
-                    f"run ({runtime.first_sentence(e)}); the checkpoints are intact: "
+                    f"run ({ops.first_sentence(e)}); the checkpoints are intact: "
                     f"continue with --resume auto", file=sys.stderr)
         return EXIT_FAILED
     finally:
