@@ -52,8 +52,11 @@ def build_task(config, train_set):
                               losses.build_criterion(config),
                               recipes.build_batch_mix(config, train_set.num_classes))
     if name == "segmentation":
+        transform = train_set.transform  # its normalisation, undone in the pictures
         return Segmentation(train_set.num_classes, train_set.classes,
-                            config["label_smoothing"])
+                            config["label_smoothing"],
+                            stats=(getattr(transform, "mean", None),
+                                   getattr(transform, "std", None)))
     raise UserError(f"unknown task {name!r}; choose one of: {', '.join(TASKS)}")
 
 
@@ -232,6 +235,8 @@ class Segmentation:
         classes: their names (None: the numbers).
         label_smoothing: --label-smoothing, per pixel.
         aux_weight: the auxiliary loss's weight.
+        stats: the images' normalisation ``(mean, std)``, undone in the pictures (None:
+            the images are shown as they are, clamped to [0, 1]).
     """
 
     name = "segmentation"
@@ -239,12 +244,14 @@ class Segmentation:
     best = "miou"
     examples = 4  # validation images shown with their true and predicted masks
 
-    def __init__(self, num_classes, classes=None, label_smoothing=0.0, aux_weight=0.5):
+    def __init__(self, num_classes, classes=None, label_smoothing=0.0, aux_weight=0.5,
+                 stats=(None, None)):
         self.num_classes = num_classes
         self.classes = list(classes) if classes is not None else \
             [str(i) for i in range(num_classes)]
         self.label_smoothing = float(label_smoothing)
         self.aux_weight = aux_weight
+        self.mean, self.std = stats
 
     def criterion(self, logits, y):
         """Per-pixel cross-entropy (255 ignored), averaged over each image's counted pixels,
@@ -292,7 +299,8 @@ class Segmentation:
     def images(self, result, names, title):
         """A few validation images, each with its true and its predicted mask."""
         images, targets, preds = result["examples"]
-        grid = seg_metrics.mask_grid(images, targets, preds, self.num_classes)
+        grid = seg_metrics.mask_grid(images, targets, preds, self.num_classes, self.mean,
+                                     self.std)
         return [("masks", grid.permute(1, 2, 0).numpy())]  # (H, W, 3), as runlog.image takes
 
     @staticmethod

@@ -248,3 +248,35 @@ def test_the_readme_segmentation_commands_run_as_written(tmp_path):
                                 capture_output=True, text=True, env=env, timeout=600)
         assert result.returncode == 0, result.stderr[-2000:]
     assert "mIoU" in result.stdout and "per-class IoU:" in result.stdout
+
+
+def test_the_masks_picture_shows_the_first_validation_images_truth(learned):
+    """val/masks: a row per image (image, truth, prediction); the truth tile's colours map
+    back to the first validation sample's mask, and the image tile is the sample itself,
+    its normalisation undone."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    import config
+    import seg_metrics
+
+    image = events(learned).Images("val/masks")[-1]
+    grid = np.asarray(Image.open(io.BytesIO(image.encoded_image_string)).convert("RGB"))
+    side, pad = 16, 2
+    tile = [grid[pad:pad + side, pad + col * (side + pad):pad + col * (side + pad) + side]
+            for col in range(3)]
+    run_config = config.with_defaults(final_state(learned)["config"])
+    _, val_set = tasks.build_datasets(run_config, print)
+    picture, mask = val_set[0]
+    palette = seg_metrics.palette(3).numpy()
+    truth = np.full(mask.shape, 255)
+    for c, colour in enumerate(palette):
+        truth[(tile[1] == colour).all(axis=-1)] = c
+    assert np.array_equal(truth, mask.numpy())
+    mean, std = val_set.transform.mean, val_set.transform.std  # (None: shown as made)
+    shown = picture if mean is None else \
+        picture * torch.tensor(std).view(-1, 1, 1) + torch.tensor(mean).view(-1, 1, 1)
+    shown = (shown.clamp(0, 1) * 255).round().permute(1, 2, 0).numpy()
+    assert np.abs(shown - tile[0]).max() <= 1
