@@ -1,0 +1,172 @@
+"""A run that goes wrong says where and loses nothing (issue 29): checkpoints of a newer
+format, older checkpoints without a key, MLflow forks and stores, full disks under the
+profiler, the LR range test and the confusion image, a killed trace export."""
+
+import os
+import shutil
+
+import pytest
+import torch
+from conftest import load_test_py, tiny_args
+
+import checkpoint
+import train
+
+FORMAT_1 = os.path.join(os.path.dirname(__file__), "fixtures", "checkpoint-format-1.pt")
+
+
+def one_error_line(err):
+    """The one ``error:`` line of a stderr, asserting there is nothing else."""
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def snapshot(directory):
+    """Every file under ``directory``: relative name -> bytes."""
+    out = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, directory)] = f.read()
+    return out
+
+
+def as_newer_version(path):
+    """Rewrites a checkpoint as a newer version of the project would write it: a format
+    number above this version's, a valid checksum (save_checkpoint)."""
+    state = checkpoint.load_checkpoint(path)
+    state.update(format=checkpoint.FORMAT_VERSION + 1, version="9.0.0")
+    checkpoint.save_checkpoint(state, path)
+
+
+# ------------------------------------------------ 1. a newer version's checkpoints
+
+@pytest.fixture
+def two_epoch_run(tmp_path):
+    """A finished 2-epoch run (last.pt, best.pt, epoch-0001/2.pt)."""
+    run = tmp_path / "run"
+    assert train.main(tiny_args(run, size=32, image=4, epochs=2)) == 0
+    names = sorted(os.listdir(run / "checkpoints"))
+    assert names == ["best.pt", "epoch-0001.pt", "epoch-0002.pt", "last.pt"], names
+    return run
+
+
+@pytest.mark.parametrize("newer", [
+    ("best.pt", "epoch-0001.pt", "epoch-0002.pt", "last.pt"),  # all: no fresh start
+    ("epoch-0002.pt", "last.pt"),  # some: no rewind onto epoch-0001.pt or best.pt
+    ("epoch-0002.pt",),            # a rotating one only, last.pt still readable
+])
+def test_a_newer_versions_checkpoints_are_one_error_and_never_written_over(
+        two_epoch_run, newer, capsys):
+    run = two_epoch_run
+    for name in newer:
+        as_newer_version(run / "checkpoints" / name)
+    before = snapshot(run)
+    capsys.readouterr()
+    older = str(run / "checkpoints" / "epoch-0001.pt")
+    alone = tiny_args(run, size=32, image=4, epochs=3)
+    i = alone.index("--run-dir")
+    del alone[i:i + 2]  # --resume PATH alone: the checkpoint's own run directory
+    tries = [  # continue it; continue it from an older file, with and without --run-dir
+        tiny_args(run, "--resume", "auto", size=32, image=4, epochs=3),
+        tiny_args(run, "--resume", older, size=32, image=4, epochs=3),
+        [*alone, "--resume", older],
+        # another run's file into it
+        tiny_args(run, "--resume", FORMAT_1, size=32, image=4, epochs=3),
+    ]
+    for args in tries:
+        assert train.main(args) == 2, args
+        line = one_error_line(capsys.readouterr().err)
+        assert f"is of format {checkpoint.FORMAT_VERSION + 1} (written by version 9.0.0" \
+            in line, line
+        assert snapshot(run) == before  # every byte of every file, and no new file
+
+
+def test_a_newer_checkpoint_elsewhere_does_not_stop_a_fork_from_an_older_file(
+        two_epoch_run, capsys):
+    as_newer_version(two_epoch_run / "checkpoints" / "last.pt")
+    before = snapshot(two_epoch_run)
+    fork = two_epoch_run.parent / "fork"
+    older = two_epoch_run / "checkpoints" / "epoch-0001.pt"
+    assert train.main(tiny_args(fork, "--resume", str(older), size=32, image=4,
+                                epochs=2)) == 0
+    assert checkpoint.load_checkpoint(fork / "checkpoints" / "last.pt")["epoch"] == 2
+    assert snapshot(two_epoch_run) == before
+
+
+def test_refuse_newer_also_knows_a_newer_checksum(tmp_path):
+    d = tmp_path / "run" / "checkpoints"
+    d.mkdir(parents=True)
+    state = torch.load(FORMAT_1, weights_only=True)
+    state["checksum"] = {"algorithm": "sha256-v2", "value": "0" * 64}
+    torch.save(state, d / "last.pt")
+    with pytest.raises(checkpoint.NewerFormatError, match="checksum of unknown kind"):
+        checkpoint.find_latest(tmp_path / "run")
+
+
+# ------------------------------------------------ 2. an older checkpoint without a key
+
+def without(tmp_path, *keys):
+    """The format-1 fixture less ``keys``, as a file (no checksum: an edited file)."""
+    state = torch.load(FORMAT_1, weights_only=True)
+    state.pop("checksum")
+    for key in keys:
+        state.pop(key)
+    path = tmp_path / f"without-{'-'.join(keys)}.pt"
+    torch.save(state, path)
+    return path
+
+
+def fixture_args(run_dir, *extra):
+    return tiny_args(run_dir, "--no-augment", *extra, size=32, image=4, batch=16, epochs=2)
+
+
+@pytest.mark.parametrize("keys, named", [
+    (("epoch",), "'epoch' (the finished epochs)"),
+    (("rng", "rng_per_rank"), "'rng_per_rank' or 'rng' (the random number generators"),
+    (("config",), "'config' (the run's settings)"),
+    (("epoch", "rng", "rng_per_rank", "config"), "'epoch' (the finished epochs), "
+     "'config' (the run's settings), 'rng_per_rank' or 'rng'"),
+    (("step",), "'step' (the optimizer steps)"),
+])
+def test_an_older_checkpoint_without_a_key_is_one_line_naming_it(tmp_path, keys, named,
+                                                                 capsys):
+    path = without(tmp_path, *keys)
+    assert train.main(fixture_args(tmp_path / "a", "--resume", str(path))) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert f"checkpoint {str(path)!r} lacks {named}" in line, line
+    auto = tmp_path / "auto"
+    (auto / "checkpoints").mkdir(parents=True)
+    shutil.copy(path, auto / "checkpoints" / "last.pt")
+    before = snapshot(auto)
+    assert train.main(fixture_args(auto, "--resume", "auto")) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "last.pt' lacks " + named in line, line
+    assert snapshot(auto) == before
+    if "config" in keys:  # test.py reads the config only
+        code = load_test_py().main(["--checkpoint", str(path), "--device", "cpu",
+                                    "--num-workers", "0"])
+        assert code == 2
+        assert "lacks 'config' (the run's settings)" in one_error_line(
+            capsys.readouterr().err)
+
+
+def test_a_training_checkpoint_without_weights_is_one_line_everywhere(tmp_path, capsys):
+    path = without(tmp_path, "model")
+    named = f"checkpoint {str(path)!r} lacks 'model' (the weights)"
+    assert train.main(fixture_args(tmp_path / "a", "--resume", str(path))) == 2
+    assert named in one_error_line(capsys.readouterr().err)
+    assert load_test_py().main(["--checkpoint", str(path), "--device", "cpu"]) == 2
+    assert named in one_error_line(capsys.readouterr().err)
+    assert train.main(fixture_args(tmp_path / "b", "--pretrained", str(path))) == 2
+    assert named in one_error_line(capsys.readouterr().err)
+    auto = tmp_path / "auto"
+    (auto / "checkpoints").mkdir(parents=True)
+    shutil.copy(path, auto / "checkpoints" / "last.pt")
+    before = snapshot(auto)
+    assert train.main(fixture_args(auto, "--resume", "auto")) == 2  # not skipped
+    assert "last.pt' lacks 'model' (the weights)" in one_error_line(capsys.readouterr().err)
+    assert snapshot(auto) == before
