@@ -128,7 +128,8 @@ def train(argv, stop):
         if saved is not None:  # flags added since the checkpoint was written: their defaults
             saved["config"] = with_defaults(saved["config"])
             config = merge_resumed_config(saved["config"], config, explicit)
-        config = {**config, "run_dir": run_dir}
+            saved = tracking.owned(saved, resume_path, run_dir)  # a fork: a new MLflow run
+        config = tracking.resolved({**config, "run_dir": run_dir})  # --mlflow's store, absolute
         check_config(config)
         if "network" not in explicit and presets.is_photo(config) and saved is None:
             runtime.main_print(f"network: {config['network']}, built for "

@@ -170,3 +170,128 @@ def test_a_training_checkpoint_without_weights_is_one_line_everywhere(tmp_path, 
     assert train.main(fixture_args(auto, "--resume", "auto")) == 2  # not skipped
     assert "last.pt' lacks 'model' (the weights)" in one_error_line(capsys.readouterr().err)
     assert snapshot(auto) == before
+
+
+# ------------------------------------------------ 3-5. MLflow: forks, the bare store
+
+@pytest.fixture(scope="module")
+def empty_sqlite_store(tmp_path_factory):
+    """An MLflow SQLite store with its tables made (a new one takes some seconds: its
+    schema migrations), copied by each test that needs a fresh store."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("sqlalchemy")
+    from mlflow.tracking import MlflowClient
+
+    path = tmp_path_factory.mktemp("store") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    return path
+
+
+def mlflow_runs(uri):
+    """The runs of the experiment ``synthetic`` in the store at ``uri``, oldest first,
+    read with MLflow's own client; and the client."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("synthetic")
+    runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time"])
+    return client, runs
+
+
+def curve(client, run_id, key):
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def test_a_fork_records_a_new_mlflow_run_tagged_with_its_parent(tmp_path, capsys,
+                                                                 monkeypatch):
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    uri = (tmp_path / "mlruns").as_uri()
+    run_a, run_b = tmp_path / "A", tmp_path / "B"
+    assert train.main(tiny_args(run_a, "--mlflow", uri, size=32, image=4, epochs=2)) == 0
+    client, (parent,) = mlflow_runs(uri)
+    parent_id = parent.info.run_id
+    history = {key: curve(client, parent_id, key) for key in ("train/loss", "val_acc")}
+    capsys.readouterr()
+    older = run_a / "checkpoints" / "epoch-0001.pt"  # the fork the rewind message suggests
+    assert train.main(tiny_args(run_b, "--resume", str(older), size=32, image=4,
+                                epochs=3)) == 0
+    out = capsys.readouterr().out
+    client, runs = mlflow_runs(uri)
+    assert [r.info.run_id for r in runs][0] == parent_id and len(runs) == 2
+    child = runs[1]
+    child_id = child.info.run_id
+    line = [line for line in out.splitlines() if line.startswith("mlflow:")]
+    assert len(line) == 1 and f"recording run {child_id}" in line[0] and \
+        f"forked from run {parent_id} (tag parent_run_id)" in line[0], out
+    assert child.data.tags["parent_run_id"] == parent_id
+    assert child.data.tags["mlflow.parentRunId"] == parent_id
+    assert child.data.tags["run_dir"] == str(run_b)
+    # A's record is as A left it: nothing of B's appended, still FINISHED
+    parent = client.get_run(parent_id)
+    assert parent.info.status == "FINISHED"
+    assert {key: curve(client, parent_id, key) for key in history} == history
+    assert [s for s, _ in curve(client, child_id, "val_acc")] == [4, 6]
+    assert checkpoint.load_checkpoint(run_b / "checkpoints" / "last.pt")[
+        "mlflow_run_id"] == child_id
+    # B owns its run: continuing B continues it
+    capsys.readouterr()
+    assert train.main(tiny_args(run_b, "--resume", "auto", size=32, image=4,
+                                epochs=4)) == 0
+    assert f"mlflow: continuing run {child_id}" in capsys.readouterr().out
+    assert len(mlflow_runs(uri)[1]) == 2
+
+
+def test_a_bare_mlflow_records_into_sqlite_in_the_working_directory(
+        tmp_path, empty_sqlite_store, capsys, monkeypatch):
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(empty_sqlite_store, work / "mlflow.db")
+    monkeypatch.chdir(work)
+    scratch = tmp_path / "scratch" / "x"
+    for run_dir in ("exp1", str(scratch)):  # were ../mlruns and <tmp_path>/mlruns
+        assert train.main(tiny_args(run_dir, "--mlflow", size=32, image=4)) == 0
+    store = f"sqlite:///{work / 'mlflow.db'}"
+    out = capsys.readouterr().out
+    assert out.count(f"in {store}; look with: mlflow ui --backend-store-uri {store}") == 2
+    assert sorted(os.listdir(tmp_path)) == ["scratch", "work"]
+    assert sorted(os.listdir(tmp_path / "scratch")) == ["x"]
+    assert sorted(os.listdir(work)) == ["exp1", "mlflow.db", "mlruns"]
+    client, runs = mlflow_runs(store)  # no MLFLOW_ALLOW_FILE_STORE needed
+    assert [r.info.run_name for r in runs] == ["exp1", "x"]
+    for run, run_dir in zip(runs, (work / "exp1", scratch)):
+        assert run.info.status == "FINISHED"
+        assert run.data.params["mlflow"] == store  # the config keeps the store itself
+        assert run.info.artifact_uri.startswith(str(work / "mlruns"))
+        assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"config.yaml"}
+        state = checkpoint.load_checkpoint(run_dir / "checkpoints" / "last.pt")
+        assert state["mlflow_run_id"] == run.info.run_id
+        assert state["config"]["mlflow"] == store
+
+
+def test_a_resume_from_elsewhere_continues_its_run_in_the_sqlite_store(
+        tmp_path, empty_sqlite_store, capsys, monkeypatch):
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir()
+    elsewhere.mkdir()
+    shutil.copy(empty_sqlite_store, work / "mlflow.db")
+    monkeypatch.chdir(work)
+    run_dir = work / "run"
+    assert train.main(tiny_args(run_dir, "--mlflow", "--max-steps", "2", size=32, image=4,
+                                epochs=2)) == 0
+    store = f"sqlite:///{work / 'mlflow.db'}"
+    client, (run,) = mlflow_runs(store)
+    first_id = run.info.run_id
+    monkeypatch.chdir(elsewhere)  # a requeued job started in another directory
+    capsys.readouterr()
+    assert train.main(tiny_args(run_dir, "--resume", "auto", "--max-steps", "0", size=32,
+                                image=4, epochs=2)) == 0
+    assert f"mlflow: continuing run {first_id}" in capsys.readouterr().out
+    assert os.listdir(elsewhere) == []
+    client, (run,) = mlflow_runs(store)
+    assert run.info.status == "FINISHED"
+    assert [s for s, _ in curve(client, first_id, "train/loss")] == [1, 2, 3, 4]
