@@ -2,14 +2,21 @@
 format, older checkpoints without a key, MLflow forks and stores, full disks under the
 profiler, the LR range test and the confusion image, a killed trace export."""
 
+import errno
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 import torch
-from conftest import load_test_py, tiny_args
+from conftest import ROOT, load_test_py, tiny_args
 
 import checkpoint
+import runtime
 import train
 
 FORMAT_1 = os.path.join(os.path.dirname(__file__), "fixtures", "checkpoint-format-1.pt")
@@ -295,3 +302,112 @@ def test_a_resume_from_elsewhere_continues_its_run_in_the_sqlite_store(
     client, (run,) = mlflow_runs(store)
     assert run.info.status == "FINISHED"
     assert [s for s, _ in curve(client, first_id, "train/loss")] == [1, 2, 3, 4]
+
+
+# ------------------------------------------------ 6-7. full disks, a killed export
+
+def fill(directory):
+    """Fills the file system of ``directory`` to the last byte (a real full disk)."""
+    fd = os.open(os.path.join(directory, "filler"), os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 65536)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
+    try:
+        while True:
+            os.write(fd, b"\0")
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
+def test_a_trace_on_a_full_disk_is_a_warning_never_announced(tmp_path, mount_tmpfs,
+                                                              capfd):
+    run = tmp_path / "run"
+    profile = mount_tmpfs("size=64k", run / "profile")  # the trace's file system
+    fill(profile)
+    assert train.main(tiny_args(run, "--profile-steps", "2")) == 0
+    out, err = capfd.readouterr()
+    warning = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and "could not write the profiler trace" in warning[0] and \
+        "No space left on device" in warning[0], err
+    assert "profile: steps" not in out and "tensorboard --logdir" not in out, out
+    assert "profile: top operators" in out and "-bound: waited for data" in out
+    assert os.listdir(profile) == ["filler"]  # no partial file left behind
+    assert "Traceback" not in err
+
+
+def test_what_a_killed_trace_export_left_goes_at_the_next_start(tmp_path, capfd):
+    run = tmp_path / "run"
+    assert train.main(tiny_args(run, "--profile-steps", "1", "--max-steps", "2",
+                                epochs=2)) == 0
+    profile = run / "profile"
+    (trace,) = [n for n in os.listdir(profile) if n.endswith(".pt.trace.json")]
+    # A process exports under the name profiling.Profile._write gives its temporary file,
+    # and is killed (SIGKILL) before it can rename it: what an export cut short leaves.
+    code = (f"import os, shutil, signal, runtime; name = '.tmp-' + runtime.owner_tag() + "
+            f"'~rank0.1.pt.trace.json'; shutil.copy({str(profile / trace)!r}, "
+            f"os.path.join({str(profile)!r}, name + '.tmp')); "
+            f"os.kill(os.getpid(), signal.SIGKILL)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT)
+    assert proc.returncode == -signal.SIGKILL
+    left = [n for n in os.listdir(profile) if n.startswith(".tmp-")]
+    assert len(left) == 1 and runtime.orphan(left[0]), left
+    mine = profile / f".tmp-{runtime.owner_tag()}~rank0.2.pt.trace.json.tmp"
+    mine.write_text("{")  # a live process's export in progress: left alone
+    assert train.main(tiny_args(run, "--resume", "auto", epochs=2)) == 0  # no profiling
+    assert sorted(os.listdir(profile)) == sorted([trace, mine.name])
+
+
+def test_the_lr_range_test_on_a_full_disk_warns_per_file_and_still_suggests(
+        tmp_path, mount_tmpfs, capfd):
+    mount = mount_tmpfs("size=1m")
+    run = mount / "run"
+
+    def fill_once_started():  # the disk fills up while the sweep runs
+        deadline = time.monotonic() + 60
+        while not (run / "summary.txt").exists() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        fill(mount)
+
+    filler = threading.Thread(target=fill_once_started)
+    filler.start()
+    try:
+        code = train.main(tiny_args(run, "--find-lr", "--find-lr-steps", "20"))
+    finally:
+        filler.join()
+    out, err = capfd.readouterr()
+    assert code == 0, err
+    suggestion = [line for line in out.splitlines() if line.startswith("suggested --lr ")]
+    assert len(suggestion) == 1, out
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    for name in ("lr_find.json", "lr_find.png"):
+        assert any(f"could not write {run / name}" in w and "No space left on device" in w
+                   for w in warnings), err
+        assert not (run / name).exists()
+    assert "lr_find.png" not in out and "lr_find.json" not in out  # nothing announced
+    assert "Traceback" not in err and "error:" not in err
+    assert not [n for n in os.listdir(run) if n.startswith(".tmp")]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_tensorboard_image_the_disk_refuses_is_a_warning(tmp_path, mount_tmpfs, capfd):
+    import numpy as np
+
+    import runlog
+    from ops import RunFailed
+
+    mount = mount_tmpfs("size=256k")
+    log = runlog.RunLog(str(mount), 0, 0, True)
+    fill(mount)
+    with pytest.raises(RunFailed, match="No space left on device"):  # scalars: the run stops
+        for step in range(1, 1000):  # more than the file's last page holds
+            log.scalars({"train/loss": 1.0}, step)
+        log.flush()
+    picture = np.zeros((64, 64, 3), dtype=np.uint8)
+    assert log.image("val/confusion", picture, 4) is False
+    err = capfd.readouterr().err
+    assert f"warning: could not write the TensorBoard image val/confusion (step 4) into " \
+        f"{str(mount)!r}: No space left on device" in err
