@@ -15,7 +15,9 @@ The suggestion is the learning rate where the smoothed loss falls fastest (the m
 negative slope against log10(lr), the first and last few points left out); the minimum's
 learning rate / 10 is reported beside it. Process 0 writes ``lr_find.png`` (the curve, the
 suggestion marked), ``lr_find.json`` and, through ``RunLog``, the TensorBoard scalars
-``z_lr_find/loss`` and ``z_lr_find/lr`` (x: the step) and the image ``z_lr_find/plot``. No
+``z_lr_find/loss`` and ``z_lr_find/lr`` (x: the step) and the image ``z_lr_find/plot``. A
+file the file system refuses (a full disk) is one ``warning:`` naming it and why, and the
+suggestion is printed all the same; the closing line names only the files written. No
 checkpoint is written, so the run directory takes a real run (or ``--resume auto``, which
 starts fresh) afterwards.
 """
