@@ -34,6 +34,7 @@ are not retried and time out after ``HTTP_TIMEOUT_S`` seconds (unless the enviro
 """
 
 import contextlib
+import importlib.util
 import logging
 import os
 import pathlib
@@ -216,6 +217,12 @@ class Tracker:
             from mlflow.tracking import MlflowClient
         except ImportError:
             self._warn("MLflow is not installed (pip install -r requirements.txt)")
+            return
+        missing = [name for name in ("sqlalchemy", "alembic")
+                   if importlib.util.find_spec(name) is None]
+        if self.uri.startswith("sqlite:") and missing:  # (MLflow's words: its registry)
+            self._warn(f"its SQLite store needs {' and '.join(missing)}, which are not "
+                       f"installed (pip install -r requirements.txt)")
             return
         try:  # the store is opened here: an unknown scheme, a file store refused
             with _quiet_database_setup(self.uri):
