@@ -47,6 +47,26 @@ class CheckpointError(UserError):
     wrong kind."""
 
 
+class NewerFormatError(CheckpointError):
+    """A checkpoint written by a newer version of this project, in a format (or with a
+    checksum) this version cannot read: never skipped, never written over."""
+
+
+class MissingKeyError(CheckpointError):
+    """A training checkpoint without an entry this version reads: an edited file, not one
+    damaged by a crash, so ``find_latest`` stops at it instead of skipping it."""
+
+
+# What resuming a training run reads from its checkpoint; a tuple is a choice of keys.
+RESUME_KEYS = ("model", "optimizer", "epoch", "step", "progress", "config",
+               ("rng_per_rank", "rng"))
+KEY_MEANINGS = {"model": "the weights", "optimizer": "the optimizer's state",
+                "epoch": "the finished epochs", "step": "the optimizer steps",
+                "progress": "the position in the run", "config": "the run's settings",
+                "rng_per_rank": "the random number generators' states",
+                "rng": "the random number generators' states"}
+
+
 # ---------------------------------------------------------------------------- checksum
 
 def _tensor_bytes(t):
@@ -173,6 +193,15 @@ def state_checksum(state):
     return {"algorithm": CHECKSUM_ALGORITHM, "value": encoder.value()}
 
 
+def _check_checksum_kind(stored, path):
+    """Raises NewerFormatError for a checksum entry of another algorithm than this
+    version's (a newer version's)."""
+    if stored["algorithm"] != CHECKSUM_ALGORITHM:
+        raise NewerFormatError(f"checkpoint {path!r} has a checksum of unknown kind "
+                               f"{stored['algorithm']!r} (written by a newer version of this "
+                               f"project?); expected {CHECKSUM_ALGORITHM!r}")
+
+
 def _verify_checksum(state, path):
     """Checks and removes the checksum entry of a loaded checkpoint dict."""
     if CHECKSUM_KEY not in state:
@@ -181,10 +210,7 @@ def _verify_checksum(state, path):
     if not isinstance(stored, dict) or "algorithm" not in stored or "value" not in stored:
         raise CheckpointError(f"checkpoint {path!r} has a malformed checksum entry "
                               f"(damaged?): {str(stored)[:100]}")
-    if stored["algorithm"] != CHECKSUM_ALGORITHM:
-        raise CheckpointError(f"checkpoint {path!r} has a checksum of unknown kind "
-                              f"{stored['algorithm']!r} (written by a newer version of this "
-                              f"project?); expected {CHECKSUM_ALGORITHM!r}")
+    _check_checksum_kind(stored, path)
     actual = state_checksum(state)["value"]
     if actual != stored["value"]:
         raise CheckpointError(f"checkpoint {path!r} is corrupted: its contents do not match "
@@ -399,14 +425,97 @@ def upgrade(state, path):
         raise CheckpointError(f"checkpoint {path!r} has a malformed format entry "
                               f"{str(found)[:40]!r}")
     if found > FORMAT_VERSION:
-        raise CheckpointError(
+        raise NewerFormatError(
             f"checkpoint {path!r} is of format {found} (written by version "
             f"{state.get('version', '?')} of this project); this is version "
             f"{PROJECT_VERSION}, which reads formats up to {FORMAT_VERSION}: update the "
             f"project to continue or evaluate it")
     if found == 1:  # format 1 -> 2: only the two version entries were added
         state = {**state, "format": 2, "version": state.get("version", "before 0.2.0")}
+    require(state, path, ("model",), "every use of a training checkpoint needs its weights")
     return state
+
+
+def missing_keys(state, needed):
+    """The entries of ``needed`` that ``state`` lacks: each a key, or a tuple of keys of
+    which any one will do."""
+    return [key for key in needed
+            if not any(k in state for k in (key if isinstance(key, tuple) else (key,)))]
+
+
+def require(state, path, needed=RESUME_KEYS, purpose="a resume needs it"):
+    """Raises a one-line CheckpointError naming ``path`` and each key of ``needed``
+    (``missing_keys``) that ``state`` lacks, instead of a KeyError later.
+
+    Args:
+        state: a loaded checkpoint.
+        path: its file, for the message.
+        needed: the keys the caller reads (``RESUME_KEYS``: what a resume reads).
+        purpose: why they are needed, for the message.
+    """
+    missing = missing_keys(state, needed)
+    if missing:
+        def named(key):
+            keys = key if isinstance(key, tuple) else (key,)
+            return f"{' or '.join(repr(k) for k in keys)} ({KEY_MEANINGS.get(keys[0], '?')})"
+
+        raise MissingKeyError(f"checkpoint {path!r} lacks {', '.join(map(named, missing))}: "
+                              f"{purpose} (a file edited, or written by something other "
+                              f"than this project's train.py)")
+
+
+def _checkpoint_files(run_dir):
+    """The ``*.pt`` names in ``run_dir/checkpoints``, sorted."""
+    return sorted(glob.glob(os.path.join(glob.escape(os.fspath(run_dir)), "checkpoints",
+                                         "*.pt")))
+
+
+def _newer(path):
+    """The NewerFormatError of a file a newer version of this project wrote, or None
+    (for a readable file, and for one that does not load at all: ``find_latest`` says
+    so). Reads the file's entries without its tensor data (``mmap``)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # truncated, damaged, not a zip file: not this function's business
+        return None
+    if not isinstance(state, dict):
+        return None
+    try:
+        stored = state.get(CHECKSUM_KEY)
+        if isinstance(stored, dict) and "algorithm" in stored:
+            _check_checksum_kind(stored, path)
+        upgrade(state, path)
+    except NewerFormatError as e:
+        return e
+    except CheckpointError:  # lacking a key or malformed: said where it is loaded
+        return None
+    return None
+
+
+def refuse_newer(run_dir):
+    """Raises one NewerFormatError when ``run_dir/checkpoints`` holds a checkpoint that a
+    newer version of this project wrote: this version must neither skip it (and start
+    afresh or resume from an older file, rewinding the run) nor write over it.
+
+    Args:
+        run_dir: the run directory (one without checkpoints passes).
+
+    Raises:
+        NewerFormatError: naming the run directory, how many files, and the first one's
+            format and version.
+    """
+    newer = []
+    for path in _checkpoint_files(run_dir):
+        if _not_a_file(path) is None:
+            error = _newer(path)
+            if error is not None:
+                newer.append(error)
+    if newer:
+        others = f" (and {len(newer) - 1} more file(s) like it)" if len(newer) > 1 else ""
+        raise NewerFormatError(f"{newer[0]}{others}. Nothing in {os.fspath(run_dir)!r} was "
+                               f"changed: this version neither resumes from an older file "
+                               f"there nor writes over it; start another run with --run-dir "
+                               f"NEW_DIR")
 
 
 def find_latest(run_dir, map_location="cpu", warn=print):
@@ -414,7 +523,14 @@ def find_latest(run_dir, map_location="cpu", warn=print):
 
     Damaged files (truncated, corrupted: checksum mismatch, unreadable) and names that
     are not regular files (dangling symlinks, directories) are skipped with a
-    ``warning:``; nothing there makes this raise.
+    ``warning:``. A file of a newer format is not skipped: it is an error
+    (``refuse_newer``), since resuming from an older file or starting afresh would write
+    over it; nor is a training checkpoint without a key this version reads (an edited
+    file: ``require``).
+
+    Raises:
+        NewerFormatError: a checkpoint there was written by a newer version.
+        MissingKeyError: the newest training checkpoint lacks its weights or its step.
 
     Args:
         run_dir: the run directory.
@@ -424,9 +540,9 @@ def find_latest(run_dir, map_location="cpu", warn=print):
     Returns:
         ``(path, state)``, or ``(None, None)`` when there is no valid checkpoint.
     """
+    refuse_newer(run_dir)
     candidates = []
-    for path in sorted(glob.glob(os.path.join(glob.escape(os.fspath(run_dir)),
-                                              "checkpoints", "*.pt"))):
+    for path in _checkpoint_files(run_dir):
         reason = _not_a_file(path)
         if reason is None:
             try:
@@ -443,12 +559,15 @@ def find_latest(run_dir, map_location="cpu", warn=print):
     for _, _, path in candidates:
         try:
             state = load_checkpoint(path, map_location)
+        except (NewerFormatError, MissingKeyError):  # newer: written since refuse_newer
+            raise
         except CheckpointError as e:
             warn(f"warning: skipping {e}")
             continue
-        if "model" not in state or "step" not in state:
+        if "model" not in state:  # a plain state_dict put there
             warn(f"warning: skipping {path!r}: not a training checkpoint")
             continue
+        require(state, path, ("step",), "the resume point needs it")
         # The newest file is normally the furthest along; when mtimes tie, take the step.
         if best[1] is None or state["step"] > best[1]["step"]:
             best = (path, state)

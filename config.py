@@ -215,8 +215,8 @@ def _run_flags(g):
                    help="log the training loss every N optimizer steps")
     g.add_argument("--mlflow", nargs="?", const="local", default=None, metavar="URI",
                    help="also record the run in MLflow: params, metrics, artifacts; "
-                   "without URI a local file store beside the runs (mlruns/), or any "
-                   "tracking server URI (default: off)")
+                   "without URI MLflow's default SQLite store, mlflow.db in the working "
+                   "directory; or any tracking URI or path (default: off)")
 
 
 def _inspection_flags(g):

@@ -15,7 +15,9 @@ The suggestion is the learning rate where the smoothed loss falls fastest (the m
 negative slope against log10(lr), the first and last few points left out); the minimum's
 learning rate / 10 is reported beside it. Process 0 writes ``lr_find.png`` (the curve, the
 suggestion marked), ``lr_find.json`` and, through ``RunLog``, the TensorBoard scalars
-``z_lr_find/loss`` and ``z_lr_find/lr`` (x: the step) and the image ``z_lr_find/plot``. No
+``z_lr_find/loss`` and ``z_lr_find/lr`` (x: the step) and the image ``z_lr_find/plot``. A
+file the file system refuses (a full disk) is one ``warning:`` naming it and why, and the
+suggestion is printed all the same; the closing line names only the files written. No
 checkpoint is written, so the run directory takes a real run (or ``--resume auto``, which
 starts fresh) afterwards.
 """
@@ -27,7 +29,9 @@ import itertools
 import json
 import math
 import os
+import re
 import signal
+import sys
 
 import numpy as np
 import torch.distributed as dist
@@ -67,6 +71,7 @@ class Curve:
     def __init__(self):
         self.lrs, self.losses, self.smoothed = [], [], []
         self._average, self.best = 0.0, math.inf
+        self.tensorboard_failed = False  # the disk refused it once (said): no more tries
 
     def add(self, lr, loss):
         """Records a step; returns True when the smoothed loss diverged (not finite, or
@@ -125,15 +130,38 @@ def run(training, train_loader, stop):
     finally:
         data.shutdown_loader(train_loader)
         data.shutdown_loader(training.val_loader)
-        training.run_log.flush()
     steepest, min_over_10 = suggest(curve.lrs, curve.smoothed)
-    if procs.is_main:
-        write(training, curve, steepest, min_over_10, why)
-    training.run_log.close(config, None if why == "signal" else {})  # MLflow: KILLED/FINISHED
+    written = []
+    if procs.is_main:  # a file the disk refuses is a warning: the suggestion is still said
+        written = write(training, curve, steepest, min_over_10, why)
+    with _warning_instead("TensorBoard's event file", config["run_dir"]) \
+            if not curve.tensorboard_failed else contextlib.suppress(OSError, ops.RunFailed):
+        training.run_log.close(config, None if why == "signal" else {})  # MLflow's end too
     if procs.world_size > 1:  # no process exits (torchrun would stop the rest) before the
         dist.barrier()        # files are written
-    say_result(config, curve, steepest, min_over_10, why, stop)
+    say_result(config, curve, steepest, min_over_10, why, stop, written)
     return stop.exit_code if why == "signal" else 0
+
+
+@contextlib.contextmanager
+def _warning_instead(what, where):
+    """A write the file system refuses (full, read-only, gone): one ``warning:`` line
+    naming the file and why, instead of an error that would lose the suggestion.
+
+    Yields:
+        A list that holds the error, if there was one.
+    """
+    failed = []
+    try:
+        yield failed
+    except (OSError, ops.RunFailed) as e:
+        if isinstance(e, OSError):
+            why = e.strerror or e
+        else:  # RunLog's line for a training run: "writing X into D failed (WHY); ..."
+            found = re.search(r" failed \((.+?)\); ", str(e))
+            why = found.group(1) if found else e
+        runtime.say(f"warning: could not write {what} ({where}): {why}", file=sys.stderr)
+        failed.append(e)
 
 
 def sweep(training, train_loader, stop, lrs):
@@ -185,9 +213,11 @@ def step_loss(counters, device, world_size):
 def log_step(training, bar, curve, i):
     """Step ``i`` to TensorBoard (``z_lr_find/loss``: the smoothed loss) and the bar."""
     smooth = curve.smoothed[-1]
-    if math.isfinite(smooth):
-        training.run_log.scalars({metrics.LR_FIND_LOSS: smooth,
-                                  metrics.LR_FIND_LR: curve.lrs[-1]}, i)
+    if math.isfinite(smooth) and not curve.tensorboard_failed:
+        with _warning_instead("TensorBoard's event file", training.config["run_dir"]) as failed:
+            training.run_log.scalars({metrics.LR_FIND_LOSS: smooth,
+                                      metrics.LR_FIND_LR: curve.lrs[-1]}, i)
+        curve.tensorboard_failed = bool(failed)
     data_t, compute_t, wall = training.loop.timer.totals()
     rate = len(curve.lrs) * training.config["batch_size"] * training.loop.accum \
         * training.procs.world_size / max(wall, 1e-9)
@@ -199,7 +229,12 @@ def _number(value):
 
 
 def write(training, curve, steepest, min_over_10, why):
-    """lr_find.json, lr_find.png and the TensorBoard image (process 0)."""
+    """lr_find.json, lr_find.png and the TensorBoard image (process 0); a file the file
+    system refuses is a warning (``_warning_instead``).
+
+    Returns:
+        The paths of the files written.
+    """
     config = training.config
     run_dir = config["run_dir"]
     record = {"lrs": curve.lrs, "losses": [_number(v) for v in curve.losses],
@@ -209,14 +244,25 @@ def write(training, curve, steepest, min_over_10, why):
               "steps": config["find_lr_steps"], "steps_taken": len(curve.lrs),
               "stopped_early": why is not None, "stopped_by": why,
               "beta": BETA, "diverged_above": DIVERGED}
-    files.atomic_write(os.path.join(run_dir, JSON),  # an OSError: one line, exit 1 (main)
-                       lambda f: json.dump(record, f, indent=1, allow_nan=False))
-    png = plot(curve, steepest, config)
-    files.atomic_write(os.path.join(run_dir, PNG), lambda f: f.write(png), mode="wb")
+    written = []
+    path = os.path.join(run_dir, JSON)
+    with _warning_instead(path, "the curve and the suggestion") as failed:
+        files.atomic_write(path, lambda f: json.dump(record, f, indent=1, allow_nan=False))
+    written += [] if failed else [path]
+    png, path = plot(curve, steepest, config), os.path.join(run_dir, PNG)
+    with _warning_instead(path, "the plot") as failed:
+        files.atomic_write(path, lambda f: f.write(png), mode="wb")
+    written += [] if failed else [path]
     from PIL import Image
 
     pixels = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
-    training.run_log.image(metrics.LR_FIND_PLOT, pixels, 0)
+    if not curve.tensorboard_failed:
+        with _warning_instead(f"the TensorBoard image {metrics.LR_FIND_PLOT}", run_dir) \
+                as failed:
+            if training.run_log.image(metrics.LR_FIND_PLOT, pixels, 0):
+                training.run_log.flush()
+        curve.tensorboard_failed = bool(failed)
+    return sorted(written, key=lambda p: p.endswith(JSON))  # the plot first
 
 
 def plot(curve, steepest, config):
@@ -255,8 +301,9 @@ def plot(curve, steepest, config):
     return out.getvalue()
 
 
-def say_result(config, curve, steepest, min_over_10, why, stop):
-    """The lines that end the test: why it stopped, the suggestion, where the files are."""
+def say_result(config, curve, steepest, min_over_10, why, stop, written=None):
+    """The lines that end the test: why it stopped, the suggestion, where the files are
+    (``written``: those of process 0 that were written, all where None)."""
     log, steps, run_dir = runtime.main_print, config["find_lr_steps"], config["run_dir"]
     if why == "diverged":
         log(f"stopped at step {len(curve.lrs)} of {steps}: the smoothed loss diverged "
@@ -269,5 +316,8 @@ def say_result(config, curve, steepest, min_over_10, why, stop):
             f"(at least 3); try more --find-lr-steps or a lower --find-lr-max")
     else:
         log(f"suggested --lr {steepest:.3g} ({RULE}; the minimum / 10 is {min_over_10:.3g})")
-    log(f"LR range test: {os.path.join(run_dir, PNG)}, {os.path.join(run_dir, JSON)} "
-        f"(TensorBoard: {metrics.LR_FIND_LOSS}, {metrics.LR_FIND_PLOT})")
+    if written is None:
+        written = [os.path.join(run_dir, PNG), os.path.join(run_dir, JSON)]
+    if written:
+        log(f"LR range test: {', '.join(written)} (TensorBoard: {metrics.LR_FIND_LOSS}, "
+            f"{metrics.LR_FIND_PLOT})")

@@ -16,9 +16,17 @@ when it waited for data more than ``DATA_BOUND`` of the time. A run with fewer s
 left than asked is profiled over what it has (the plan says so); a run stopped inside
 the window (a signal) writes what was recorded; a failed run closes the profiler and
 writes nothing. The profiler only observes: the weights end bit for bit as without it.
+
+The trace is exported under a temporary name that carries the writer's
+``runtime.owner_tag()`` and renamed once complete: libkineto reports a failed write (a full
+disk) only in its log and leaves a partial ``.tmp`` file, so the file is checked, and a
+trace that could not be written is a ``warning:`` saying why, never announced. What a
+killed export left (SIGKILL, a lost node) is removed when the next run in that directory
+starts (``remove_orphans``).
 """
 
 import contextlib
+import errno
 import os
 import sys
 import time
@@ -26,6 +34,7 @@ import time
 import torch
 
 import device_data
+import files
 import runtime
 
 WAIT, WARMUP = 1, 1  # steps before the recording: skipped, then profiled but not kept
@@ -98,6 +107,7 @@ def top_operators(prof, cuda, count=TOP_OPERATORS):
 def window(training, train_loader):
     """The run's profiler for ``training`` (a ``train.Training``): a ``Profile`` with
     --profile-steps, else None (nothing is built). Closed however the block ends."""
+    remove_orphans(os.path.join(training.config["run_dir"], "profile"))
     asked = training.config["profile_steps"]
     if not asked:
         yield None
@@ -120,6 +130,35 @@ def window(training, train_loader):
                       on_device=isinstance(train_loader, device_data.DeviceLoader))
     with profile:
         yield profile
+
+
+def remove_orphans(directory):
+    """Removes the temporary trace files (``.tmp-<owner>~...``) of exports whose process is
+    gone (``runtime.orphan``: this host's, no longer running), e.g. killed mid-export."""
+    try:
+        names = os.listdir(directory)
+    except OSError:  # no profile directory: nothing was ever exported here
+        return
+    for name in names:
+        if name.startswith(".tmp-") and runtime.orphan(name):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(directory, name))
+
+
+def _export_failed(directory):
+    """The OSError of a trace export that left no file: libkineto logs the failure of its
+    write but raises nothing. The file system is asked why: full (ENOSPC: under a MiB
+    free, with the partial file still there), or refusing a new file (a probe's own
+    error); else the reason is unknown."""
+    with contextlib.suppress(OSError):
+        st = os.statvfs(directory)
+        if st.f_bavail * st.f_frsize < 2**20 or st.f_favail == 0:  # its partial file in it
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    try:
+        files.probe_writable(directory)
+    except OSError as e:
+        return e
+    return OSError(errno.EIO, "the profiler wrote no file (its log above may say why)")
 
 
 class Profile:
@@ -236,13 +275,23 @@ class Profile:
             return
         if self.is_main:
             self._top = top_operators(prof, self.cuda)
-        path = os.path.join(self.directory, f"rank{self.rank}.{time.time_ns()}.pt.trace.json")
+        name = f"rank{self.rank}.{time.time_ns()}.pt.trace.json"
+        path = os.path.join(self.directory, name)
+        tmp = os.path.join(self.directory, f".tmp-{runtime.owner_tag()}~{name}")
         try:
             os.makedirs(self.directory, exist_ok=True)
-            prof.export_chrome_trace(path)
+            prof.export_chrome_trace(tmp)  # libkineto: tmp + ".tmp", renamed to tmp when whole
+            if not os.path.isfile(tmp):
+                raise _export_failed(self.directory)
+            files.fsync_path(tmp)
+            os.replace(tmp, path)
         except OSError as e:
+            for leftover in (tmp, tmp + ".tmp"):
+                with contextlib.suppress(OSError):
+                    os.remove(leftover)
             runtime.say(f"warning: process {self.rank}: could not write the profiler trace "
-                        f"{path}: {e.strerror or e}", file=sys.stderr)
+                        f"{path}: {e.strerror or e}; the run goes on without it",
+                        file=sys.stderr)
             return
         self.trace = path
 

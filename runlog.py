@@ -401,10 +401,23 @@ class RunLog:
                 self.tracker.scalars(values, step)
 
     def image(self, tag, image, step):
-        """An image (an HxWx3 uint8 array, e.g. ``plots.confusion_image``) to TensorBoard."""
-        if self.enabled:
-            with self._failing("TensorBoard"):
-                self.writer.add_image(tag, image, step, dataformats="HWC")
+        """An image (an HxWx3 uint8 array, e.g. ``plots.confusion_image``) to TensorBoard.
+
+        A picture the file system refuses (full, read-only) is a ``warning:`` naming it and
+        why; the run goes on (its next scalar or checkpoint write says the disk is full).
+
+        Returns:
+            Whether the image was handed to the writer.
+        """
+        if not self.enabled:
+            return False
+        try:
+            self.writer.add_image(tag, image, step, dataformats="HWC")
+        except OSError as e:
+            runtime.say(f"warning: could not write the TensorBoard image {tag} (step {step}) "
+                        f"into {self.run_dir!r}: {e.strerror or e}", file=sys.stderr)
+            return False
+        return True
 
     @contextlib.contextmanager
     def _failing(self, what):

@@ -247,9 +247,15 @@ def load_training_checkpoint(path):
     with warnings.catch_warnings():  # a sparse tensor's check; the weights are refused below
         warnings.filterwarnings("ignore", message="Validating sparse tensor invariants")
         state = checkpoint.load_checkpoint(path)
-    if "model" not in state or not isinstance(state.get("config"), dict):
+    if "model" not in state or not ({"config", "progress", "format"} & set(state)):
         raise checkpoint.CheckpointError(f"{path!r} is not a training checkpoint "
                                          f"of this project (no model and config)")
+    checkpoint.require(state, path, ("config",), "evaluating rebuilds the network and "
+                       "the data from it")
+    if not isinstance(state["config"], dict):
+        raise checkpoint.CheckpointError(f"{path!r} is not a training checkpoint of this "
+                                         f"project: its config is a "
+                                         f"{type(state['config']).__name__}, not a dict")
     weights = state["model"]
     if not isinstance(weights, dict):
         raise checkpoint.CheckpointError(f"{path!r}: its model is a {type(weights).__name__}, "

@@ -13,10 +13,18 @@ forwards to the ``Tracker`` what it writes to TensorBoard and metrics.jsonl:
 
 The experiment is the dataset's name (``cifar10``, ``synthetic``, ...), or
 ``$MLFLOW_EXPERIMENT_NAME``; the run is named after the run directory. Without a URI,
-``--mlflow`` records into a local file store beside the runs: ``mlruns/`` next to the run
-directory's parent (``runs/<name>`` -> ``./mlruns``). The MLflow run id is kept in every
-checkpoint (``RUN_ID_KEY``): a resumed or requeued run continues the same MLflow run. A
-finished run (and an LR range test) ends FINISHED, one stopped by a signal KILLED, one that
+``--mlflow`` records where MLflow itself does by default (since 3.7): its SQLite store
+``mlflow.db`` in the working directory, artifacts in ``./mlruns`` (``local_store``); the
+resolved URI is what the config keeps, so a resume from another directory finds the same
+store. ``file://`` URIs and plain directories are MLflow's file store, as before; a plain
+path ending in ``.db`` is a SQLite store.
+
+The MLflow run id is kept in every checkpoint (``RUN_ID_KEY``): a resumed or requeued run
+continues the same MLflow run, but only in the run directory that owns it (the checkpoint
+lies in its ``checkpoints/``). A fork (``--resume OTHER_RUN/checkpoints/X.pt --run-dir NEW``)
+starts a new MLflow run, tagged with its parent (``parent_run_id``, and MLflow's
+``mlflow.parentRunId`` where the parent is in the same store), and says so in its one line.
+A finished run (and an LR range test) ends FINISHED, one stopped by a signal KILLED, one that
 ended with an error line FAILED (a resume sets it RUNNING again).
 
 MLflow is imported only when ``--mlflow`` is on. A store that cannot be reached or that
@@ -25,6 +33,9 @@ are not retried and time out after ``HTTP_TIMEOUT_S`` seconds (unless the enviro
 ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` / ``MLFLOW_HTTP_REQUEST_TIMEOUT``).
 """
 
+import contextlib
+import importlib.util
+import logging
 import os
 import pathlib
 import sys
@@ -37,6 +48,9 @@ from ops import first_sentence
 from runlog import NOT_SAVED_IN_CONFIG
 
 RUN_ID_KEY = "mlflow_run_id"  # the checkpoint dict's key
+PARENT_KEY = "mlflow_parent_run_id"  # a fork's parent: in the resumed state only (owned)
+PARENT_TAG = "parent_run_id"
+DB_NAME = "mlflow.db"  # a bare --mlflow: MLflow's own default store, in the working directory
 LOCAL = "local"  # config["mlflow"] of a bare --mlflow
 PARAM_LIMIT = 500  # characters of a param value; older servers accept this much too
 TRUNCATED = "... (truncated)"
@@ -46,21 +60,63 @@ BATCH = 100  # params, tags or metrics in one call (MLflow's limit for params an
 HTTP_TIMEOUT_S = 10
 
 
-def local_store(run_dir):
-    """The file store of a bare --mlflow, as a ``file://`` URI: ``mlruns/`` next to the run
-    directory's parent (``runs/<name>`` -> ``./mlruns``)."""
-    parent = os.path.dirname(os.path.dirname(os.path.abspath(run_dir)))
-    return pathlib.Path(parent, "mlruns").as_uri()
+def local_store():
+    """The store of a bare --mlflow: MLflow's default, ``sqlite:///<cwd>/mlflow.db`` (its
+    artifacts go to ``./mlruns``), so ``mlflow ui`` started here opens it as it is."""
+    return "sqlite:///" + os.path.abspath(DB_NAME)
 
 
-def tracking_uri(value, run_dir):
-    """The tracking URI of ``--mlflow VALUE``: ``local_store`` for a bare flag, a plain
-    path as an absolute ``file://`` URI, any other URI as given."""
+def tracking_uri(value, run_dir=None):
+    """The tracking URI of ``--mlflow VALUE``, absolute wherever it names a local file:
+    ``local_store`` for a bare flag, a plain path as a ``file://`` URI (a ``.db`` file as
+    ``sqlite:///``), a ``sqlite:///`` URI with a relative path made absolute, any other
+    URI as given. ``run_dir`` is not used (kept for callers)."""
     if value == LOCAL:
-        return local_store(run_dir)
-    if not urllib.parse.urlparse(value).scheme and value != "databricks":
+        return local_store()
+    scheme = urllib.parse.urlparse(value).scheme
+    if not scheme and value != "databricks":
+        if value.endswith(".db"):
+            return "sqlite:///" + os.path.abspath(value)
         return pathlib.Path(os.path.abspath(value)).as_uri()
+    if scheme == "sqlite" and value.startswith("sqlite:///") and value != "sqlite:///" \
+            and not value.startswith("sqlite:////") and ":memory:" not in value:
+        return "sqlite:///" + os.path.abspath(value[len("sqlite:///"):])
     return value
+
+
+def resolved(config):
+    """``config`` with ``mlflow`` as ``tracking_uri`` resolves it (None stays None): the
+    config saved in the run directory and its checkpoints names the store itself, so a
+    resume started from another working directory records into the same one."""
+    if not config.get("mlflow"):
+        return config
+    return {**config, "mlflow": tracking_uri(config["mlflow"])}
+
+
+def owned(saved, resume_path, run_dir):
+    """The resumed state as the MLflow side of a resume into ``run_dir`` sees it.
+
+    An MLflow run is continued only by the run directory that owns it: one whose
+    ``checkpoints/`` holds the file resumed from. A fork (``--resume A/checkpoints/X.pt
+    --run-dir B``) gets the run id under ``PARENT_KEY`` instead: B records a new run,
+    tagged with A's as its parent, and never writes into A's.
+
+    Args:
+        saved: the checkpoint resumed from, or None.
+        resume_path: its file.
+        run_dir: the run directory this run writes.
+
+    Returns:
+        ``saved``, or a copy with ``RUN_ID_KEY`` moved to ``PARENT_KEY``.
+    """
+    if saved is None or RUN_ID_KEY not in saved:
+        return saved
+    here = os.path.realpath(os.path.join(run_dir, "checkpoints"))
+    if os.path.realpath(os.path.dirname(os.path.abspath(resume_path))) == here:
+        return saved
+    forked = dict(saved)
+    forked[PARENT_KEY] = forked.pop(RUN_ID_KEY)
+    return forked
 
 
 def experiment_name(config):
@@ -97,7 +153,7 @@ def open_tracker(config, run_dir, saved=None, enabled=True):
         config: the resolved config (``config["mlflow"]``: None, ``"local"`` or a URI).
         run_dir: the run directory.
         saved: the checkpoint resumed from, or None: its ``RUN_ID_KEY`` is the run to
-            continue.
+            continue, its ``PARENT_KEY`` (``owned``: a fork) the parent of a new run.
         enabled: False on every process but the main one.
 
     Returns:
@@ -105,9 +161,29 @@ def open_tracker(config, run_dir, saved=None, enabled=True):
     """
     if not enabled or not config.get("mlflow"):
         return None
-    tracker = Tracker(tracking_uri(config["mlflow"], run_dir), run_dir)
-    tracker.start(config, saved.get(RUN_ID_KEY) if saved else None)
+    tracker = Tracker(tracking_uri(config["mlflow"]), run_dir)
+    tracker.start(config, saved.get(RUN_ID_KEY) if saved else None,
+                  saved.get(PARENT_KEY) if saved else None)
     return tracker
+
+
+@contextlib.contextmanager
+def _quiet_database_setup(uri):
+    """MLflow's SQL store logs its schema migrations (INFO lines on stderr, the first time
+    some seconds): one line of ours instead, where the SQLite file is new."""
+    path = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else None
+    if path and not os.path.exists(path):
+        runtime.main_print(f"mlflow: creating the tables of a new store {path} (once: "
+                           f"some seconds)")
+    loggers = [logging.getLogger(name) for name in ("mlflow.store.db.utils", "alembic")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def reason(error):
@@ -131,8 +207,9 @@ class Tracker:
         self.uri, self.run_dir = uri, run_dir
         self.client, self.run_id = None, None
 
-    def start(self, config, resume_id=None):
-        """Reopens run ``resume_id`` (a resumed run), or creates a run; logs the params."""
+    def start(self, config, resume_id=None, parent_id=None):
+        """Reopens run ``resume_id`` (a resumed run), or creates a run (tagged with
+        ``parent_id``, a fork's parent); logs the params."""
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(HTTP_TIMEOUT_S))
         if urllib.parse.urlparse(self.uri).scheme == "file":  # in maintenance mode since
@@ -142,17 +219,25 @@ class Tracker:
         except ImportError:
             self._warn("MLflow is not installed (pip install -r requirements.txt)")
             return
+        missing = [name for name in ("sqlalchemy", "alembic")
+                   if importlib.util.find_spec(name) is None]
+        if self.uri.startswith("sqlite:") and missing:  # (MLflow's words: its registry)
+            self._warn(f"its SQLite store needs {' and '.join(missing)}, which are not "
+                       f"installed (pip install -r requirements.txt)")
+            return
         try:  # the store is opened here: an unknown scheme, a file store refused
-            self.client = MlflowClient(tracking_uri=self.uri)
+            with _quiet_database_setup(self.uri):
+                self.client = MlflowClient(tracking_uri=self.uri)
+                self.client.search_experiments(max_results=1)  # a new SQLite store: built
         except Exception as e:
             self._warn(reason(e))
             return
-        self._call(self._start, config, resume_id)
+        self._call(self._start, config, resume_id, parent_id)
 
-    def _start(self, config, resume_id):
+    def _start(self, config, resume_id, parent_id=None):
         from mlflow.exceptions import MlflowException
 
-        run, existing, continuing = None, {}, False
+        run, existing, continuing, forked = None, {}, False, ""
         if resume_id:
             try:
                 run = self.client.get_run(resume_id)
@@ -163,11 +248,14 @@ class Tracker:
                                    f"{self.uri}: starting a new MLflow run")
         name = experiment_name(config)
         if run is None:
+            tags = {"run_dir": os.path.abspath(self.run_dir), "mlflow.source.name": "train.py"}
+            if parent_id:
+                tags.update(self._parent_tags(parent_id))
+                forked = f", forked from run {parent_id} (tag {PARENT_TAG}): the checkpoint " \
+                    f"is another run directory's"
             run = self.client.create_run(
                 self._experiment_id(name), run_name=os.path.basename(
-                    os.path.normpath(self.run_dir)),
-                tags={"run_dir": os.path.abspath(self.run_dir),
-                      "mlflow.source.name": "train.py"})
+                    os.path.normpath(self.run_dir)), tags=tags)
         else:
             self.client.update_run(run.info.run_id, status="RUNNING")
             existing, continuing = run.data.params, True
@@ -177,13 +265,26 @@ class Tracker:
         if self.uri.startswith("file:"):
             look = f"; look with: MLFLOW_ALLOW_FILE_STORE=true mlflow ui " \
                 f"--backend-store-uri {self.uri}"
+        elif self.uri.startswith("sqlite:"):
+            look = f"; look with: mlflow ui --backend-store-uri {self.uri}"
         elif self.uri.startswith(("http:", "https:")):  # the server's UI
             look = f"; look at {self.uri.rstrip('/')}/#/experiments/" \
                 f"{run.info.experiment_id}/runs/{self.run_id}"
         else:
             look = ""
         runtime.main_print(f"mlflow: {how} run {self.run_id} (experiment {name!r}) in "
-                           f"{self.uri}{look}")
+                           f"{self.uri}{forked}{look}")
+
+    def _parent_tags(self, parent_id):
+        """A fork's tags: ``parent_run_id``, and ``mlflow.parentRunId`` (the UI nests it
+        under its parent) where the parent is a run of this store."""
+        from mlflow.exceptions import MlflowException
+
+        tags = {PARENT_TAG: parent_id}
+        with contextlib.suppress(MlflowException):
+            self.client.get_run(parent_id)
+            tags["mlflow.parentRunId"] = parent_id
+        return tags
 
     def _experiment_id(self, name):
         from mlflow.exceptions import MlflowException

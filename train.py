@@ -118,13 +118,17 @@ def train(argv, stop):
     lr_finder.check_config(config)  # --find-lr with --resume
     resume_path, saved = resume_file(config)  # --resume PATH: read before anything is written
     run_dir = choose_run_dir(config, explicit, resume_path, saved)
+    checkpoint.refuse_newer(run_dir)  # a newer version's checkpoints: one error, not written
     with runlog.RunDirectory(run_dir, is_main=runtime.process_rank() == 0) as directory:
         if config["resume"] == "auto":
             resume_path, saved = checkpoint.find_latest(run_dir, warn=runtime.main_print)
+            if saved is not None:  # a file without a key: one line, not a KeyError
+                checkpoint.require(saved, resume_path)
         if saved is not None:  # flags added since the checkpoint was written: their defaults
             saved["config"] = with_defaults(saved["config"])
             config = merge_resumed_config(saved["config"], config, explicit)
-        config = {**config, "run_dir": run_dir}
+            saved = tracking.owned(saved, resume_path, run_dir)  # a fork: a new MLflow run
+        config = tracking.resolved({**config, "run_dir": run_dir})  # --mlflow's store, absolute
         check_config(config)
         if "network" not in explicit and presets.is_photo(config) and saved is None:
             runtime.main_print(f"network: {config['network']}, built for "
@@ -533,9 +537,10 @@ def resume_file(config):
     if config["resume"] in (None, "auto"):
         return None, None
     state = checkpoint.load_checkpoint(config["resume"])
-    if "model" not in state or "config" not in state or "progress" not in state:
+    if "model" not in state:  # a plain state_dict
         raise UserError(f"{config['resume']!r} is not a training checkpoint of this project "
                         f"(use --pretrained for plain weights)")
+    checkpoint.require(state, config["resume"])  # one line naming what it lacks
     return config["resume"], state
 
 

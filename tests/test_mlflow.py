@@ -102,20 +102,6 @@ def test_run_recorded_and_read_back(tmp_path, capsys):
     assert torch.load(best, weights_only=True)["mlflow_run_id"] == run_id
 
 
-def test_bare_flag_records_beside_the_runs(tmp_path, capsys):
-    run_dir = tmp_path / "runs" / "exp1"
-    assert train.main(tiny_args(run_dir, "--mlflow")) == 0
-    store = (tmp_path / "mlruns").as_uri()
-    assert tracking.tracking_uri("local", str(run_dir)) == store
-    out = capsys.readouterr().out
-    assert f"mlflow ui --backend-store-uri {store}" in out
-    client, run = only_run(store)
-    assert run.info.status == "FINISHED"
-    assert run.data.params["mlflow"] == "local"
-    assert final_state(run_dir)["mlflow_run_id"] == run.info.run_id
-    assert not os.path.exists(tmp_path / "runs" / "mlruns")
-
-
 def assert_continued(client, run, run_dir, first_id, steps):
     """One run, the first one, finished, its curves covering the whole training."""
     assert run.info.run_id == first_id
@@ -254,10 +240,12 @@ def test_without_the_flag_mlflow_is_not_imported(tmp_path):
 
 def test_tracking_uri_forms(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert tracking.tracking_uri("local", "runs/a") == (tmp_path / "mlruns").as_uri()
-    assert tracking.tracking_uri("store", "runs/a") == (tmp_path / "store").as_uri()
-    for uri in ("http://host:5000", "file:///x/mlruns", "databricks", "sqlite:///m.db"):
-        assert tracking.tracking_uri(uri, "runs/a") == uri
+    assert tracking.tracking_uri("local") == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert tracking.tracking_uri("store") == (tmp_path / "store").as_uri()
+    assert tracking.tracking_uri("db/m.db") == f"sqlite:///{tmp_path / 'db' / 'm.db'}"
+    assert tracking.tracking_uri("sqlite:///m.db") == f"sqlite:///{tmp_path / 'm.db'}"
+    for uri in ("http://host:5000", "file:///x/mlruns", "databricks", "sqlite:////x/m.db"):
+        assert tracking.tracking_uri(uri) == uri
 
 
 def test_a_failed_run_is_failed_and_an_lr_range_test_finished(tmp_path, train_main):

@@ -410,7 +410,7 @@ def _with_config(state, **changes):
     (lambda s: {"model": [1]}, "not a training checkpoint"),
     (lambda s: [1, 2], "holds a list, not a checkpoint dict"),
     (lambda s: torch.zeros(3), "holds a Tensor, not a checkpoint dict"),
-    (lambda s: _with(s, config=_ABSENT), "not a training checkpoint"),
+    (lambda s: _with(s, config=_ABSENT), "lacks 'config' (the run's settings)"),
     (lambda s: _with(s, config=[1]), "not a training checkpoint"),
     (lambda s: _with(s, config=torch.zeros(2)), "not a training checkpoint"),
     (lambda s: _with(s, model=[1]), "its model is a list, not a state_dict"),
