@@ -402,6 +402,31 @@ def peak_tflops(device_name, precision):
     return None
 
 
+def zero_momentum_buffers(optimizer):
+    """Gives each SGD parameter with momentum that has no momentum buffer yet a zero one.
+
+    A fused SGD makes its first step's buffers with ``torch.empty_like`` and fills them in
+    the kernel, which returns at once when the GradScaler found inf gradients: a skipped
+    first step (fp16's initial scale overflows often) would keep whatever the allocator
+    left there (NaN under --deterministic) and the next step would add 0.9 times it. With a
+    zero buffer the first step that is taken computes ``momentum * 0 + g``, which is the
+    first-step rule (``buf = g``) bit for bit, for the fused and the plain SGD alike.
+
+    Args:
+        optimizer: a ``torch.optim.SGD`` (other optimizers are left as they are).
+    """
+    if not isinstance(optimizer, torch.optim.SGD):
+        return
+    for group in optimizer.param_groups:
+        if group["momentum"] == 0:
+            continue
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = torch.zeros_like(
+                    p, memory_format=torch.preserve_format)
+
+
 def sum_over_processes(values, device, world_size=1):
     """Sums a few numbers over the processes of a torch.distributed run.
 

@@ -777,6 +777,8 @@ def set_hyperparameters(optimizer, config):
         if config["optimizer"] == "sgd":
             group["momentum"] = config["momentum"]
             group["nesterov"] = config["nesterov"] and config["momentum"] > 0
+    if config["optimizer"] == "sgd":
+        ops.zero_momentum_buffers(optimizer)
 
 
 def unfreeze_point(config):

@@ -1,0 +1,66 @@
+"""CPU tests for defects of the CUDA-only paths (issue 28): each fails when its defect
+comes back. What needs a GPU is in tests/test_cuda.py."""
+
+import functools
+import json
+import os
+
+import torch
+from conftest import assert_states_equal, final_state, tiny_args
+
+import ops
+import train
+from config import with_defaults
+from networks import build_network
+
+
+def _overflow_first_step(monkeypatch):
+    """The GradScaler starts at 2^40, which overflows fp16 gradients, so the first
+    optimizer step is skipped; its backoff brings the scale to 2^10 at once, so the later
+    steps are taken."""
+    monkeypatch.setattr(torch.amp, "GradScaler", functools.partial(
+        torch.amp.GradScaler, init_scale=2.0 ** 40, backoff_factor=2.0 ** -30))
+
+
+def _metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+# ---------------------------------------------------------------- N1: fused SGD, fp16
+
+def test_fused_sgd_after_a_skipped_first_step_equals_the_plain_sgd(tmp_path, monkeypatch):
+    # --deterministic fills torch.empty_like with NaN: a momentum buffer that the skipped
+    # first step left unwritten would make the weights NaN.
+    _overflow_first_step(monkeypatch)
+    args = ["--amp", "fp16", "--deterministic", "--momentum", "0.9"]
+    assert train.main(tiny_args(tmp_path / "fused", *args, size=48)) == 0
+    fused = final_state(tmp_path / "fused")
+    assert fused["progress"]["scaler_skips"] >= 1
+    assert all(torch.isfinite(v).all() for v in fused["model"].values())
+
+    class Unfused(torch.optim.SGD):
+        def __init__(self, params, **kwargs):
+            kwargs.pop("fused", None)
+            super().__init__(params, **kwargs)
+
+    monkeypatch.setattr(torch.optim, "SGD", Unfused)
+    assert train.main(tiny_args(tmp_path / "plain", *args, size=48)) == 0
+    plain = final_state(tmp_path / "plain")
+    assert plain["progress"]["scaler_skips"] == fused["progress"]["scaler_skips"]
+    assert_states_equal(fused["model"], plain["model"])
+
+
+def test_the_group_unfreezing_adds_gets_zero_momentum_buffers():
+    config = with_defaults({"optimizer": "sgd", "momentum": 0.9, "freeze": ["hidden.*"],
+                            "amp": "fp16"})
+    net = build_network("mlp", 10, 3, 8)
+    frozen = ops.freeze(net, config["freeze"])
+    optimizer = train.build_optimizer(net, config, torch.device("cpu"))
+    assert optimizer.defaults["fused"]
+    names = train.unfreeze_into(net, optimizer, config)
+    assert names and sorted(names) == sorted(frozen)
+    params = dict(net.named_parameters())
+    for name in names:  # a skipped first step after the unfreezing leaves them as they are
+        assert torch.equal(optimizer.state[params[name]]["momentum_buffer"],
+                           torch.zeros_like(params[name]))
