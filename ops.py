@@ -427,6 +427,27 @@ def zero_momentum_buffers(optimizer):
                     p, memory_format=torch.preserve_format)
 
 
+def place_fused_steps(optimizer):
+    """Moves each fused group's ``step`` tensors to their parameter's device, as float32.
+
+    ``Optimizer.load_state_dict`` moves them only when the saved group says fused; a
+    checkpoint of a CPU run without fp16 (or of a version before fused optimizers) says
+    not, and a fused Adam on CUDA then fails at its first step ("Expected all tensors to be
+    on the same device ... state_steps").
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer``, after ``load_state_dict``.
+    """
+    for group in optimizer.param_groups:
+        if not group.get("fused"):
+            continue
+        for p in group["params"]:
+            step = optimizer.state.get(p, {}).get("step")
+            if isinstance(step, torch.Tensor) and (step.device != p.device
+                                                   or step.dtype != torch.float32):
+                optimizer.state[p]["step"] = step.to(p.device, torch.float32)
+
+
 def sum_over_processes(values, device, world_size=1):
     """Sums a few numbers over the processes of a torch.distributed run.
 

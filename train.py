@@ -865,6 +865,7 @@ def restore(saved, path, net, ema, optimizer, scaler, state, config, procs):
         raise UserError(f"the optimizer state in {path!r} does not fit "
                         f"(--optimizer or --freeze changed?): {e}") from None
     set_hyperparameters(optimizer, config)  # the config's, maybe overridden, not the saved
+    ops.place_fused_steps(optimizer)  # fused now, maybe not when saved
     if saved.get("scaler"):
         scaler.load_state_dict(saved["scaler"])
     rngs = saved.get("rng_per_rank") or [saved["rng"]]

@@ -32,7 +32,8 @@ def records(run_dir):
 @pytest.mark.parametrize("flags", [
     ("--amp", "fp16"),
     ("--amp", "bf16", "--channels-last"),
-    ("--grad-checkpointing", "--num-workers", "2", "--prefetch", "2"),
+    ("--grad-checkpointing", "--data-on-device", "off", "--num-workers", "2",
+     "--prefetch", "2"),                                          # workers and a prefetcher
     ("--compile",),
     ("--data-on-device", "off", "--num-workers", "2"),             # pinned per-sample path
     ("--data-on-device", "off", "--amp", "bf16", "--channels-last"),
@@ -210,3 +211,21 @@ def test_gradient_norm_under_fp16_on_cuda(tmp_path):
     assert train.main(cuda_args(tmp_path, "--amp", "fp16", "--grad-clip", "1e6")) == 0
     norms = [r["grad_norm"] for r in records(tmp_path)]
     assert all(n > 0 for n in norms) and all(r["grad_clipped"] == 0 for r in records(tmp_path))
+
+
+def test_adam_trained_on_the_cpu_resumes_fused_on_cuda(tmp_path, monkeypatch):
+    # The checkpoint's groups are not fused, so torch leaves their step tensors on the CPU;
+    # the fused AdamW on CUDA needs them on the parameters' device.
+    flags = ("--optimizer", "adamw", "--lr", "0.001")
+    assert train.main(cuda_args(tmp_path, *flags, "--epochs", "1", device="cpu")) == 0
+    real_restore, seen = train.restore, []
+
+    def restore(saved, path, net, ema, optimizer, *args):
+        real_restore(saved, path, net, ema, optimizer, *args)
+        seen.extend((s["step"], p) for p, s in optimizer.state.items())
+
+    monkeypatch.setattr(train, "restore", restore)
+    assert train.main(cuda_args(tmp_path, *flags, "--resume", "auto")) == 0
+    assert seen and all(step.device == p.device and step.dtype == torch.float32
+                        for step, p in seen)
+    assert final_state(tmp_path)["epoch"] == 2

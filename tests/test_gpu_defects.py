@@ -8,6 +8,7 @@ import os
 import torch
 from conftest import assert_states_equal, final_state, tiny_args
 
+import checkpoint
 import ops
 import train
 from config import with_defaults
@@ -64,3 +65,30 @@ def test_the_group_unfreezing_adds_gets_zero_momentum_buffers():
     for name in names:  # a skipped first step after the unfreezing leaves them as they are
         assert torch.equal(optimizer.state[params[name]]["momentum_buffer"],
                            torch.zeros_like(params[name]))
+
+
+# ------------------------------------------------ N2: Adam resumed onto a fused group
+
+def test_adam_resumed_onto_fused_groups_has_steps_where_the_kernel_needs_them(tmp_path, capsys):
+    # Trained unfused (CPU, no fp16), resumed fused (fp16). torch moves the saved steps only
+    # when the saved group says fused; on CUDA they would stay on the CPU and the fused
+    # kernel fail. On the CPU only the dtype can differ: the checkpoint's steps are made
+    # float64 (what an unfused group under another default dtype holds).
+    args = tiny_args(tmp_path / "run", "--optimizer", "adamw", "--lr", "0.001", epochs=1)
+    assert train.main(args) == 0
+    for path in (tmp_path / "run" / "checkpoints").glob("*.pt"):
+        saved = checkpoint.load_checkpoint(path)
+        assert saved["optimizer"]["param_groups"][0]["fused"] is None
+        for state in saved["optimizer"]["state"].values():
+            state["step"] = state["step"].double()
+        checkpoint.save_checkpoint(saved, path)
+    resumed = tiny_args(tmp_path / "run", "--optimizer", "adamw", "--lr", "0.001",
+                        "--amp", "fp16", "--resume", "auto", epochs=2)
+    assert train.main(resumed) == 0
+    assert "resuming from" in capsys.readouterr().out
+    final = final_state(tmp_path / "run")
+    assert final["optimizer"]["param_groups"][0]["fused"] is True
+    assert final["step"] == 2 * saved["step"]
+    for state in final["optimizer"]["state"].values():
+        assert state["step"].dtype == torch.float32 and state["step"].device.type == "cpu"
+        assert float(state["step"]) == final["step"]
