@@ -24,6 +24,12 @@ import torch.distributed as dist
 
 from ops import Interrupted, RunFailed, UserError
 
+# --deterministic's cuBLAS needs this variable, and PyTorch reads it once per process, at
+# its first cuBLAS gemm (which may come before any run starts: a notebook, a test, a run
+# before). Set on import, before any: it only sizes cuBLAS's workspace (32 MiB, the size
+# torch itself picks on Hopper GPUs), so other runs are not slowed. A value set outside wins.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
 
 class Processes(NamedTuple):
     """This process's place: its rank among ``world_size`` processes, and its device.
@@ -282,14 +288,26 @@ def seed_everything(seed, rank, deterministic, device):
     random.seed(seed + rank)
     np.random.seed(seed + rank)
     torch.manual_seed(seed + rank)  # DDP broadcasts rank 0's initial weights anyway
-    if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(deterministic)  # both ways: main() may run again
     torch.backends.cudnn.deterministic = deterministic
     torch.backends.cudnn.benchmark = device.type == "cuda" and not deterministic
 
 
 AMP_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def cublas_config_error(error):
+    """The ``error:`` line's text when ``error`` is cuBLAS refusing --deterministic because
+    CUBLAS_WORKSPACE_CONFIG was unset (or set otherwise) at this process's first gemm;
+    else None."""
+    if not isinstance(error, RuntimeError) or "CUBLAS_WORKSPACE_CONFIG" not in str(error):
+        return None
+    now = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "(unset)")
+    return (f"--deterministic: cuBLAS was set up in this process with "
+            f"CUBLAS_WORKSPACE_CONFIG={now} (read once, at the first matrix product), "
+            f"where deterministic results need :4096:8 or :16:8; start a new process with "
+            f"CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment (or import train before "
+            f"any CUDA matrix product), or drop --deterministic")
 
 
 def amp_dtype(amp, device, remedy=None):

@@ -96,6 +96,9 @@ def main(argv=None):
         runtime.say(f"error: {e.strerror or e}{where}", file=sys.stderr)
         return EXIT_FAILED
     except (MemoryError, RuntimeError) as e:
+        if runtime.cublas_config_error(e) is not None:  # --deterministic after a gemm
+            runtime.say(f"error: {runtime.cublas_config_error(e)}", file=sys.stderr)
+            return EXIT_USER_ERROR
         if ops.memory_error(e) is not None:  # out of memory outside a step (set-up, a save)
             runtime.say(f"error: {out_of_memory_message(ops.memory_error(e))}",
                         file=sys.stderr)

@@ -229,3 +229,11 @@ def test_adam_trained_on_the_cpu_resumes_fused_on_cuda(tmp_path, monkeypatch):
     assert seen and all(step.device == p.device and step.dtype == torch.float32
                         for step, p in seen)
     assert final_state(tmp_path)["epoch"] == 2
+
+
+def test_deterministic_after_a_run_that_used_cublas_in_the_same_process(tmp_path):
+    # PyTorch reads CUBLAS_WORKSPACE_CONFIG once, at the process's first gemm: importing
+    # runtime sets it, so a --deterministic run after any other works (a notebook).
+    torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")
+    assert train.main(cuda_args(tmp_path / "a", "--epochs", "1")) == 0
+    assert train.main(cuda_args(tmp_path / "b", "--epochs", "1", "--deterministic")) == 0

@@ -4,9 +4,11 @@ comes back. What needs a GPU is in tests/test_cuda.py."""
 import functools
 import json
 import os
+import subprocess
+import sys
 
 import torch
-from conftest import assert_states_equal, final_state, tiny_args
+from conftest import ROOT, assert_states_equal, final_state, tiny_args
 
 import checkpoint
 import ops
@@ -92,3 +94,33 @@ def test_adam_resumed_onto_fused_groups_has_steps_where_the_kernel_needs_them(tm
     for state in final["optimizer"]["state"].values():
         assert state["step"].dtype == torch.float32 and state["step"].device.type == "cpu"
         assert float(state["step"]) == final["step"]
+
+
+# ------------------------------------------- N3: CUBLAS_WORKSPACE_CONFIG, set in time
+
+def test_importing_runtime_sets_the_cublas_workspace_config():
+    # Before any cuBLAS gemm of the process: PyTorch reads it once, at the first one.
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    code = "import os, runtime; print(os.environ.get('CUBLAS_WORKSPACE_CONFIG'))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True,
+                         capture_output=True, text=True, timeout=120).stdout
+    assert out.strip().splitlines()[-1] == ":4096:8"
+
+
+def test_cublas_refusing_deterministic_is_one_error_line(tmp_path, monkeypatch, capsys):
+    # What torch raises at a gemm when the variable was not set at the process's first one.
+    def refuse(*args, **kwargs):
+        raise RuntimeError(
+            "Deterministic behavior was enabled with either `torch.use_deterministic_"
+            "algorithms(True)` or `at::Context::setDeterministicAlgorithms(true)`, but this "
+            "operation is not deterministic because it uses CuBLAS and you have CUDA >= 10.2. "
+            "To enable deterministic behavior in this case, you must set an environment "
+            "variable before running your PyTorch application: CUBLAS_WORKSPACE_CONFIG=:4096:8"
+            " or CUBLAS_WORKSPACE_CONFIG=:16:8.")
+
+    monkeypatch.setattr(ops, "train_flops_per_sample", refuse)
+    assert train.main(tiny_args(tmp_path, "--deterministic")) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err
+    assert errors[0].startswith("error: --deterministic: cuBLAS") and ":4096:8" in errors[0]
