@@ -237,3 +237,17 @@ def test_deterministic_after_a_run_that_used_cublas_in_the_same_process(tmp_path
     torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")
     assert train.main(cuda_args(tmp_path / "a", "--epochs", "1")) == 0
     assert train.main(cuda_args(tmp_path / "b", "--epochs", "1", "--deterministic")) == 0
+
+
+def test_data_on_device_auto_fits_within_the_memory_fraction(tmp_path, capsys):
+    # A set of about 1.5x the cap (far under a quarter of the card's free memory): auto
+    # must keep it on the per-sample path, and the run trains.
+    total = torch.cuda.mem_get_info()[1]
+    fraction = 0.005  # about 0.7 GB of an H200
+    side = 32
+    samples = int(1.5 * fraction * total / (3 * side * side * 4))  # float32 images
+    args = cuda_args(tmp_path, "--gpu-memory-fraction", str(fraction), "--data-on-device",
+                     "auto", "--epochs", "1", "--max-steps", "3", "--image-size", str(side))
+    args[args.index("--synthetic-size") + 1] = str(samples)
+    assert train.main(args) == 0
+    assert "data path: per-sample" in capsys.readouterr().out

@@ -7,10 +7,13 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from conftest import ROOT, assert_states_equal, final_state, tiny_args
 
 import checkpoint
+import data
+import device_data
 import ops
 import train
 from config import with_defaults
@@ -124,3 +127,30 @@ def test_cublas_refusing_deterministic_is_one_error_line(tmp_path, monkeypatch, 
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in err
     assert errors[0].startswith("error: --deterministic: cuBLAS") and ":4096:8" in errors[0]
+
+
+# ------------------------------- N5: --data-on-device sized within the memory fraction
+
+def test_the_device_path_decision_counts_within_the_memory_fraction(monkeypatch):
+    config = with_defaults({"dataset": "synthetic", "synthetic_size": 64, "image_size": 8,
+                            "num_classes": 10, "data_on_device": "auto"})
+    train_set, val_set = data.build_datasets(config)
+    need = device_data.source_nbytes(train_set) + device_data.source_nbytes(val_set)
+    total, reserved = 1000 * need, 0
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (total // 2, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: reserved)
+    cuda = torch.device("cuda", 0)
+
+    def decide(fraction, mode="auto"):
+        return device_data.device_data_decision(
+            {**config, "gpu_memory_fraction": fraction, "data_on_device": mode},
+            train_set, val_set, cuda)
+
+    assert decide(0.0)[0]  # no cap: a quarter of the card's half is plenty
+    use, why = decide(2 * need / total)  # the cap leaves 2 sets' worth: half of it
+    assert not use and "50% of the" in why and "--gpu-memory-fraction" in why
+    assert decide(4 * need / total)[0]
+    reserved = need  # what the process holds already counts against its cap
+    assert not decide(4 * need / total)[0]
+    with pytest.raises(ops.UserError, match="do not fit .* under --gpu-memory-fraction"):
+        decide(need / total, "on")
