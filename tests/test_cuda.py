@@ -251,3 +251,28 @@ def test_data_on_device_auto_fits_within_the_memory_fraction(tmp_path, capsys):
     args[args.index("--synthetic-size") + 1] = str(samples)
     assert train.main(args) == 0
     assert "data path: per-sample" in capsys.readouterr().out
+
+
+def test_profiler_cuda_total_is_torchs_own_device_total(tmp_path, monkeypatch, capsys):
+    import re
+
+    from torch.autograd import DeviceType
+
+    import profiling
+
+    real_top, seen = profiling.top_operators, []
+
+    def top_operators(prof, cuda, *args):
+        seen.append(prof)
+        return real_top(prof, cuda, *args)
+
+    monkeypatch.setattr(profiling, "top_operators", top_operators)
+    assert train.main(cuda_args(tmp_path, "--profile-steps", "2", "--epochs", "1")) == 0
+    out = capsys.readouterr().out
+    total = float(re.search(r"top operators by self CUDA time \(of ([0-9.]+) ms", out)[1])
+    device = sum(e.self_device_time_total for e in seen[0].key_averages()
+                 if e.device_type == DeviceType.CUDA and not e.is_user_annotation
+                 and not e.key.startswith("ProfilerStep")) / 1000
+    assert total == pytest.approx(device, rel=0.01)
+    shares = [float(m) for m in re.findall(r"^ +([0-9.]+)% ", out, re.M)]
+    assert shares and sum(shares) <= 100.5

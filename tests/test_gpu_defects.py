@@ -6,15 +6,18 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import ROOT, assert_states_equal, final_state, tiny_args
+from torch.autograd import DeviceType
 
 import checkpoint
 import data
 import device_data
 import ops
+import profiling
 import train
 from config import with_defaults
 from networks import build_network
@@ -154,3 +157,31 @@ def test_the_device_path_decision_counts_within_the_memory_fraction(monkeypatch)
     assert not decide(4 * need / total)[0]
     with pytest.raises(ops.UserError, match="do not fit .* under --gpu-memory-fraction"):
         decide(need / total, "on")
+
+
+# ------------------------------------------------ N6: the profiler's CUDA time, once
+
+def test_top_operators_on_cuda_count_each_kernel_once():
+    # kineto's key_averages: a kernel row (device CUDA) and the aten op that launched it,
+    # credited with the same self device time; a user annotation spans them on the GPU.
+    def row(key, device_type, device_us, cpu_us=0.0, annotation=False):
+        return SimpleNamespace(key=key, device_type=device_type, count=2,
+                               self_device_time_total=device_us, self_cpu_time_total=cpu_us,
+                               is_user_annotation=annotation)
+
+    cpu, cuda = DeviceType.CPU, DeviceType.CUDA
+    rows = [row("aten::cudnn_convolution", cpu, 600.0, 50.0),
+            row("sm90_xmma_fprop_implicit_gemm", cuda, 600.0),
+            row("aten::add_", cpu, 400.0, 30.0),
+            row("elementwise_kernel", cuda, 400.0),
+            row("ProfilerStep#2", cuda, 1000.0, annotation=True),
+            row("ProfilerStep#2", cpu, 0.0, 90.0)]
+    prof = SimpleNamespace(key_averages=lambda: rows)
+    lines = profiling.top_operators(prof, cuda=True)
+    assert "(of 1.000 ms over 2 operators)" in lines[0]  # torch's own device total
+    assert [line.split()[-3] for line in lines[1:]] == ["sm90_xmma_fprop_implicit_gemm",
+                                                        "elementwise_kernel"]
+    shares = [float(line.split()[0].rstrip("%")) for line in lines[1:]]
+    assert shares == [60.0, 40.0]
+    lines = profiling.top_operators(prof, cuda=False)  # the CPU's: the operators
+    assert "(of 0.080 ms over 2 operators)" in lines[0]
