@@ -231,7 +231,7 @@ class Counters:
             return 0.0, 0, 0
         norms = torch.stack(self.grad_norms).double()
         finite = torch.isfinite(norms)
-        clipped = int((norms > clip).sum()) if clip > 0 else 0
+        clipped = int((finite & (norms > clip)).sum()) if clip > 0 else 0  # not skipped
         return float(torch.where(finite, norms, 0.0).sum()), int(finite.sum()), clipped
 
     def read(self):

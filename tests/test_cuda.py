@@ -276,3 +276,19 @@ def test_profiler_cuda_total_is_torchs_own_device_total(tmp_path, monkeypatch, c
     assert total == pytest.approx(device, rel=0.01)
     shares = [float(m) for m in re.findall(r"^ +([0-9.]+)% ", out, re.M)]
     assert shares and sum(shares) <= 100.5
+
+
+def test_fp16_steps_the_scaler_skipped_are_not_clipped_and_sgd_stays_finite(tmp_path,
+                                                                           monkeypatch):
+    # The first step overflows (scale 2^40) and is skipped; then the scale is 2^10. A fused
+    # SGD that skipped its first step must not use an unwritten momentum buffer.
+    import functools
+
+    monkeypatch.setattr(torch.amp, "GradScaler", functools.partial(
+        torch.amp.GradScaler, init_scale=2.0 ** 40, backoff_factor=2.0 ** -30))
+    assert train.main(cuda_args(tmp_path, "--amp", "fp16", "--grad-clip", "1e6",
+                                "--deterministic")) == 0
+    state = final_state(tmp_path)
+    assert state["progress"]["scaler_skips"] >= 1
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+    assert all(r["grad_clipped"] == 0 for r in records(tmp_path))

@@ -16,6 +16,7 @@ from torch.autograd import DeviceType
 import checkpoint
 import data
 import device_data
+import engine
 import ops
 import profiling
 import train
@@ -185,3 +186,17 @@ def test_top_operators_on_cuda_count_each_kernel_once():
     assert shares == [60.0, 40.0]
     lines = profiling.top_operators(prof, cuda=False)  # the CPU's: the operators
     assert "(of 0.080 ms over 2 operators)" in lines[0]
+
+
+# --------------------------------------- N7: a step the GradScaler skipped is not clipped
+
+def test_grad_clipped_leaves_out_the_steps_the_scaler_skipped():
+    # A step whose fp16 gradients overflowed has an inf (or NaN) norm; the GradScaler skips
+    # it, so it was not clipped. (On the CPU an overflowing mlp gives NaN, which never
+    # compared above the clip; CUDA's kernels can give inf.)
+    counters = engine.Counters(torch.device("cpu"), clip=1.0)
+    for norm in (float("inf"), 2.0, float("nan"), 0.5, float("-inf")):
+        counters.add_grad_norm(torch.tensor(norm))
+    values = counters.read()
+    assert values["grad_clipped"] == 1
+    assert values["grad_norm_count"] == 2 and values["grad_norm_sum"] == 2.5
