@@ -200,3 +200,29 @@ def test_grad_clipped_leaves_out_the_steps_the_scaler_skipped():
     values = counters.read()
     assert values["grad_clipped"] == 1
     assert values["grad_norm_count"] == 2 and values["grad_norm_sum"] == 2.5
+
+
+# -------------------------- N18: the counters read back once, and keep a bounded list
+
+def test_counters_read_the_device_once_and_keep_few_norms(monkeypatch):
+    counters = engine.Counters(torch.device("cpu"), clip=3.0)
+    norms = [float(1 + i % 5) for i in range(3 * engine.FOLD_NORMS + 7)]
+    norms[5] = float("inf")
+    for i, norm in enumerate(norms):
+        counters.add_grad_norm(torch.tensor(norm))
+        counters.add_loss(torch.tensor(2.0 if i != 9 else float("nan")), 4)
+        assert len(counters.grad_norms) < engine.FOLD_NORMS  # bounded, whatever --log-every
+    reads = []
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__", "__index__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name:
+                            reads.append(_n) or _r(self, *a))
+    values = counters.read()
+    monkeypatch.undo()
+    assert reads == ["tolist"]  # one transfer from the device: one sync on CUDA
+    finite = [n for n in norms if n != float("inf")]
+    assert values["grad_norm_count"] == len(finite)
+    assert values["grad_norm_sum"] == sum(finite)
+    assert values["grad_clipped"] == sum(n > 3.0 for n in finite)
+    assert values["loss_count"] == 4 * (len(norms) - 1) and values["worst_streak"] == 1
+    assert values["loss_sum"] == 2.0 * 4 * (len(norms) - 1) and values["streak"] == 0
