@@ -69,6 +69,39 @@ def memory_error(error):
     return f"{first}: it tried to allocate {match[1]} more" if match else first
 
 
+def out_of_memory_message(error, config=None, training=None, snapshot=None):
+    """One line for an out-of-memory error: where it happened, the batch, that the
+    checkpoints are intact, and what to try (each only where it is not on already).
+
+    Args:
+        error: an ``OutOfMemory`` from a step or a validation, or the allocator's
+            words (``memory_error``) for one elsewhere (set-up, a checkpoint).
+        config, training: the run's, when it got that far.
+        snapshot: the path of the --memory-snapshot file written, or None.
+    """
+    if not isinstance(error, OutOfMemory):
+        return (f"out of memory ({error}) before or between training steps; every file "
+                f"written before is intact: lower --batch-size, or free memory")
+    batch = config["batch_size"]
+    effective = config["virtual_batch_size"] or batch
+    smaller = max(d for d in range(1, max(batch // 2, 1) + 1) if effective % d == 0)
+    tries = []
+    if smaller < batch:
+        tries.append(f"--batch-size {smaller} --virtual-batch-size {effective} (the same "
+                     f"{effective} samples an optimizer step)")
+    if not config["grad_checkpointing"] and hasattr(training.net, "set_grad_checkpointing"):
+        tries.append("--grad-checkpointing")
+    if config["amp"] == "none":
+        tries.append("--amp bf16")
+    if not config["channels_last"]:
+        tries.append("--channels-last")
+    saved = training.saver.last_saved
+    return (f"{error}; the checkpoints are intact ("
+            f"{'the last: ' + saved if saved else 'none was written yet'})"
+            f"{'; the allocator history is in ' + snapshot if snapshot else ''}"
+            f"{'; try ' + ', '.join(tries) if tries else ''}")
+
+
 def _matching(names, patterns):
     return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
 

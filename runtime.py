@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import ops
 from ops import Interrupted, RunFailed, UserError
 
 # --deterministic's cuBLAS needs this variable, and PyTorch reads it once per process, at
@@ -281,6 +282,31 @@ def gpu_ids(text):
     if not ids or bad:
         raise UserError(f"--gpus {text}: no GPU {bad or ids} here ({count} visible)")
     return ids
+
+
+def peak_tflops(device, amp_dtype, devices=1):
+    """The datasheet peak in TFLOP/s of the GPUs the run's throughput counts (MFU), or
+    None where unknown.
+
+    Args:
+        device: this process's device (its name picks the peak).
+        amp_dtype: the autocast dtype; None (--amp none) means TF32 tensor cores when
+            cuDNN may use them (its default), plain fp32 otherwise.
+        devices: GPUs that share the work: the processes (DDP) or --gpus (DataParallel).
+    """
+    if device.type != "cuda":
+        return None
+    precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(amp_dtype) or \
+        ("tf32" if torch.backends.cudnn.allow_tf32 else "fp32")
+    peak = ops.peak_tflops(torch.cuda.get_device_name(device), precision)
+    return None if peak is None else peak * devices
+
+
+def gpu_count(config, procs):
+    """The GPUs one step runs on: the processes under torchrun, --gpus' ids in one."""
+    if procs.world_size > 1:
+        return procs.world_size
+    return len(gpu_ids(config["gpus"])) if config["gpus"] else 1
 
 
 def seed_everything(seed, rank, deterministic, device):

@@ -100,7 +100,7 @@ def main(argv=None):
             runtime.say(f"error: {runtime.cublas_config_error(e)}", file=sys.stderr)
             return EXIT_USER_ERROR
         if ops.memory_error(e) is not None:  # out of memory outside a step (set-up, a save)
-            runtime.say(f"error: {out_of_memory_message(ops.memory_error(e))}",
+            runtime.say(f"error: {ops.out_of_memory_message(ops.memory_error(e))}",
                         file=sys.stderr)
             return EXIT_FAILED
         if not runtime.lost_peer(e):  # a collective whose peer process died (gloo, NCCL)
@@ -186,7 +186,7 @@ def fit(config, argv, resume_path, saved, directory, stop):
         training.run_log.failed()
         snapshot = runtime.dump_memory_snapshot(directory.path, procs.device) \
             if config["memory_snapshot"] else None
-        raise RunFailed(out_of_memory_message(e, config, training, snapshot)) from None
+        raise RunFailed(ops.out_of_memory_message(e, config, training, snapshot)) from None
     except Exception:  # main prints the error line; --mlflow's run is marked FAILED
         training.run_log.failed()
         raise
@@ -274,7 +274,8 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
     training = Training(config, procs, net, model, optimizer, ema, loop, state,
                         engine.LossMeter(loop.counters, procs.world_size), saver, run_log,
                         val_loader, (train_set, val_set), flops,
-                        peak_tflops(procs.device, loop.amp_dtype, gpu_count(config, procs)))
+                        runtime.peak_tflops(procs.device, loop.amp_dtype,
+                                            runtime.gpu_count(config, procs)))
     return training, train_loader, criterion
 
 
@@ -497,39 +498,6 @@ def early_stop_line(training):
             f"{state.best_epoch} ({name} {state.best_val_acc:.4f}): {best}")
 
 
-def out_of_memory_message(error, config=None, training=None, snapshot=None):
-    """One line for an out-of-memory error: where it happened, the batch, that the
-    checkpoints are intact, and what to try (each only where it is not on already).
-
-    Args:
-        error: an ``ops.OutOfMemory`` from a step or a validation, or the allocator's
-            words (``ops.memory_error``) for one elsewhere (set-up, a checkpoint).
-        config, training: the run's, when it got that far.
-        snapshot: the path of the --memory-snapshot file written, or None.
-    """
-    if not isinstance(error, ops.OutOfMemory):
-        return (f"out of memory ({error}) before or between training steps; every file "
-                f"written before is intact: lower --batch-size, or free memory")
-    batch = config["batch_size"]
-    effective = config["virtual_batch_size"] or batch
-    smaller = max(d for d in range(1, max(batch // 2, 1) + 1) if effective % d == 0)
-    tries = []
-    if smaller < batch:
-        tries.append(f"--batch-size {smaller} --virtual-batch-size {effective} (the same "
-                     f"{effective} samples an optimizer step)")
-    if not config["grad_checkpointing"] and hasattr(training.net, "set_grad_checkpointing"):
-        tries.append("--grad-checkpointing")
-    if config["amp"] == "none":
-        tries.append("--amp bf16")
-    if not config["channels_last"]:
-        tries.append("--channels-last")
-    saved = training.saver.last_saved
-    return (f"{error}; the checkpoints are intact ("
-            f"{'the last: ' + saved if saved else 'none was written yet'})"
-            f"{'; the allocator history is in ' + snapshot if snapshot else ''}"
-            f"{'; try ' + ', '.join(tries) if tries else ''}")
-
-
 # ------------------------------------------------------------------ config, run dir
 
 def resume_file(config):
@@ -625,31 +593,6 @@ def build_loop(config, procs, train_set, sampler, prefetch=0):
         timer=engine.StepTimer(device),
         counters=engine.Counters(device, config["grad_clip"]),
         mix=recipes.build_batch_mix(config, train_set.num_classes))
-
-
-def peak_tflops(device, amp_dtype, devices=1):
-    """The datasheet peak in TFLOP/s of the GPUs the run's throughput counts (MFU), or
-    None where unknown.
-
-    Args:
-        device: this process's device (its name picks the peak).
-        amp_dtype: the autocast dtype; None (--amp none) means TF32 tensor cores when
-            cuDNN may use them (its default), plain fp32 otherwise.
-        devices: GPUs that share the work: the processes (DDP) or --gpus (DataParallel).
-    """
-    if device.type != "cuda":
-        return None
-    precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(amp_dtype) or \
-        ("tf32" if torch.backends.cudnn.allow_tf32 else "fp32")
-    peak = ops.peak_tflops(torch.cuda.get_device_name(device), precision)
-    return None if peak is None else peak * devices
-
-
-def gpu_count(config, procs):
-    """The GPUs one step runs on: the processes under torchrun, --gpus' ids in one."""
-    if procs.world_size > 1:
-        return procs.world_size
-    return len(runtime.gpu_ids(config["gpus"])) if config["gpus"] else 1
 
 
 def build_model(config, train_set, device, world_size, log, resuming=False):
