@@ -312,7 +312,7 @@ def init_weights(module, init_type="normal", gain=0.02):
     return module.apply(init_one)
 
 
-def train_flops_per_sample(module, sample_shape, device):
+def train_flops_per_sample(module, sample_shape, device, kinds=False):
     """FLOPs of one training step's forward and backward pass, per sample.
 
     Counted once with ``torch.utils.flop_counter.FlopCounterMode`` on a copy of the
@@ -324,9 +324,12 @@ def train_flops_per_sample(module, sample_shape, device):
         module: the network.
         sample_shape: shape of one input sample, e.g. ``(3, 32, 32)``.
         device: where to run the count.
+        kinds: also return the FLOPs that are not convolutions (matrix products: cuBLAS,
+            whose TF32 switch is not cuDNN's).
 
     Returns:
-        The FLOP count per sample (an int; a multiply-add counts as 2 FLOPs).
+        The FLOP count per sample (an int; a multiply-add counts as 2 FLOPs); with
+        ``kinds``, ``(flops, matmul_flops)``.
     """
     import copy
 
@@ -343,7 +346,11 @@ def train_flops_per_sample(module, sample_shape, device):
         counter = FlopCounterMode(display=False)
         with counter:
             clone(x).float().sum().backward()
-    return counter.get_total_flops() // 2
+    if not kinds:
+        return counter.get_total_flops() // 2
+    convolutions = sum(n for op, n in counter.get_flop_counts()["Global"].items()
+                       if "convolution" in str(op))
+    return counter.get_total_flops() // 2, (counter.get_total_flops() - convolutions) // 2
 
 
 def saved_tensor_bytes(module, x):

@@ -284,21 +284,37 @@ def gpu_ids(text):
     return ids
 
 
-def peak_tflops(device, amp_dtype, devices=1):
+def peak_tflops(device, amp_dtype, devices=1, matmul_share=0.0):
     """The datasheet peak in TFLOP/s of the GPUs the run's throughput counts (MFU), or
     None where unknown.
 
+    With --amp none, convolutions run in TF32 where cuDNN may use it
+    (``torch.backends.cudnn.allow_tf32``, on by default) and matrix products where cuBLAS
+    may (``torch.backends.cuda.matmul.allow_tf32``, off by default), each else in plain
+    fp32. Where the two differ, the peak is the rate at which the step's FLOPs would run
+    if each kind ran at its own peak: ``1 / (share / matmul_peak + (1 - share) /
+    conv_peak)``, so an mlp is measured against the fp32 peak and a CNN (nearly all
+    convolutions) against TF32's.
+
     Args:
         device: this process's device (its name picks the peak).
-        amp_dtype: the autocast dtype; None (--amp none) means TF32 tensor cores when
-            cuDNN may use them (its default), plain fp32 otherwise.
+        amp_dtype: the autocast dtype, or None (--amp none).
         devices: GPUs that share the work: the processes (DDP) or --gpus (DataParallel).
+        matmul_share: the share of the step's FLOPs that are matrix products, not
+            convolutions (``ops.train_flops_per_sample(..., kinds=True)``).
     """
     if device.type != "cuda":
         return None
-    precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(amp_dtype) or \
-        ("tf32" if torch.backends.cudnn.allow_tf32 else "fp32")
-    peak = ops.peak_tflops(torch.cuda.get_device_name(device), precision)
+    name = torch.cuda.get_device_name(device)
+    precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(amp_dtype)
+    if precision is not None:
+        peak = ops.peak_tflops(name, precision)
+    else:
+        conv = ops.peak_tflops(name, "tf32" if torch.backends.cudnn.allow_tf32 else "fp32")
+        matmul = ops.peak_tflops(
+            name, "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32")
+        peak = None if conv is None or matmul is None else \
+            1 / (matmul_share / matmul + (1 - matmul_share) / conv)
     return None if peak is None else peak * devices
 
 

@@ -245,8 +245,7 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
             "timing")
         prefetch = 0
     loop = build_loop(config, procs, train_set, sampler, prefetch)
-    flops = ops.train_flops_per_sample(  # before the restore: it must not touch the RNG
-        net, (train_set.in_channels, train_set.image_size, train_set.image_size), procs.device)
+    flops, peak = count_flops(net, train_set, config, procs, loop.amp_dtype)  # RNG untouched
     if presets.is_photo(config) and not config["network"].startswith("torchvision/"):
         size = config["image_size"]
         log(f"note: {config['network']} keeps the full resolution of its {size} px input: "
@@ -273,10 +272,22 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
     saver.mlflow_run_id = tracking.run_id(tracker, saved)  # a resume continues that run
     training = Training(config, procs, net, model, optimizer, ema, loop, state,
                         engine.LossMeter(loop.counters, procs.world_size), saver, run_log,
-                        val_loader, (train_set, val_set), flops,
-                        runtime.peak_tflops(procs.device, loop.amp_dtype,
-                                            runtime.gpu_count(config, procs)))
+                        val_loader, (train_set, val_set), flops, peak)
     return training, train_loader, criterion
+
+
+def count_flops(net, train_set, config, procs, amp_dtype):
+    """A training step's FLOPs per sample (of the parameters that train now: counted again
+    after --unfreeze-at) and the peak the MFU divides by, for their mix of convolutions
+    and matrix products (``runtime.peak_tflops``).
+
+    Returns:
+        ``(flops_per_sample, peak_tflops)``; the peak is None where unknown.
+    """
+    shape = (train_set.in_channels, train_set.image_size, train_set.image_size)
+    flops, matmul = ops.train_flops_per_sample(net, shape, procs.device, kinds=True)
+    return flops, runtime.peak_tflops(procs.device, amp_dtype, runtime.gpu_count(config, procs),
+                                      matmul / flops if flops else 0.0)
 
 
 class Ended(enum.Enum):

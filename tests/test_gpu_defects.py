@@ -19,6 +19,7 @@ import device_data
 import engine
 import ops
 import profiling
+import runtime
 import train
 from config import with_defaults
 from networks import build_network
@@ -226,3 +227,38 @@ def test_counters_read_the_device_once_and_keep_few_norms(monkeypatch):
     assert values["grad_clipped"] == sum(n > 3.0 for n in finite)
     assert values["loss_count"] == 4 * (len(norms) - 1) and values["worst_streak"] == 1
     assert values["loss_sum"] == 2.0 * 4 * (len(norms) - 1) and values["streak"] == 0
+
+
+# ------------------------------ N8: the MFU peak with --amp none follows each TF32 switch
+
+@pytest.mark.parametrize("cudnn_tf32, matmul_tf32, share, peak", [
+    (True, False, 1.0, 51.2),     # an mlp: cuBLAS in plain fp32 (torch's default)
+    (True, False, 0.0, 378.0),    # all convolutions: cuDNN in TF32 (its default)
+    (True, True, 1.0, 378.0),     # torch.backends.cuda.matmul.allow_tf32 = True
+    (False, True, 0.0, 51.2),
+    (True, False, 0.5, 1 / (0.5 / 51.2 + 0.5 / 378.0)),  # half and half: the time-weighted
+])
+def test_mfu_peak_with_amp_none_follows_the_tf32_switch_of_each_flop_kind(
+        monkeypatch, cudnn_tf32, matmul_tf32, share, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", cudnn_tf32)
+    before = torch.backends.cuda.matmul.allow_tf32  # (a C switch: monkeypatch cannot undo)
+    torch.backends.cuda.matmul.allow_tf32 = matmul_tf32
+    try:
+        cuda = torch.device("cuda", 0)
+        assert runtime.peak_tflops(cuda, None, 2, share) == pytest.approx(2 * peak)
+        assert runtime.peak_tflops(cuda, torch.bfloat16, 1, share) == 756.5  # tensor cores
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@pytest.mark.parametrize("network, share", [("mlp", 1.0), ("simple_cnn", (0.0, 0.2))])
+def test_the_matmul_share_of_a_networks_flops(network, share):
+    net = build_network(network, 10, 3, 16)
+    flops, matmul = ops.train_flops_per_sample(net, (3, 16, 16), torch.device("cpu"),
+                                               kinds=True)
+    assert flops == ops.train_flops_per_sample(net, (3, 16, 16), torch.device("cpu"))
+    if isinstance(share, tuple):
+        assert share[0] < matmul / flops < share[1]  # its classifier head only
+    else:
+        assert matmul == flops
