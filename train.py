@@ -261,6 +261,7 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
         check_same_threads(saved, resume_path, procs.device)
         if unfrozen_at_resume(config, state):  # wrapped again: DDP must see them
             model = wrap_model(net, config, procs.device, procs.world_size)
+            flops, peak = count_flops(net, train_set, config, procs, loop.amp_dtype)
     engine.set_lr(optimizer, loop.lr_factor(state.step))
     tracker = tracking.open_tracker(config, run_dir, saved, procs.is_main)  # --mlflow
     run_log = runlog.RunLog(run_dir, state.step, state.epoch, procs.is_main, tracker)
@@ -751,11 +752,15 @@ def unfrozen_at_resume(config, state):
 
 
 def unfreeze(training):
-    """--unfreeze-at: the frozen parameters join the optimizer, and the model is wrapped
-    again (a DDP built before would not synchronise them); returns their names."""
+    """--unfreeze-at: the frozen parameters join the optimizer, the model is wrapped
+    again (a DDP built before would not synchronise them) and a step's FLOPs are counted
+    again; returns their names."""
     names = unfreeze_into(training.net, training.optimizer, training.config)
     training.model = wrap_model(training.net, training.config, training.procs.device,
                                 training.procs.world_size)
+    training.flops_per_sample, training.peak_tflops = count_flops(  # their backward too
+        training.net, training.datasets[0], training.config, training.procs,
+        training.loop.amp_dtype)
     engine.set_lr(training.optimizer, training.loop.lr_factor(training.state.step))
     return names
 

@@ -262,3 +262,21 @@ def test_the_matmul_share_of_a_networks_flops(network, share):
         assert share[0] < matmul / flops < share[1]  # its classifier head only
     else:
         assert matmul == flops
+
+
+# --------------------------------- N10: the FLOP count after --unfreeze-at, and resumed
+
+def test_flops_are_counted_again_after_unfreezing_and_on_a_resume_past_it(tmp_path):
+    def flops(run_dir):  # tflops = flops_per_sample x samples/s / 1e12, on the CPU too
+        return [round(r["tflops"] * 1e12 / r["samples_per_sec"]) for r in _metrics(run_dir)]
+
+    args = ("--freeze", "hidden.*", "--unfreeze-at", "2")
+    assert train.main(tiny_args(tmp_path / "whole", *args, epochs=3)) == 0
+    frozen, unfrozen, later = flops(tmp_path / "whole")
+    net = build_network("mlp", 10, 3, 8)
+    assert unfrozen == later == ops.train_flops_per_sample(net, (3, 8, 8), torch.device("cpu"))
+    assert unfrozen > 1.3 * frozen  # the hidden layer's weight gradients, and the input's
+    assert train.main(tiny_args(tmp_path / "part", *args, epochs=2)) == 0
+    assert train.main(tiny_args(tmp_path / "part", *args, "--resume", "auto",
+                                epochs=3)) == 0
+    assert flops(tmp_path / "part") == [frozen, unfrozen, unfrozen]
