@@ -106,7 +106,8 @@ def epoch_record(epoch, step, loss_sum, loss_count, lr, times, samples, flops_pe
             and processes, and their count.
         lr: the learning rate now.
         times: ``(data_time, compute_time, wall_time)`` of the epoch (``StepTimer``).
-        samples: samples the epoch trained on, all processes.
+        samples: samples trained in ``times``, all processes (a resumed epoch: since
+            the resume; its earlier samples were timed by the run before).
         flops_per_sample: forward and backward FLOPs of one sample.
         peak_tflops: the device's datasheet peak, or None where unknown (no ``mfu``).
         unreadable: image files skipped so far (0: no key).

@@ -158,6 +158,7 @@ class Training:
     flops_per_sample: int         # forward + backward, for the TFLOP/s figure
     peak_tflops: float            # the datasheet peak of the run's GPUs (MFU), or None
     profiler: object = None       # a profiling.Profile while --profile-steps runs, or None
+    timed_from: int = 0           # the epoch's samples before run_epoch started its timer
 
 
 def fit(config, argv, resume_path, saved, directory, stop):
@@ -342,7 +343,8 @@ def run_epoch(training, train_loader, criterion, epoch, stop):
     config, state, sampler = training.config, training.state, train_loader.batch_sampler
     ended = Ended.ALL_EPOCHS
     sampler.set_epoch(epoch, state.epoch_samples)
-    training.loop.timer.reset()
+    training.loop.timer.reset()  # a resumed epoch: timed from here, for the samples from here
+    training.timed_from = state.epoch_samples
     training.meter.restart(state.step)
     with training.run_log.progress(epoch, config["epochs"], len(sampler)) as bar, \
             contextlib.closing(engine.steps(training.model, train_loader, training.optimizer,
@@ -465,7 +467,8 @@ def finish_epoch(training, epoch):
     grad_norm = state.grad_norm_sum / state.grad_norm_count if state.grad_norm_count else None
     record = metrics.epoch_record(
         state.epoch, state.step, loss_sum, loss_count, training.optimizer.param_groups[0]["lr"],
-        times, state.epoch_samples, training.flops_per_sample, training.peak_tflops,
+        times, state.epoch_samples - training.timed_from, training.flops_per_sample,
+        training.peak_tflops,
         unreadable, grad_norm, state.grad_clipped if config["grad_clip"] > 0 else None)
     best = False
     if state.epoch % config["eval_every"] == 0 or state.epoch == config["epochs"]:

@@ -280,3 +280,25 @@ def test_flops_are_counted_again_after_unfreezing_and_on_a_resume_past_it(tmp_pa
     assert train.main(tiny_args(tmp_path / "part", *args, "--resume", "auto",
                                 epochs=3)) == 0
     assert flops(tmp_path / "part") == [frozen, unfrozen, unfrozen]
+
+
+# ------------------------------- N9: a resumed epoch's throughput, from its own samples
+
+def test_a_resumed_epochs_samples_per_sec_counts_only_what_it_trained(tmp_path):
+    # Stopped at half an epoch and resumed: the rate is the other half's samples over the
+    # resumed run's time; the defect divided the whole epoch's samples by it (about 2x).
+    # Checked exactly, samples/s x epoch_time, not against another run's rate: on a
+    # shared 2-core machine two runs' rates differed by 0.2-4.5x with the fix in.
+    args = ("--log-every", "4")
+    assert train.main(tiny_args(tmp_path / "whole", *args, size=128)) == 0
+    assert train.main(tiny_args(tmp_path / "part", *args, "--max-steps", "4", size=128)) == 0
+    assert train.main(tiny_args(tmp_path / "part", *args, "--max-steps", "0", "--resume",
+                                "auto", size=128)) == 0
+    whole, resumed = _metrics(tmp_path / "whole")[-1], _metrics(tmp_path / "part")[-1]
+    assert whole["step"] == resumed["step"] == 8  # 128 samples, 16 a step
+    assert whole["samples_per_sec"] * whole["epoch_time"] == pytest.approx(128)
+    assert resumed["samples_per_sec"] * resumed["epoch_time"] == pytest.approx(64)
+    for record in (whole, resumed):  # TFLOP/s (and MFU) follow the same samples
+        assert record["tflops"] * 1e12 / record["samples_per_sec"] == pytest.approx(
+            ops.train_flops_per_sample(build_network("mlp", 10, 3, 8), (3, 8, 8),
+                                       torch.device("cpu")))
