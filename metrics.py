@@ -151,8 +151,15 @@ def hparam_metrics(final):
     return {FINAL_TAGS[key]: value for key, value in final.items()}
 
 
-def epoch_line(record, config):
-    """The line printed when an epoch ends (and hints when the data path is slow)."""
+def epoch_line(record, config, on_device=False):
+    """The line printed when an epoch ends (and hints when the data path is slow).
+
+    Args:
+        record: the epoch's ``epoch_record``, with its validation figures.
+        config: the run's (``epochs``, ``num_workers``).
+        on_device: the batches are made on the device (--data-on-device), where workers
+            and --prefetch do not apply.
+    """
     val = f"  val_loss {record['val_loss']:.4f}  val_acc {record['val_acc']:.4f}" \
         if "val_acc" in record else ""
     if "val_acc_ema" in record:
@@ -165,7 +172,12 @@ def epoch_line(record, config):
     if "mfu" in record:
         lines.append(f"  {record['tflops']:.1f} TFLOP/s, model FLOPs utilisation "
                      f"{record['mfu']:.1%}")
-    if record["compute_efficiency"] < 0.7:
+    if record["compute_efficiency"] < 0.7 and on_device:
+        lines.append(f"  the steps' work took {record['compute_efficiency']:.0%} of the time; "
+                     f"the rest went to making the batches on the device (and to logging, "
+                     f"checkpoints): lighter augmentation (--auto-augment, --random-erase) "
+                     f"or a larger --batch-size spreads that cost")
+    elif record["compute_efficiency"] < 0.7:
         lines.append(f"  the loop waited for data {1 - record['compute_efficiency']:.0%} of "
                      f"the time: try more --num-workers (now {config['num_workers']}) or "
                      f"--prefetch 2")

@@ -159,6 +159,7 @@ class Training:
     peak_tflops: float            # the datasheet peak of the run's GPUs (MFU), or None
     profiler: object = None       # a profiling.Profile while --profile-steps runs, or None
     timed_from: int = 0           # the epoch's samples before run_epoch started its timer
+    on_device: bool = False       # the batches are made on the device (--data-on-device)
 
 
 def fit(config, argv, resume_path, saved, directory, stop):
@@ -274,7 +275,8 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
     saver.mlflow_run_id = tracking.run_id(tracker, saved)  # a resume continues that run
     training = Training(config, procs, net, model, optimizer, ema, loop, state,
                         engine.LossMeter(loop.counters, procs.world_size), saver, run_log,
-                        val_loader, (train_set, val_set), flops, peak)
+                        val_loader, (train_set, val_set), flops, peak,
+                        on_device=isinstance(train_loader, device_data.DeviceLoader))
     return training, train_loader, criterion
 
 
@@ -482,7 +484,7 @@ def finish_epoch(training, epoch):
     state.grad_norm_sum, state.grad_norm_count, state.grad_clipped = 0.0, 0, 0
     training.run_log.epoch(record)
     save(training, Kind.EPOCH, best)
-    runtime.main_print(metrics.epoch_line(record, config))
+    runtime.main_print(metrics.epoch_line(record, config, training.on_device))
     return metrics.final_figures(record)
 
 

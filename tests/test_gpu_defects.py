@@ -17,6 +17,7 @@ import checkpoint
 import data
 import device_data
 import engine
+import metrics
 import ops
 import profiling
 import runtime
@@ -302,3 +303,22 @@ def test_a_resumed_epochs_samples_per_sec_counts_only_what_it_trained(tmp_path):
         assert record["tflops"] * 1e12 / record["samples_per_sec"] == pytest.approx(
             ops.train_flops_per_sample(build_network("mlp", 10, 3, 8), (3, 8, 8),
                                        torch.device("cpu")))
+
+
+# -------------------------------- N11: the epoch line's advice follows the data path
+
+def test_the_epoch_lines_advice_follows_the_data_path(tmp_path, monkeypatch):
+    record = {"epoch": 1, "step": 4, "train_loss": 1.0, "samples_per_sec": 100.0,
+              "compute_efficiency": 0.5, "data_time": 1.0, "compute_time": 1.0}
+    config = {"epochs": 2, "num_workers": 0}
+    loader = metrics.epoch_line(record, config)
+    assert "--num-workers (now 0)" in loader and "--prefetch" in loader
+    device = metrics.epoch_line(record, config, on_device=True)
+    assert "--prefetch" not in device and "--num-workers" not in device
+    assert "--batch-size" in device and "on the device" in device
+    seen = []
+    real = metrics.epoch_line
+    monkeypatch.setattr(metrics, "epoch_line", lambda *a: seen.append(a[2:]) or real(*a))
+    for path in ("on", "off"):
+        assert train.main(tiny_args(tmp_path / path, "--data-on-device", path)) == 0
+    assert seen == [(True,), (False,)]
