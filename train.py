@@ -38,6 +38,7 @@ import enum
 import functools
 import os
 import shlex
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -175,13 +176,19 @@ def fit(config, argv, resume_path, saved, directory, stop):
         log(f"resuming from {resume_path} (epoch {saved['epoch']}, step {saved['step']})")
     elif config["resume"] == "auto":
         log(f"no valid checkpoint in {directory.path}: starting fresh")
-    training, train_loader, criterion = build_training(config, procs, directory.path, saved,
-                                                       resume_path, stop.pending)
-    if config["find_lr"]:  # the LR range test instead of training: no checkpoint
-        return lr_finder.run(training, train_loader, criterion, stop)
-    log(f"training {config['network']} on {config['dataset']} ({len(training.datasets[0])} "
-        f"samples, {procs.world_size} process(es), {procs.device}) into {directory.path}")
     try:
+        training, train_loader, criterion = build_training(config, procs, directory.path,
+                                                           saved, resume_path, stop.pending)
+    except (MemoryError, RuntimeError) as e:  # set-up: the snapshot, and what to try
+        if ops.memory_error(e) is None:
+            raise
+        raise RunFailed(set_up_out_of_memory(e, config, directory.path, procs.device)) from None
+    try:
+        if config["find_lr"]:  # the LR range test instead of training: no checkpoint
+            return lr_finder.run(training, train_loader, criterion, stop)
+        log(f"training {config['network']} on {config['dataset']} "
+            f"({len(training.datasets[0])} samples, {procs.world_size} process(es), "
+            f"{procs.device}) into {directory.path}")
         with profiling.window(training, train_loader) as training.profiler:  # --profile-steps
             ended, final = run_epochs(training, train_loader, criterion, stop)
     except ops.OutOfMemory as e:  # one line: where, the batch, what to try
@@ -217,6 +224,21 @@ def fit(config, argv, resume_path, saved, directory, stop):
     training.run_log.close(config, final)
     log(f"done: {directory.path}")
     return 0
+
+
+def set_up_out_of_memory(error, config, run_dir, device):
+    """The ``error:`` line's text for memory that ran out before the first step; writes the
+    --memory-snapshot file first. When the sets being put on the device took it
+    (--data-on-device), the remedy is the per-sample path, not a smaller batch."""
+    snapshot = runtime.dump_memory_snapshot(run_dir, device) if config["memory_snapshot"] \
+        else None
+    on_device = any(frame.name == "build_device_loaders"
+                    for frame in traceback.extract_tb(error.__traceback__))
+    return (f"out of memory ({ops.memory_error(error)}) "
+            f"{'holding the data on ' + str(device) if on_device else 'setting up the run'}, "
+            f"before the first step; every file written before is intact"
+            f"{'; the allocator history is in ' + snapshot if snapshot else ''}: "
+            f"{'use --data-on-device off' if on_device else 'lower --batch-size, or free memory'}")
 
 
 def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=None):

@@ -17,9 +17,11 @@ import checkpoint
 import data
 import device_data
 import engine
+import lr_finder
 import metrics
 import ops
 import profiling
+import runlog
 import runtime
 import train
 from config import with_defaults
@@ -322,3 +324,55 @@ def test_the_epoch_lines_advice_follows_the_data_path(tmp_path, monkeypatch):
     for path in ("on", "off"):
         assert train.main(tiny_args(tmp_path / path, "--data-on-device", path)) == 0
     assert seen == [(True,), (False,)]
+
+
+# ------------------------- N13: out of memory in --find-lr, and at set-up on each path
+
+def _no_memory(*args, **kwargs):  # the CPU allocator's words
+    raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator:"
+                       " can't allocate memory: you tried to allocate 4294967296 bytes.")
+
+
+def _error_lines(capsys):
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return [line for line in err.splitlines() if line.startswith("error:")]
+
+
+def test_out_of_memory_in_the_lr_range_test(tmp_path, monkeypatch, capsys):
+    real_sweep, events = lr_finder.sweep, []
+
+    def sweep(training, *args):
+        monkeypatch.setattr(training.model, "forward", _no_memory)
+        return real_sweep(training, *args)
+
+    real_failed = runlog.RunLog.failed
+    monkeypatch.setattr(lr_finder, "sweep", sweep)
+    monkeypatch.setattr(runlog.RunLog, "failed",
+                        lambda self: events.append("failed") or real_failed(self))
+    monkeypatch.setattr(runtime, "dump_memory_snapshot",  # (None on the CPU: no CUDA history)
+                        lambda run_dir, device: events.append("snapshot") or "snap.pickle")
+    assert train.main(tiny_args(tmp_path, "--find-lr", "--memory-snapshot")) == 1
+    errors = _error_lines(capsys)
+    assert len(errors) == 1 and "out of memory in the forward pass at batch size 16" in errors[0]
+    assert "--amp bf16" in errors[0] and "snap.pickle" in errors[0]
+    assert events == ["failed", "snapshot"]  # --mlflow's run is marked FAILED
+
+
+@pytest.mark.parametrize("path, broken, where, advice", [
+    ("on", "source_tensors", "holding the data on cpu", "use --data-on-device off"),
+    ("off", "train_flops_per_sample", "setting up the run", "lower --batch-size"),
+])
+def test_out_of_memory_at_set_up_says_what_to_try_on_each_path(tmp_path, monkeypatch, capsys,
+                                                               path, broken, where, advice):
+    module = device_data if broken == "source_tensors" else ops
+    monkeypatch.setattr(module, broken, _no_memory)
+    snapshots = []
+    monkeypatch.setattr(runtime, "dump_memory_snapshot",
+                        lambda run_dir, device: snapshots.append(1) or "snap.pickle")
+    assert train.main(tiny_args(tmp_path, "--data-on-device", path, "--memory-snapshot")) == 1
+    errors = _error_lines(capsys)
+    assert len(errors) == 1 and errors[0].startswith("error: out of memory (it tried to "
+                                                     "allocate 4.00 GiB more) " + where)
+    assert errors[0].endswith(advice + (", or free memory" if path == "off" else ""))
+    assert "snap.pickle" in errors[0] and snapshots == [1]
