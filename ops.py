@@ -49,23 +49,30 @@ class OutOfMemory(RunFailed):
 
 
 _OUT_OF_MEMORY = ("out of memory", "can't allocate memory", "cannot allocate memory",
-                  "not enough memory")
+                  "not enough memory", "status_alloc_failed")  # cuBLAS's and cuDNN's own
 
 
 def memory_error(error):
     """The allocator's message, shortened, when ``error`` says that memory ran out (CUDA's
-    OutOfMemoryError, the CPU allocator's RuntimeError, Python's MemoryError); else None."""
+    OutOfMemoryError, the CPU allocator's RuntimeError, Python's MemoryError, cuBLAS's and
+    cuDNN's ``*_STATUS_ALLOC_FAILED``); else None. Of a message of several lines (the
+    error DataParallel raises again for a replica's: "Caught OutOfMemoryError in replica
+    1 ..." then the replica's traceback) the allocator's line is kept."""
     text = str(error)
     if not (isinstance(error, (MemoryError, torch.OutOfMemoryError))
             or any(words in text.lower() for words in _OUT_OF_MEMORY)):
         return None
-    text = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    lines = [line.strip() for line in text.strip().splitlines()]
+    said = [line for line in lines if any(words in line.lower() for words in _OUT_OF_MEMORY)]
+    text = said[0] if said else lines[0] if lines else type(error).__name__
+    text = re.sub(r"^(torch\.(cuda\.)?)?OutOfMemoryError: ", "", text)
+    replica = re.match(r"Caught \w+ (in replica \d+ on device \d+)", lines[0] if lines else "")
     text = re.sub(r"^\[enforce fail at [^\]]*\] *(err == 0\. *)?", "", text)
     match = re.search(r"[Tt]ried to allocate ([0-9]+) bytes", text)
     if match:  # the CPU allocator counts in bytes
         return f"it tried to allocate {int(match[1]) / 2**30:.2f} GiB more"
     match = re.search(r"[Tt]ried to allocate ([0-9.]+ [KMGT]?i?B)", text)  # CUDA's words
-    first = text.split(". ")[0].rstrip(".")
+    first = text.split(". ")[0].rstrip(".") + (f" ({replica[1]})" if replica else "")
     return f"{first}: it tried to allocate {match[1]} more" if match else first
 
 

@@ -376,3 +376,32 @@ def test_out_of_memory_at_set_up_says_what_to_try_on_each_path(tmp_path, monkeyp
                                                      "allocate 4.00 GiB more) " + where)
     assert errors[0].endswith(advice + (", or free memory" if path == "off" else ""))
     assert "snap.pickle" in errors[0] and snapshots == [1]
+
+
+# ------------------ N14: cuBLAS/cuDNN allocation failures, DataParallel's replica errors
+
+@pytest.mark.parametrize("text, expected", [
+    ("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+     "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+    ("cuDNN error: CUDNN_STATUS_ALLOC_FAILED", "cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
+])
+def test_cublas_and_cudnn_allocation_failures_are_out_of_memory(text, expected):
+    assert ops.memory_error(RuntimeError(text)) == expected
+    assert ops.memory_error(RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED")) is None
+
+
+def test_dataparallels_replica_error_keeps_the_allocators_words():
+    # DataParallel raises a replica's error again through torch's ExceptionWrapper.
+    from torch._utils import ExceptionWrapper
+
+    try:
+        raise torch.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity of "
+            "79.19 GiB of which 1.06 GiB is free.")
+    except torch.OutOfMemoryError:
+        wrapped = ExceptionWrapper(where="in replica 1 on device 1")
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        wrapped.reraise()
+    assert str(raised.value).startswith("Caught OutOfMemoryError in replica 1 on device 1")
+    assert ops.memory_error(raised.value) == ("CUDA out of memory (in replica 1 on device 1): "
+                                              "it tried to allocate 2.00 GiB more")
