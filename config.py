@@ -175,10 +175,10 @@ def _hardware_flags(g):
     g.add_argument("--deterministic", action="store_true",
                    help="deterministic algorithms (slower on CUDA)")
     g.add_argument("--gpu-memory-fraction", type=float, default=0.0, metavar="F",
-                   help="cap this process's share of its GPU's memory to F (0..1] so that "
-                   "several runs share one GPU (torch.cuda.set_per_process_memory_fraction; "
-                   "the CUDA context, a few hundred MiB, is not counted); 0 = no cap; "
-                   "without CUDA a warning")
+                   help="cap this process's share of its GPU's memory (each GPU of --gpus) "
+                   "to F (0..1] so that several runs share one GPU "
+                   "(torch.cuda.set_per_process_memory_fraction; the CUDA context, a few "
+                   "hundred MiB, is not counted); 0 = no cap; without CUDA a warning")
     g.add_argument("--memory-snapshot", action="store_true",
                    help="CUDA: record the allocator's history and, on an out-of-memory "
                    "error, write memory_snapshot.pickle into the run directory for "

@@ -543,7 +543,8 @@ def _quiet_writer_hook(args):
 
 def set_memory_options(config, device):
     """--gpu-memory-fraction and --memory-snapshot, set before the run's first allocation
-    on ``device``; without CUDA each is a warning and the run goes on."""
+    on ``device`` (the fraction on each GPU of --gpus too); without CUDA each is a warning
+    and the run goes on."""
     fraction, snapshot = config["gpu_memory_fraction"], config["memory_snapshot"]
     if device.type != "cuda":
         for flag, on in (("--gpu-memory-fraction", fraction), ("--memory-snapshot", snapshot)):
@@ -552,7 +553,9 @@ def set_memory_options(config, device):
                            f"{device}: ignored", file=sys.stderr)
         return
     if fraction:  # the caching allocator refuses beyond it; the CUDA context is not counted
-        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        ids = gpu_ids(config["gpus"]) if config.get("gpus") else [device]
+        for gpu in ids:  # every GPU of --gpus: DataParallel's replicas allocate there too
+            torch.cuda.set_per_process_memory_fraction(fraction, gpu)
     if snapshot:  # the allocator's history, for memory_snapshot.pickle on an OOM
         torch.cuda.memory._record_memory_history(max_entries=100_000)
 

@@ -405,3 +405,20 @@ def test_dataparallels_replica_error_keeps_the_allocators_words():
     assert str(raised.value).startswith("Caught OutOfMemoryError in replica 1 on device 1")
     assert ops.memory_error(raised.value) == ("CUDA out of memory (in replica 1 on device 1): "
                                               "it tried to allocate 2.00 GiB more")
+
+
+# ------------------------------- N16: --gpu-memory-fraction on every GPU of --gpus
+
+def test_the_memory_fraction_caps_every_gpu_of_gpus(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    capped = []
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda fraction, device: capped.append((fraction, device)))
+    cuda = torch.device("cuda", 1)
+    config = {"gpu_memory_fraction": 0.3, "memory_snapshot": False, "gpus": "1,3"}
+    runtime.set_memory_options(config, cuda)
+    assert capped == [(0.3, 1), (0.3, 3)]
+    capped.clear()
+    runtime.set_memory_options({**config, "gpus": None}, cuda)
+    assert capped == [(0.3, cuda)]
