@@ -88,7 +88,7 @@ def setup_processes(config, stop=None):
             device = select_device(torch.device("cuda", local_rank))
         import elastic  # (it imports this module)
         elastic.join_process_group("nccl" if device.type == "cuda" else "gloo", rank,
-                                   world_size, stop)
+                                   world_size, stop, device)
         host = dist.new_group(backend="gloo") if device.type == "cuda" else None
         return Processes(rank, world_size, device, host)
     if config["gpus"]:

@@ -16,6 +16,7 @@ from torch.autograd import DeviceType
 import checkpoint
 import data
 import device_data
+import elastic
 import engine
 import lr_finder
 import metrics
@@ -422,3 +423,16 @@ def test_the_memory_fraction_caps_every_gpu_of_gpus(monkeypatch):
     capped.clear()
     runtime.set_memory_options({**config, "gpus": None}, cuda)
     assert capped == [(0.3, cuda)]
+
+
+# ------------------- N20: NCCL's group bound to the device; N12: gloo's side interface
+
+def test_nccl_groups_are_bound_to_the_processs_device(monkeypatch):
+    calls = []
+    monkeypatch.setattr(elastic.dist, "init_process_group",
+                        lambda backend, **kwargs: calls.append((backend, kwargs)))
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    cuda = torch.device("cuda", 1)
+    elastic.join_process_group("nccl", 0, 2, device=cuda)
+    elastic.join_process_group("gloo", 0, 2, device=torch.device("cpu"))
+    assert calls == [("nccl", {"device_id": cuda}), ("gloo", {})]
