@@ -89,11 +89,48 @@ def setup_processes(config, stop=None):
         import elastic  # (it imports this module)
         elastic.join_process_group("nccl" if device.type == "cuda" else "gloo", rank,
                                    world_size, stop, device)
+        if device.type == "cuda":
+            default_gloo_interface()  # the side group binds where NCCL was told to
         host = dist.new_group(backend="gloo") if device.type == "cuda" else None
         return Processes(rank, world_size, device, host)
     if config["gpus"]:
         return Processes(0, 1, select_device(torch.device("cuda", gpu_ids(config["gpus"])[0])))
     return Processes(0, 1, select_device(parse_device(config["device"])))
+
+
+def default_gloo_interface(environ=os.environ, interfaces=None):
+    """Sets GLOO_SOCKET_IFNAME, when unset, to the first network interface that
+    NCCL_SOCKET_IFNAME selects, and returns it (else None, nothing set).
+
+    An NCCL run's agreements go over a gloo group, which otherwise binds the address the
+    host name resolves to: on clusters whose /etc/hosts maps it to 127.0.1.1 gloo fails
+    across machines where NCCL (told its interface) works. NCCL's syntax is read as NCCL
+    reads it: names are prefixes ("eth" is eth0, eth1...), "=" makes them exact, "^"
+    excludes them; gloo wants one exact name.
+
+    Args:
+        environ: the environment to read and set.
+        interfaces: the machine's interface names (default: ``socket.if_nameindex``).
+    """
+    wanted = environ.get("NCCL_SOCKET_IFNAME", "").strip()
+    if environ.get("GLOO_SOCKET_IFNAME") or not wanted:
+        return None
+    if interfaces is None:
+        interfaces = [name for _, name in socket.if_nameindex()]
+    exclude = wanted.startswith("^")
+    wanted = wanted.lstrip("^")
+    exact = wanted.startswith("=")
+    names = [n.strip() for n in wanted.lstrip("=").split(",") if n.strip()]
+
+    def named(interface):
+        return any(interface == n if exact else interface.startswith(n) for n in names)
+
+    chosen = [i for i in interfaces if named(i) != exclude
+              and not (exclude and i.startswith(("lo", "docker")))]  # NCCL's own default
+    if not chosen:
+        return None
+    environ["GLOO_SOCKET_IFNAME"] = chosen[0]
+    return chosen[0]
 
 
 def select_device(device):

@@ -436,3 +436,21 @@ def test_nccl_groups_are_bound_to_the_processs_device(monkeypatch):
     elastic.join_process_group("nccl", 0, 2, device=cuda)
     elastic.join_process_group("gloo", 0, 2, device=torch.device("cpu"))
     assert calls == [("nccl", {"device_id": cuda}), ("gloo", {})]
+
+
+@pytest.mark.parametrize("nccl, gloo", [
+    ("eth", "eth0"),          # a prefix, as NCCL reads it
+    ("=eth1", "eth1"),        # exact
+    ("ib,eth", "eth0"),       # the first interface either names
+    ("^docker,lo", "eth0"),   # excluded: the rest
+    ("=eth", None),           # no such interface: left unset
+    ("", None),
+])
+def test_gloo_follows_nccl_socket_ifname(nccl, gloo):
+    interfaces = ["lo", "docker0", "eth0", "eth1"]
+    environ = {"NCCL_SOCKET_IFNAME": nccl}
+    assert runtime.default_gloo_interface(environ, interfaces) == gloo
+    assert environ.get("GLOO_SOCKET_IFNAME") == gloo
+    environ = {"NCCL_SOCKET_IFNAME": nccl, "GLOO_SOCKET_IFNAME": "bond0"}  # the user's wins
+    assert runtime.default_gloo_interface(environ, interfaces) is None
+    assert environ["GLOO_SOCKET_IFNAME"] == "bond0"
