@@ -564,6 +564,13 @@ def check_config(c):
                         "would not be reproducible); use --num-workers 1 or more")
     if c["resume"] == "auto" and not c["run_dir"]:
         raise UserError("--resume auto needs --run-dir (the run to continue)")
+    if c["compile"] and c["gpus"] and len([i for i in str(c["gpus"]).split(",")
+                                           if i.strip()]) > 1:
+        # torch.compile does not trace DataParallel's replicate-and-thread forward: it
+        # falls back to eager for it, or fails, untested here; DDP is what compiles.
+        raise UserError(f"--compile does not work with --gpus {c['gpus']} (DataParallel); "
+                        f"for several GPUs use torchrun (DistributedDataParallel), which "
+                        f"compiles, or drop --compile")
     _check_device(c["device"])
     if c["dataset"] == "synthetic":
         _check_synthetic(c)

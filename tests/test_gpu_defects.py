@@ -454,3 +454,16 @@ def test_gloo_follows_nccl_socket_ifname(nccl, gloo):
     environ = {"NCCL_SOCKET_IFNAME": nccl, "GLOO_SOCKET_IFNAME": "bond0"}  # the user's wins
     assert runtime.default_gloo_interface(environ, interfaces) is None
     assert environ["GLOO_SOCKET_IFNAME"] == "bond0"
+
+
+# --------------------------------------------- C14: --compile with --gpus (DataParallel)
+
+def test_compile_with_dataparallel_is_one_error_line(tmp_path, capsys):
+    assert train.main(tiny_args(tmp_path / "a", "--compile", "--gpus", "0,1")) == 2
+    errors = _error_lines(capsys)
+    assert errors == ["error: --compile does not work with --gpus 0,1 (DataParallel); for "
+                      "several GPUs use torchrun (DistributedDataParallel), which compiles, "
+                      "or drop --compile"]
+    # One GPU is no DataParallel: --compile passes the config check (then no GPU here).
+    assert train.main(tiny_args(tmp_path / "b", "--compile", "--gpus", "0")) == 2
+    assert "--compile" not in _error_lines(capsys)[0]
