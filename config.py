@@ -179,10 +179,10 @@ def _hardware_flags(g):
     g.add_argument("--deterministic", action="store_true",
                    help="deterministic algorithms (slower on CUDA)")
     g.add_argument("--gpu-memory-fraction", type=float, default=0.0, metavar="F",
-                   help="cap this process's share of its GPU's memory to F (0..1] so that "
-                   "several runs share one GPU (torch.cuda.set_per_process_memory_fraction; "
-                   "the CUDA context, a few hundred MiB, is not counted); 0 = no cap; "
-                   "without CUDA a warning")
+                   help="cap this process's share of its GPU's memory (each GPU of --gpus) "
+                   "to F (0..1] so that several runs share one GPU "
+                   "(torch.cuda.set_per_process_memory_fraction; the CUDA context, a few "
+                   "hundred MiB, is not counted); 0 = no cap; without CUDA a warning")
     g.add_argument("--memory-snapshot", action="store_true",
                    help="CUDA: record the allocator's history and, on an out-of-memory "
                    "error, write memory_snapshot.pickle into the run directory for "
@@ -572,6 +572,13 @@ def check_config(c):
                         "would not be reproducible); use --num-workers 1 or more")
     if c["resume"] == "auto" and not c["run_dir"]:
         raise UserError("--resume auto needs --run-dir (the run to continue)")
+    if c["compile"] and c["gpus"] and len([i for i in str(c["gpus"]).split(",")
+                                           if i.strip()]) > 1:
+        # torch.compile does not trace DataParallel's replicate-and-thread forward: it
+        # falls back to eager for it, or fails, untested here; DDP is what compiles.
+        raise UserError(f"--compile does not work with --gpus {c['gpus']} (DataParallel); "
+                        f"for several GPUs use torchrun (DistributedDataParallel), which "
+                        f"compiles, or drop --compile")
     _check_network_task(c)
     tasks.check_config(c)
     _check_device(c["device"])

@@ -324,10 +324,11 @@ def device_data_decision(config, train_set, val_set, device):
 
     ``off``: never. ``on``: always, or a UserError when it cannot (a transform or a set it
     cannot do; on CUDA, sets larger than the free memory). ``auto``: when both sets take
-    at most ``DEVICE_SHARE`` (a quarter) of the free memory of the device (on the CPU:
-    of the memory available) and every transform is one the device path does (on the
-    CPU too: one process gathering whole batches from memory beats workers that send
-    each sample through a pipe: bench/data.py; photos come out even, bench/photos.py).
+    at most ``DEVICE_SHARE`` (a quarter) of the free memory of the device (under
+    --gpu-memory-fraction, of what its cap leaves; on the CPU: of the memory available)
+    and every transform is one the device path does (on the CPU too: one process
+    gathering whole batches from memory beats workers that send each sample through a
+    pipe: bench/data.py; photos come out even, bench/photos.py).
 
     Args:
         config: the resolved config (``data_on_device``, ``dataset``, ``num_workers``,
@@ -371,15 +372,31 @@ def device_data_decision(config, train_set, val_set, device):
                           f"of memory available; auto allows {DEVICE_SHARE:.0%})"
         return True, f"data path: in memory ({device}): {what}, {share:.1%} of the " \
                      f"{_mib(free)} available; {how} (--data-on-device auto)"
-    free, _ = torch.cuda.mem_get_info(device)
+    free, where = cuda_free_memory(device, config.get("gpu_memory_fraction"))
     share = need / max(free, 1)
     if mode == "auto" and share > DEVICE_SHARE:
         return False, f"{loader} ({what} would take {share:.0%} of the {_mib(free)} free " \
-                      f"on {device}; auto allows {DEVICE_SHARE:.0%})"
+                      f"{where}; auto allows {DEVICE_SHARE:.0%})"
     if share > 1:
         raise UserError(f"--data-on-device on: {what} do not fit in the {_mib(free)} free "
-                        f"on {device}; use --data-on-device off")
+                        f"{where}; use --data-on-device off")
     return True, f"data path: on {device}: {what}, {share:.1%} of its free memory; {how}"
+
+
+def cuda_free_memory(device, fraction=None):
+    """The memory this process can still take on a CUDA device: the card's free memory,
+    or less under --gpu-memory-fraction, whose cap (``fraction`` of the total) counts what
+    the process's allocator holds already.
+
+    Returns:
+        ``(bytes, where)``: the figure and the words that say whose it is (``on cuda:0``).
+    """
+    free, total = torch.cuda.mem_get_info(device)
+    if fraction:
+        cap = int(fraction * total) - torch.cuda.memory_reserved(device)
+        if cap < free:
+            return max(cap, 0), f"on {device} under --gpu-memory-fraction {fraction:g}"
+    return free, f"on {device}"
 
 
 def build_device_loaders(config, train_set, val_set, sampler, device, rank=0, world_size=1,

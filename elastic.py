@@ -59,7 +59,8 @@ def earlier_round_of_this_job(holder):
             and isinstance(theirs.get("restart"), int) and theirs["restart"] < mine["restart"])
 
 
-def join_process_group(backend, rank, world_size, stop=None, timeout=JOIN_TIMEOUT):
+def join_process_group(backend, rank, world_size, stop=None, device=None,
+                       timeout=JOIN_TIMEOUT):
     """``dist.init_process_group`` over this round's store, once every process is there.
 
     The processes first wait for each other in Python, polling the store, so that a stop
@@ -72,10 +73,14 @@ def join_process_group(backend, rank, world_size, stop=None, timeout=JOIN_TIMEOU
         rank, world_size: this process's place.
         stop: returns the number of a stop signal received, or None
             (``StopRequest.pending``); None: the wait cannot be interrupted.
+        device: this process's device; under NCCL it is bound to the group at once
+            (``device_id``), so its barriers need not guess it (torch warns) and NCCL
+            connects now.
         timeout: seconds to wait for the others before ``RunFailed``.
     """
+    bound = {"device_id": device} if backend == "nccl" and device is not None else {}
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        dist.init_process_group(backend)  # another launcher: torch's own rendezvous
+        dist.init_process_group(backend, **bound)  # another launcher: torch's rendezvous
         return
     deadline = time.monotonic() + timeout
     store = dist.PrefixStore(round_prefix(), _connect(rank, world_size, stop, deadline))
@@ -91,7 +96,8 @@ def join_process_group(backend, rank, world_size, stop=None, timeout=JOIN_TIMEOU
                         f"processes ({first_sentence(e)})") from None
     with _signals_end_the_process():
         try:
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    **bound)
         except RuntimeError as e:
             if dist.is_initialized():
                 raise

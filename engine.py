@@ -187,6 +187,9 @@ class Autocast(torch.nn.Module):
             return self.module(*args, **kwargs)
 
 
+FOLD_NORMS = 64  # Counters keeps at most this many per-step gradient norms as tensors
+
+
 class Counters:
     """Running sums kept on the device and read (one sync) only when logging or saving.
 
@@ -206,7 +209,9 @@ class Counters:
         self.samples = 0
         self.worst = torch.zeros((), device=self.device, dtype=torch.long)
         self.skips = torch.zeros((), device=self.device)
-        self.grad_norms = []  # each step's norm, a 0-d tensor on the device
+        self.grad_norms = []  # the latest steps' norms, 0-d tensors on the device ...
+        self.grad_sums = torch.zeros(3, device=self.device, dtype=torch.float64)  # ... and
+        # the earlier ones', folded in: the finite norms' sum, their count, the clipped
 
     def add_loss(self, loss, count):
         """Adds a batch's mean loss for ``count`` samples; tracks non-finite streaks.
@@ -224,21 +229,27 @@ class Counters:
 
     def add_grad_norm(self, norm):
         """Keeps an optimizer step's total gradient norm (before clipping): a list append
-        per step, no kernel; ``read`` sums them."""
+        per step, no kernel; every ``FOLD_NORMS`` steps they are summed on the device (a
+        few kernels, no sync), so a long --log-every keeps no more tensors than that."""
         self.grad_norms.append(norm.detach())
+        if len(self.grad_norms) >= FOLD_NORMS:
+            self._fold_grad_norms()
 
-    def _grad_norm_sums(self, clip):
-        """The kept norms' sum and count, the non-finite ones (an fp16 step the GradScaler
-        skips) left out, and how many were above ``clip`` (when > 0)."""
+    def _fold_grad_norms(self):
+        """Adds the kept norms to ``grad_sums``: the non-finite ones (an fp16 step the
+        GradScaler skipped) left out of the sum and count, and not counted as clipped."""
         if not self.grad_norms:
-            return 0.0, 0, 0
+            return
         norms = torch.stack(self.grad_norms).double()
         finite = torch.isfinite(norms)
-        clipped = int((norms > clip).sum()) if clip > 0 else 0
-        return float(torch.where(finite, norms, 0.0).sum()), int(finite.sum()), clipped
+        clipped = finite & (norms > self.clip) if self.clip > 0 else torch.zeros_like(finite)
+        self.grad_sums += torch.stack([torch.where(finite, norms, 0.0).sum(), finite.sum(),
+                                       clipped.sum()]).double()
+        self.grad_norms = []
 
     def read(self):
-        """Returns the sums since the last read as numbers, and starts new ones.
+        """Returns the sums since the last read as numbers (one read from the device),
+        and starts new ones.
 
         Returns:
             A dict with ``loss_sum`` and ``loss_count`` (finite losses only),
@@ -247,12 +258,16 @@ class Counters:
             ``grad_norm_sum`` over ``grad_norm_count`` steps, ``grad_clipped`` of them
             above the clip (--grad-clip).
         """
-        grad_sum, grad_count, clipped = self._grad_norm_sums(self.clip)
-        values = {"loss_sum": float(self.loss_sum), "loss_count": int(self.loss_count),
-                  "samples": self.samples, "worst_streak": int(self.worst),
-                  "streak": int(self.streak), "scaler_skips": int(self.skips),
-                  "grad_norm_sum": grad_sum, "grad_norm_count": grad_count,
-                  "grad_clipped": clipped}
+        self._fold_grad_norms()
+        (loss_sum, loss_count, worst, streak, skips, grad_sum, grad_count,
+         clipped) = torch.cat([torch.stack([t.double() for t in (
+             self.loss_sum, self.loss_count, self.worst, self.streak, self.skips)]),
+             self.grad_sums]).tolist()
+        values = {"loss_sum": loss_sum, "loss_count": int(loss_count),
+                  "samples": self.samples, "worst_streak": int(worst),
+                  "streak": int(streak), "scaler_skips": int(skips),
+                  "grad_norm_sum": grad_sum, "grad_norm_count": int(grad_count),
+                  "grad_clipped": int(clipped)}
         self.reset()
         return values
 

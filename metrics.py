@@ -112,7 +112,8 @@ def epoch_record(epoch, step, loss_sum, loss_count, lr, times, samples, flops_pe
             and processes, and their count.
         lr: the learning rate now.
         times: ``(data_time, compute_time, wall_time)`` of the epoch (``StepTimer``).
-        samples: samples the epoch trained on, all processes.
+        samples: samples trained in ``times``, all processes (a resumed epoch: since
+            the resume; its earlier samples were timed by the run before).
         flops_per_sample: forward and backward FLOPs of one sample.
         peak_tflops: the device's datasheet peak, or None where unknown (no ``mfu``).
         unreadable: image files skipped so far (0: no key).
@@ -158,8 +159,16 @@ def hparam_metrics(final):
     return {_tag_of(key): value for key, value in final.items()}
 
 
-def epoch_line(record, config, task):
-    """The line printed when an epoch ends (and hints when the data path is slow)."""
+def epoch_line(record, config, task, on_device=False):
+    """The line printed when an epoch ends (and hints when the data path is slow).
+
+    Args:
+        record: the epoch's ``epoch_record``, with its validation figures.
+        config: the run's (``epochs``, ``num_workers``).
+        task: the run's task (its best figure is shown).
+        on_device: the batches are made on the device (--data-on-device), where workers
+            and --prefetch do not apply.
+    """
     val = "".join(f"  {key} {record[key]:.4f}" for key in
                   ("val_loss", best_key(task), best_key(task, True)) if key in record)
     lines = [f"epoch {record['epoch']}/{config['epochs']}  step {record['step']}  "
@@ -170,7 +179,12 @@ def epoch_line(record, config, task):
     if "mfu" in record:
         lines.append(f"  {record['tflops']:.1f} TFLOP/s, model FLOPs utilisation "
                      f"{record['mfu']:.1%}")
-    if record["compute_efficiency"] < 0.7:
+    if record["compute_efficiency"] < 0.7 and on_device:
+        lines.append(f"  the steps' work took {record['compute_efficiency']:.0%} of the time; "
+                     f"the rest went to making the batches on the device (and to logging, "
+                     f"checkpoints): lighter augmentation (--auto-augment, --random-erase) "
+                     f"or a larger --batch-size spreads that cost")
+    elif record["compute_efficiency"] < 0.7:
         lines.append(f"  the loop waited for data {1 - record['compute_efficiency']:.0%} of "
                      f"the time: try more --num-workers (now {config['num_workers']}) or "
                      f"--prefetch 2")

@@ -62,24 +62,64 @@ class OutOfMemory(RunFailed):
 
 
 _OUT_OF_MEMORY = ("out of memory", "can't allocate memory", "cannot allocate memory",
-                  "not enough memory")
+                  "not enough memory", "status_alloc_failed")  # cuBLAS's and cuDNN's own
 
 
 def memory_error(error):
     """The allocator's message, shortened, when ``error`` says that memory ran out (CUDA's
-    OutOfMemoryError, the CPU allocator's RuntimeError, Python's MemoryError); else None."""
+    OutOfMemoryError, the CPU allocator's RuntimeError, Python's MemoryError, cuBLAS's and
+    cuDNN's ``*_STATUS_ALLOC_FAILED``); else None. Of a message of several lines (the
+    error DataParallel raises again for a replica's: "Caught OutOfMemoryError in replica
+    1 ..." then the replica's traceback) the allocator's line is kept."""
     text = str(error)
     if not (isinstance(error, (MemoryError, torch.OutOfMemoryError))
             or any(words in text.lower() for words in _OUT_OF_MEMORY)):
         return None
-    text = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    lines = [line.strip() for line in text.strip().splitlines()]
+    said = [line for line in lines if any(words in line.lower() for words in _OUT_OF_MEMORY)]
+    text = said[0] if said else lines[0] if lines else type(error).__name__
+    text = re.sub(r"^(torch\.(cuda\.)?)?OutOfMemoryError: ", "", text)
+    replica = re.match(r"Caught \w+ (in replica \d+ on device \d+)", lines[0] if lines else "")
     text = re.sub(r"^\[enforce fail at [^\]]*\] *(err == 0\. *)?", "", text)
     match = re.search(r"[Tt]ried to allocate ([0-9]+) bytes", text)
     if match:  # the CPU allocator counts in bytes
         return f"it tried to allocate {int(match[1]) / 2**30:.2f} GiB more"
     match = re.search(r"[Tt]ried to allocate ([0-9.]+ [KMGT]?i?B)", text)  # CUDA's words
-    first = text.split(". ")[0].rstrip(".")
+    first = text.split(". ")[0].rstrip(".") + (f" ({replica[1]})" if replica else "")
     return f"{first}: it tried to allocate {match[1]} more" if match else first
+
+
+def out_of_memory_message(error, config=None, training=None, snapshot=None):
+    """One line for an out-of-memory error: where it happened, the batch, that the
+    checkpoints are intact, and what to try (each only where it is not on already).
+
+    Args:
+        error: an ``OutOfMemory`` from a step or a validation, or the allocator's
+            words (``memory_error``) for one elsewhere (set-up, a checkpoint).
+        config, training: the run's, when it got that far.
+        snapshot: the path of the --memory-snapshot file written, or None.
+    """
+    if not isinstance(error, OutOfMemory):
+        return (f"out of memory ({error}) before or between training steps; every file "
+                f"written before is intact: lower --batch-size, or free memory")
+    batch = config["batch_size"]
+    effective = config["virtual_batch_size"] or batch
+    smaller = max(d for d in range(1, max(batch // 2, 1) + 1) if effective % d == 0)
+    tries = []
+    if smaller < batch:
+        tries.append(f"--batch-size {smaller} --virtual-batch-size {effective} (the same "
+                     f"{effective} samples an optimizer step)")
+    if not config["grad_checkpointing"] and hasattr(training.net, "set_grad_checkpointing"):
+        tries.append("--grad-checkpointing")
+    if config["amp"] == "none":
+        tries.append("--amp bf16")
+    if not config["channels_last"]:
+        tries.append("--channels-last")
+    saved = training.saver.last_saved
+    return (f"{error}; the checkpoints are intact ("
+            f"{'the last: ' + saved if saved else 'none was written yet'})"
+            f"{'; the allocator history is in ' + snapshot if snapshot else ''}"
+            f"{'; try ' + ', '.join(tries) if tries else ''}")
 
 
 def _matching(names, patterns):
@@ -299,7 +339,7 @@ def init_weights(module, init_type="normal", gain=0.02):
     return module.apply(init_one)
 
 
-def train_flops_per_sample(module, sample_shape, device):
+def train_flops_per_sample(module, sample_shape, device, kinds=False):
     """FLOPs of one training step's forward and backward pass, per sample.
 
     Counted once with ``torch.utils.flop_counter.FlopCounterMode`` on a copy of the
@@ -311,9 +351,12 @@ def train_flops_per_sample(module, sample_shape, device):
         module: the network.
         sample_shape: shape of one input sample, e.g. ``(3, 32, 32)``.
         device: where to run the count.
+        kinds: also return the FLOPs that are not convolutions (matrix products: cuBLAS,
+            whose TF32 switch is not cuDNN's).
 
     Returns:
-        The FLOP count per sample (an int; a multiply-add counts as 2 FLOPs).
+        The FLOP count per sample (an int; a multiply-add counts as 2 FLOPs); with
+        ``kinds``, ``(flops, matmul_flops)``.
     """
     import copy
 
@@ -332,7 +375,11 @@ def train_flops_per_sample(module, sample_shape, device):
             out = clone(x)  # (a dict for torchvision's segmentation networks: "out", "aux")
             sum(o.float().sum() for o in (out.values() if isinstance(out, dict)
                                           else [out])).backward()
-    return counter.get_total_flops() // 2
+    if not kinds:
+        return counter.get_total_flops() // 2
+    convolutions = sum(n for op, n in counter.get_flop_counts()["Global"].items()
+                       if "convolution" in str(op))
+    return counter.get_total_flops() // 2, (counter.get_total_flops() - convolutions) // 2
 
 
 def saved_tensor_bytes(module, x):
@@ -422,6 +469,52 @@ def peak_tflops(device_name, precision):
                 precision = "fp32"
             return peaks.get(precision)
     return None
+
+
+def zero_momentum_buffers(optimizer):
+    """Gives each SGD parameter with momentum that has no momentum buffer yet a zero one.
+
+    A fused SGD makes its first step's buffers with ``torch.empty_like`` and fills them in
+    the kernel, which returns at once when the GradScaler found inf gradients: a skipped
+    first step (fp16's initial scale overflows often) would keep whatever the allocator
+    left there (NaN under --deterministic) and the next step would add 0.9 times it. With a
+    zero buffer the first step that is taken computes ``momentum * 0 + g``, which is the
+    first-step rule (``buf = g``) bit for bit, for the fused and the plain SGD alike.
+
+    Args:
+        optimizer: a ``torch.optim.SGD`` (other optimizers are left as they are).
+    """
+    if not isinstance(optimizer, torch.optim.SGD):
+        return
+    for group in optimizer.param_groups:
+        if group["momentum"] == 0:
+            continue
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = torch.zeros_like(
+                    p, memory_format=torch.preserve_format)
+
+
+def place_fused_steps(optimizer):
+    """Moves each fused group's ``step`` tensors to their parameter's device, as float32.
+
+    ``Optimizer.load_state_dict`` moves them only when the saved group says fused; a
+    checkpoint of a CPU run without fp16 (or of a version before fused optimizers) says
+    not, and a fused Adam on CUDA then fails at its first step ("Expected all tensors to be
+    on the same device ... state_steps").
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer``, after ``load_state_dict``.
+    """
+    for group in optimizer.param_groups:
+        if not group.get("fused"):
+            continue
+        for p in group["params"]:
+            step = optimizer.state.get(p, {}).get("step")
+            if isinstance(step, torch.Tensor) and (step.device != p.device
+                                                   or step.dtype != torch.float32):
+                optimizer.state[p]["step"] = step.to(p.device, torch.float32)
 
 
 def sum_over_processes(values, device, world_size=1):

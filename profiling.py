@@ -32,6 +32,7 @@ import sys
 import time
 
 import torch
+from torch.autograd import DeviceType
 
 import device_data
 import files
@@ -88,10 +89,22 @@ def bound_line(data_time, compute_time, steps, recorded=None, on_device=False):
 def top_operators(prof, cuda, count=TOP_OPERATORS):
     """Lines for the ``count`` operators with the most self time, from a stopped
     profiler: CUDA self time with ``cuda``, else CPU self time. The ProfilerStep spans
-    are left out (their self time is what ran between operators: Python, waits)."""
+    are left out (their self time is what ran between operators: Python, waits).
+
+    On CUDA only the device's own rows count (the kernels, copies and memsets), as in
+    torch's own table: kineto also credits each kernel's time to the CPU operator that
+    launched it, so summing every row would count the GPU's time twice.
+    """
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    rows = sorted((e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")
-                   and getattr(e, key) > 0), key=lambda e: getattr(e, key), reverse=True)
+
+    def kept(e):
+        if cuda and (e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation",
+                                                                 False)):
+            return False
+        return not e.key.startswith("ProfilerStep") and getattr(e, key) > 0
+
+    rows = sorted((e for e in prof.key_averages() if kept(e)), key=lambda e: getattr(e, key),
+                  reverse=True)
     total = sum(getattr(e, key) for e in rows)
     where = "CUDA" if cuda else "CPU"
     lines = [f"profile: top operators by self {where} time (of {total / 1000:.3f} ms over "

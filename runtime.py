@@ -24,7 +24,14 @@ import torch
 import torch.distributed as dist
 
 import elastic
+import ops
 from ops import STOP_SIGNALS, Interrupted, RunFailed, UserError
+
+# --deterministic's cuBLAS needs this variable, and PyTorch reads it once per process, at
+# its first cuBLAS gemm (which may come before any run starts: a notebook, a test, a run
+# before). Set on import, before any: it only sizes cuBLAS's workspace (32 MiB, the size
+# torch itself picks on Hopper GPUs), so other runs are not slowed. A value set outside wins.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
 class Processes(NamedTuple):
@@ -82,12 +89,49 @@ def setup_processes(config, stop=None):
                                 f"on CPU processes with --device cpu")
             device = select_device(torch.device("cuda", local_rank))
         elastic.join_process_group("nccl" if device.type == "cuda" else "gloo", rank,
-                                   world_size, stop)
+                                   world_size, stop, device)
+        if device.type == "cuda":
+            default_gloo_interface()  # the side group binds where NCCL was told to
         host = dist.new_group(backend="gloo") if device.type == "cuda" else None
         return Processes(rank, world_size, device, host)
     if config["gpus"]:
         return Processes(0, 1, select_device(torch.device("cuda", gpu_ids(config["gpus"])[0])))
     return Processes(0, 1, select_device(parse_device(config["device"])))
+
+
+def default_gloo_interface(environ=os.environ, interfaces=None):
+    """Sets GLOO_SOCKET_IFNAME, when unset, to the first network interface that
+    NCCL_SOCKET_IFNAME selects, and returns it (else None, nothing set).
+
+    An NCCL run's agreements go over a gloo group, which otherwise binds the address the
+    host name resolves to: on clusters whose /etc/hosts maps it to 127.0.1.1 gloo fails
+    across machines where NCCL (told its interface) works. NCCL's syntax is read as NCCL
+    reads it: names are prefixes ("eth" is eth0, eth1...), "=" makes them exact, "^"
+    excludes them; gloo wants one exact name.
+
+    Args:
+        environ: the environment to read and set.
+        interfaces: the machine's interface names (default: ``socket.if_nameindex``).
+    """
+    wanted = environ.get("NCCL_SOCKET_IFNAME", "").strip()
+    if environ.get("GLOO_SOCKET_IFNAME") or not wanted:
+        return None
+    if interfaces is None:
+        interfaces = [name for _, name in socket.if_nameindex()]
+    exclude = wanted.startswith("^")
+    wanted = wanted.lstrip("^")
+    exact = wanted.startswith("=")
+    names = [n.strip() for n in wanted.lstrip("=").split(",") if n.strip()]
+
+    def named(interface):
+        return any(interface == n if exact else interface.startswith(n) for n in names)
+
+    chosen = [i for i in interfaces if named(i) != exclude
+              and not (exclude and i.startswith(("lo", "docker")))]  # NCCL's own default
+    if not chosen:
+        return None
+    environ["GLOO_SOCKET_IFNAME"] = chosen[0]
+    return chosen[0]
 
 
 def select_device(device):
@@ -295,19 +339,72 @@ def gpu_ids(text):
     return ids
 
 
+def peak_tflops(device, amp_dtype, devices=1, matmul_share=0.0):
+    """The datasheet peak in TFLOP/s of the GPUs the run's throughput counts (MFU), or
+    None where unknown.
+
+    With --amp none, convolutions run in TF32 where cuDNN may use it
+    (``torch.backends.cudnn.allow_tf32``, on by default) and matrix products where cuBLAS
+    may (``torch.backends.cuda.matmul.allow_tf32``, off by default), each else in plain
+    fp32. Where the two differ, the peak is the rate at which the step's FLOPs would run
+    if each kind ran at its own peak: ``1 / (share / matmul_peak + (1 - share) /
+    conv_peak)``, so an mlp is measured against the fp32 peak and a CNN (nearly all
+    convolutions) against TF32's.
+
+    Args:
+        device: this process's device (its name picks the peak).
+        amp_dtype: the autocast dtype, or None (--amp none).
+        devices: GPUs that share the work: the processes (DDP) or --gpus (DataParallel).
+        matmul_share: the share of the step's FLOPs that are matrix products, not
+            convolutions (``ops.train_flops_per_sample(..., kinds=True)``).
+    """
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(amp_dtype)
+    if precision is not None:
+        peak = ops.peak_tflops(name, precision)
+    else:
+        conv = ops.peak_tflops(name, "tf32" if torch.backends.cudnn.allow_tf32 else "fp32")
+        matmul = ops.peak_tflops(
+            name, "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32")
+        peak = None if conv is None or matmul is None else \
+            1 / (matmul_share / matmul + (1 - matmul_share) / conv)
+    return None if peak is None else peak * devices
+
+
+def gpu_count(config, procs):
+    """The GPUs one step runs on: the processes under torchrun, --gpus' ids in one."""
+    if procs.world_size > 1:
+        return procs.world_size
+    return len(gpu_ids(config["gpus"])) if config["gpus"] else 1
+
+
 def seed_everything(seed, rank, deterministic, device):
     """Seeds python, numpy and torch; sets the cuDNN and determinism switches."""
     random.seed(seed + rank)
     np.random.seed(seed + rank)
     torch.manual_seed(seed + rank)  # DDP broadcasts rank 0's initial weights anyway
-    if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(deterministic)  # both ways: main() may run again
     torch.backends.cudnn.deterministic = deterministic
     torch.backends.cudnn.benchmark = device.type == "cuda" and not deterministic
 
 
 AMP_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def cublas_config_error(error):
+    """The ``error:`` line's text when ``error`` is cuBLAS refusing --deterministic because
+    CUBLAS_WORKSPACE_CONFIG was unset (or set otherwise) at this process's first gemm;
+    else None."""
+    if not isinstance(error, RuntimeError) or "CUBLAS_WORKSPACE_CONFIG" not in str(error):
+        return None
+    now = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "(unset)")
+    return (f"--deterministic: cuBLAS was set up in this process with "
+            f"CUBLAS_WORKSPACE_CONFIG={now} (read once, at the first matrix product), "
+            f"where deterministic results need :4096:8 or :16:8; start a new process with "
+            f"CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment (or import train before "
+            f"any CUDA matrix product), or drop --deterministic")
 
 
 def amp_dtype(amp, device, remedy=None):
@@ -498,7 +595,8 @@ def _quiet_writer_hook(args):
 
 def set_memory_options(config, device):
     """--gpu-memory-fraction and --memory-snapshot, set before the run's first allocation
-    on ``device``; without CUDA each is a warning and the run goes on."""
+    on ``device`` (the fraction on each GPU of --gpus too); without CUDA each is a warning
+    and the run goes on."""
     fraction, snapshot = config["gpu_memory_fraction"], config["memory_snapshot"]
     if device.type != "cuda":
         for flag, on in (("--gpu-memory-fraction", fraction), ("--memory-snapshot", snapshot)):
@@ -507,7 +605,9 @@ def set_memory_options(config, device):
                            f"{device}: ignored", file=sys.stderr)
         return
     if fraction:  # the caching allocator refuses beyond it; the CUDA context is not counted
-        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        ids = gpu_ids(config["gpus"]) if config.get("gpus") else [device]
+        for gpu in ids:  # every GPU of --gpus: DataParallel's replicas allocate there too
+            torch.cuda.set_per_process_memory_fraction(fraction, gpu)
     if snapshot:  # the allocator's history, for memory_snapshot.pickle on an OOM
         torch.cuda.memory._record_memory_history(max_entries=100_000)
 

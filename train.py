@@ -38,6 +38,7 @@ import enum
 import functools
 import os
 import shlex
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -95,8 +96,11 @@ def main(argv=None):
         runtime.say(f"error: {e.strerror or e}{where}", file=sys.stderr)
         return EXIT_FAILED
     except (MemoryError, RuntimeError) as e:
+        if runtime.cublas_config_error(e) is not None:  # --deterministic after a gemm
+            runtime.say(f"error: {runtime.cublas_config_error(e)}", file=sys.stderr)
+            return EXIT_USER_ERROR
         if ops.memory_error(e) is not None:  # out of memory outside a step (set-up, a save)
-            runtime.say(f"error: {out_of_memory_message(ops.memory_error(e))}",
+            runtime.say(f"error: {ops.out_of_memory_message(ops.memory_error(e))}",
                         file=sys.stderr)
             return EXIT_FAILED
         if not runtime.lost_peer(e):  # a collective whose peer process died (gloo, NCCL)
@@ -159,6 +163,8 @@ class Training:
     flops_per_sample: int         # forward + backward, for the TFLOP/s figure
     peak_tflops: float            # the datasheet peak of the run's GPUs (MFU), or None
     profiler: object = None       # a profiling.Profile while --profile-steps runs, or None
+    timed_from: int = 0           # the epoch's samples before run_epoch started its timer
+    on_device: bool = False       # the batches are made on the device (--data-on-device)
 
 
 def fit(config, argv, resume_path, saved, directory, stop):
@@ -174,20 +180,26 @@ def fit(config, argv, resume_path, saved, directory, stop):
         log(f"resuming from {resume_path} (epoch {saved['epoch']}, step {saved['step']})")
     elif config["resume"] == "auto":
         log(f"no valid checkpoint in {directory.path}: starting fresh")
-    training, train_loader = build_training(config, procs, directory.path, saved,
-                                            resume_path, stop.pending)
-    if config["find_lr"]:  # the LR range test instead of training: no checkpoint
-        return lr_finder.run(training, train_loader, stop)
-    log(f"training {config['network']} on {config['dataset']} ({len(training.datasets[0])} "
-        f"samples, {procs.world_size} process(es), {procs.device}) into {directory.path}")
     try:
+        training, train_loader = build_training(config, procs, directory.path, saved,
+                                                resume_path, stop.pending)
+    except (MemoryError, RuntimeError) as e:  # set-up: the snapshot, and what to try
+        if ops.memory_error(e) is None:
+            raise
+        raise RunFailed(set_up_out_of_memory(e, config, directory.path, procs.device)) from None
+    try:
+        if config["find_lr"]:  # the LR range test instead of training: no checkpoint
+            return lr_finder.run(training, train_loader, stop)
+        log(f"training {config['network']} on {config['dataset']} "
+            f"({len(training.datasets[0])} samples, {procs.world_size} process(es), "
+            f"{procs.device}) into {directory.path}")
         with profiling.window(training, train_loader) as training.profiler:  # --profile-steps
             ended, final = run_epochs(training, train_loader, stop)
     except ops.OutOfMemory as e:  # one line: where, the batch, what to try
         training.run_log.failed()
         snapshot = runtime.dump_memory_snapshot(directory.path, procs.device) \
             if config["memory_snapshot"] else None
-        raise RunFailed(out_of_memory_message(e, config, training, snapshot)) from None
+        raise RunFailed(ops.out_of_memory_message(e, config, training, snapshot)) from None
     except Exception:  # main prints the error line; --mlflow's run is marked FAILED
         training.run_log.failed()
         raise
@@ -218,6 +230,21 @@ def fit(config, argv, resume_path, saved, directory, stop):
     return 0
 
 
+def set_up_out_of_memory(error, config, run_dir, device):
+    """The ``error:`` line's text for memory that ran out before the first step; writes the
+    --memory-snapshot file first. When the sets being put on the device took it
+    (--data-on-device), the remedy is the per-sample path, not a smaller batch."""
+    snapshot = runtime.dump_memory_snapshot(run_dir, device) if config["memory_snapshot"] \
+        else None
+    on_device = any(frame.name == "build_device_loaders"
+                    for frame in traceback.extract_tb(error.__traceback__))
+    return (f"out of memory ({ops.memory_error(error)}) "
+            f"{'holding the data on ' + str(device) if on_device else 'setting up the run'}, "
+            f"before the first step; every file written before is intact"
+            f"{'; the allocator history is in ' + snapshot if snapshot else ''}: "
+            f"{'use --data-on-device off' if on_device else 'lower --batch-size, or free memory'}")
+
+
 def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=None):
     """Data, network, optimizer, the loop's settings and the run's writers, then the
     resume (``restore``) when ``saved`` is a checkpoint. ``stop`` (``StopRequest.pending``)
@@ -246,8 +273,8 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
             "timing")
         prefetch = 0
     loop = build_loop(config, procs, sampler, prefetch)
-    flops = ops.train_flops_per_sample(  # before the restore: it must not touch the RNG
-        net, task.example(train_set), procs.device)
+    flops, peak = count_flops(net, task.example(train_set), config, procs,  # RNG untouched
+                              loop.amp_dtype)
     if presets.is_photo(config) and not config["network"].startswith("torchvision/"):
         size = config["image_size"]
         log(f"note: {config['network']} keeps the full resolution of its {size} px input: "
@@ -264,6 +291,8 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
         checkpoint.check_same_threads(saved, resume_path, procs.device, warn)
         if unfrozen_at_resume(config, state):  # wrapped again: DDP must see them
             model = wrap_model(net, config, procs.device, procs.world_size)
+            flops, peak = count_flops(net, task.example(train_set), config, procs,
+                                      loop.amp_dtype)
     engine.set_lr(optimizer, loop.lr_factor(state.step))
     tracker = tracking.open_tracker(config, run_dir, saved, procs.is_main)  # --mlflow
     run_log = runlog.RunLog(run_dir, state.step, state.epoch, procs.is_main, tracker)
@@ -275,9 +304,22 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
     saver.mlflow_run_id = tracking.run_id(tracker, saved)  # a resume continues that run
     training = Training(config, procs, task, net, model, optimizer, ema, loop, state,
                         engine.LossMeter(loop.counters, procs.world_size), saver, run_log,
-                        val_loader, (train_set, val_set), flops,
-                        peak_tflops(procs.device, loop.amp_dtype, gpu_count(config, procs)))
+                        val_loader, (train_set, val_set), flops, peak,
+                        on_device=isinstance(train_loader, device_data.DeviceLoader))
     return training, train_loader
+
+
+def count_flops(net, shape, config, procs, amp_dtype):
+    """A training step's FLOPs per sample (of the parameters that train now: counted again
+    after --unfreeze-at) and the peak the MFU divides by, for their mix of convolutions
+    and matrix products (``runtime.peak_tflops``).
+
+    Returns:
+        ``(flops_per_sample, peak_tflops)``; the peak is None where unknown.
+    """
+    flops, matmul = ops.train_flops_per_sample(net, shape, procs.device, kinds=True)
+    return flops, runtime.peak_tflops(procs.device, amp_dtype, runtime.gpu_count(config, procs),
+                                      matmul / flops if flops else 0.0)
 
 
 class Ended(enum.Enum):
@@ -332,7 +374,8 @@ def run_epoch(training, train_loader, epoch, stop):
     config, state, sampler = training.config, training.state, train_loader.batch_sampler
     ended = Ended.ALL_EPOCHS
     sampler.set_epoch(epoch, state.epoch_samples)
-    training.loop.timer.reset()
+    training.loop.timer.reset()  # a resumed epoch: timed from here, for the samples from here
+    training.timed_from = state.epoch_samples
     training.meter.restart(state.step)
     with training.run_log.progress(epoch, config["epochs"], len(sampler)) as bar, \
             contextlib.closing(engine.steps(training.model, train_loader, training.optimizer,
@@ -452,7 +495,8 @@ def finish_epoch(training, epoch):
     grad_norm = state.grad_norm_sum / state.grad_norm_count if state.grad_norm_count else None
     record = metrics.epoch_record(
         state.epoch, state.step, loss_sum, loss_count, training.optimizer.param_groups[0]["lr"],
-        times, state.epoch_samples, training.flops_per_sample, training.peak_tflops,
+        times, state.epoch_samples - training.timed_from, training.flops_per_sample,
+        training.peak_tflops,
         unreadable, grad_norm, state.grad_clipped if config["grad_clip"] > 0 else None)
     best = False
     if state.epoch % config["eval_every"] == 0 or state.epoch == config["epochs"]:
@@ -466,7 +510,7 @@ def finish_epoch(training, epoch):
     state.grad_norm_sum, state.grad_norm_count, state.grad_clipped = 0.0, 0, 0
     training.run_log.epoch(record)
     save(training, Kind.EPOCH, best)
-    runtime.main_print(metrics.epoch_line(record, config, training.task))
+    runtime.main_print(metrics.epoch_line(record, config, training.task, training.on_device))
     return metrics.final_figures(training.task, record)
 
 
@@ -495,39 +539,6 @@ def early_stop_line(training):
             f"{config['early_stop_min_delta']:g} in {state.early_stop_waited} validation(s) "
             f"(--early-stop-patience {config['early_stop_patience']}); the best was epoch "
             f"{state.best_epoch} ({name} {state.best_val_acc:.4f}): {best}")
-
-
-def out_of_memory_message(error, config=None, training=None, snapshot=None):
-    """One line for an out-of-memory error: where it happened, the batch, that the
-    checkpoints are intact, and what to try (each only where it is not on already).
-
-    Args:
-        error: an ``ops.OutOfMemory`` from a step or a validation, or the allocator's
-            words (``ops.memory_error``) for one elsewhere (set-up, a checkpoint).
-        config, training: the run's, when it got that far.
-        snapshot: the path of the --memory-snapshot file written, or None.
-    """
-    if not isinstance(error, ops.OutOfMemory):
-        return (f"out of memory ({error}) before or between training steps; every file "
-                f"written before is intact: lower --batch-size, or free memory")
-    batch = config["batch_size"]
-    effective = config["virtual_batch_size"] or batch
-    smaller = max(d for d in range(1, max(batch // 2, 1) + 1) if effective % d == 0)
-    tries = []
-    if smaller < batch:
-        tries.append(f"--batch-size {smaller} --virtual-batch-size {effective} (the same "
-                     f"{effective} samples an optimizer step)")
-    if not config["grad_checkpointing"] and hasattr(training.net, "set_grad_checkpointing"):
-        tries.append("--grad-checkpointing")
-    if config["amp"] == "none":
-        tries.append("--amp bf16")
-    if not config["channels_last"]:
-        tries.append("--channels-last")
-    saved = training.saver.last_saved
-    return (f"{error}; the checkpoints are intact ("
-            f"{'the last: ' + saved if saved else 'none was written yet'})"
-            f"{'; the allocator history is in ' + snapshot if snapshot else ''}"
-            f"{'; try ' + ', '.join(tries) if tries else ''}")
 
 
 # ------------------------------------------------------------------ config, run dir
@@ -596,31 +607,6 @@ def build_loop(config, procs, sampler, prefetch=0):
                                     warmup_steps=int(config["warmup_epochs"] * steps_per_epoch)),
         timer=engine.StepTimer(device),
         counters=engine.Counters(device, config["grad_clip"]))
-
-
-def peak_tflops(device, amp_dtype, devices=1):
-    """The datasheet peak in TFLOP/s of the GPUs the run's throughput counts (MFU), or
-    None where unknown.
-
-    Args:
-        device: this process's device (its name picks the peak).
-        amp_dtype: the autocast dtype; None (--amp none) means TF32 tensor cores when
-            cuDNN may use them (its default), plain fp32 otherwise.
-        devices: GPUs that share the work: the processes (DDP) or --gpus (DataParallel).
-    """
-    if device.type != "cuda":
-        return None
-    precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(amp_dtype) or \
-        ("tf32" if torch.backends.cudnn.allow_tf32 else "fp32")
-    peak = ops.peak_tflops(torch.cuda.get_device_name(device), precision)
-    return None if peak is None else peak * devices
-
-
-def gpu_count(config, procs):
-    """The GPUs one step runs on: the processes under torchrun, --gpus' ids in one."""
-    if procs.world_size > 1:
-        return procs.world_size
-    return len(runtime.gpu_ids(config["gpus"])) if config["gpus"] else 1
 
 
 def build_model(config, train_set, device, world_size, log, resuming=False):
@@ -713,6 +699,8 @@ def set_hyperparameters(optimizer, config):
         if config["optimizer"] == "sgd":
             group["momentum"] = config["momentum"]
             group["nesterov"] = config["nesterov"] and config["momentum"] > 0
+    if config["optimizer"] == "sgd":
+        ops.zero_momentum_buffers(optimizer)
 
 
 def unfreeze_point(config):
@@ -728,11 +716,15 @@ def unfrozen_at_resume(config, state):
 
 
 def unfreeze(training):
-    """--unfreeze-at: the frozen parameters join the optimizer, and the model is wrapped
-    again (a DDP built before would not synchronise them); returns their names."""
+    """--unfreeze-at: the frozen parameters join the optimizer, the model is wrapped
+    again (a DDP built before would not synchronise them) and a step's FLOPs are counted
+    again; returns their names."""
     names = unfreeze_into(training.net, training.optimizer, training.config)
     training.model = wrap_model(training.net, training.config, training.procs.device,
                                 training.procs.world_size)
+    training.flops_per_sample, training.peak_tflops = count_flops(  # their backward too
+        training.net, training.task.example(training.datasets[0]), training.config,
+        training.procs, training.loop.amp_dtype)
     engine.set_lr(training.optimizer, training.loop.lr_factor(training.state.step))
     return names
 
@@ -770,6 +762,7 @@ def restore(saved, path, net, ema, optimizer, scaler, state, config, procs):
         raise UserError(f"the optimizer state in {path!r} does not fit "
                         f"(--optimizer or --freeze changed?): {e}") from None
     set_hyperparameters(optimizer, config)  # the config's, maybe overridden, not the saved
+    ops.place_fused_steps(optimizer)  # fused now, maybe not when saved
     if saved.get("scaler"):
         scaler.load_state_dict(saved["scaler"])
     rngs = saved.get("rng_per_rank") or [saved["rng"]]

@@ -32,7 +32,8 @@ def records(run_dir):
 @pytest.mark.parametrize("flags", [
     ("--amp", "fp16"),
     ("--amp", "bf16", "--channels-last"),
-    ("--grad-checkpointing", "--num-workers", "2", "--prefetch", "2"),
+    ("--grad-checkpointing", "--data-on-device", "off", "--num-workers", "2",
+     "--prefetch", "2"),                                          # workers and a prefetcher
     ("--compile",),
     ("--data-on-device", "off", "--num-workers", "2"),             # pinned per-sample path
     ("--data-on-device", "off", "--amp", "bf16", "--channels-last"),
@@ -210,3 +211,84 @@ def test_gradient_norm_under_fp16_on_cuda(tmp_path):
     assert train.main(cuda_args(tmp_path, "--amp", "fp16", "--grad-clip", "1e6")) == 0
     norms = [r["grad_norm"] for r in records(tmp_path)]
     assert all(n > 0 for n in norms) and all(r["grad_clipped"] == 0 for r in records(tmp_path))
+
+
+def test_adam_trained_on_the_cpu_resumes_fused_on_cuda(tmp_path, monkeypatch):
+    # The checkpoint's groups are not fused, so torch leaves their step tensors on the CPU;
+    # the fused AdamW on CUDA needs them on the parameters' device.
+    flags = ("--optimizer", "adamw", "--lr", "0.001")
+    assert train.main(cuda_args(tmp_path, *flags, "--epochs", "1", device="cpu")) == 0
+    real_restore, seen = train.restore, []
+
+    def restore(saved, path, net, ema, optimizer, *args):
+        real_restore(saved, path, net, ema, optimizer, *args)
+        seen.extend((s["step"], p) for p, s in optimizer.state.items())
+
+    monkeypatch.setattr(train, "restore", restore)
+    assert train.main(cuda_args(tmp_path, *flags, "--resume", "auto")) == 0
+    assert seen and all(step.device == p.device and step.dtype == torch.float32
+                        for step, p in seen)
+    assert final_state(tmp_path)["epoch"] == 2
+
+
+def test_deterministic_after_a_run_that_used_cublas_in_the_same_process(tmp_path):
+    # PyTorch reads CUBLAS_WORKSPACE_CONFIG once, at the process's first gemm: importing
+    # runtime sets it, so a --deterministic run after any other works (a notebook).
+    torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")
+    assert train.main(cuda_args(tmp_path / "a", "--epochs", "1")) == 0
+    assert train.main(cuda_args(tmp_path / "b", "--epochs", "1", "--deterministic")) == 0
+
+
+def test_data_on_device_auto_fits_within_the_memory_fraction(tmp_path, capsys):
+    # A set of about 1.5x the cap (far under a quarter of the card's free memory): auto
+    # must keep it on the per-sample path, and the run trains.
+    total = torch.cuda.mem_get_info()[1]
+    fraction = 0.005  # about 0.7 GB of an H200
+    side = 32
+    samples = int(1.5 * fraction * total / (3 * side * side * 4))  # float32 images
+    args = cuda_args(tmp_path, "--gpu-memory-fraction", str(fraction), "--data-on-device",
+                     "auto", "--epochs", "1", "--max-steps", "3", "--image-size", str(side))
+    args[args.index("--synthetic-size") + 1] = str(samples)
+    assert train.main(args) == 0
+    assert "data path: per-sample" in capsys.readouterr().out
+
+
+def test_profiler_cuda_total_is_torchs_own_device_total(tmp_path, monkeypatch, capsys):
+    import re
+
+    from torch.autograd import DeviceType
+
+    import profiling
+
+    real_top, seen = profiling.top_operators, []
+
+    def top_operators(prof, cuda, *args):
+        seen.append(prof)
+        return real_top(prof, cuda, *args)
+
+    monkeypatch.setattr(profiling, "top_operators", top_operators)
+    assert train.main(cuda_args(tmp_path, "--profile-steps", "2", "--epochs", "1")) == 0
+    out = capsys.readouterr().out
+    total = float(re.search(r"top operators by self CUDA time \(of ([0-9.]+) ms", out)[1])
+    device = sum(e.self_device_time_total for e in seen[0].key_averages()
+                 if e.device_type == DeviceType.CUDA and not e.is_user_annotation
+                 and not e.key.startswith("ProfilerStep")) / 1000
+    assert total == pytest.approx(device, rel=0.01)
+    shares = [float(m) for m in re.findall(r"^ +([0-9.]+)% ", out, re.M)]
+    assert shares and sum(shares) <= 100.5
+
+
+def test_fp16_steps_the_scaler_skipped_are_not_clipped_and_sgd_stays_finite(tmp_path,
+                                                                           monkeypatch):
+    # The first step overflows (scale 2^40) and is skipped; then the scale is 2^10. A fused
+    # SGD that skipped its first step must not use an unwritten momentum buffer.
+    import functools
+
+    monkeypatch.setattr(torch.amp, "GradScaler", functools.partial(
+        torch.amp.GradScaler, init_scale=2.0 ** 40, backoff_factor=2.0 ** -30))
+    assert train.main(cuda_args(tmp_path, "--amp", "fp16", "--grad-clip", "1e6",
+                                "--deterministic")) == 0
+    state = final_state(tmp_path)
+    assert state["progress"]["scaler_skips"] >= 1
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+    assert all(r["grad_clipped"] == 0 for r in records(tmp_path))

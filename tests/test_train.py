@@ -480,8 +480,8 @@ def test_mfu_divides_by_the_peak_of_every_gpu_at_the_precision_used(monkeypatch,
                                                                       devices, peak):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", tf32)
-    assert train.peak_tflops(torch.device("cuda", 0), amp, devices) == pytest.approx(peak)
-    assert train.peak_tflops(torch.device("cpu"), amp, devices) is None
+    assert train.runtime.peak_tflops(torch.device("cuda", 0), amp, devices) == pytest.approx(peak)
+    assert train.runtime.peak_tflops(torch.device("cpu"), amp, devices) is None
     record = train.metrics.epoch_record(1, 10, 5.0, 10, 0.1, (1.0, 3.0, 4.0), 4000,
                                         flops_per_sample=10**11, peak_tflops=peak)
     assert record["tflops"] == pytest.approx(100.0)   # 1000 samples/s x 0.1 TFLOP
@@ -492,9 +492,9 @@ def test_gpu_count_is_the_processes_or_the_dataparallel_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     procs = train.runtime.Processes(0, 1, torch.device("cuda", 0))
-    assert train.gpu_count({"gpus": None}, procs) == 1
-    assert train.gpu_count({"gpus": "0,2,3"}, procs) == 3
-    assert train.gpu_count({"gpus": None}, procs._replace(world_size=8)) == 8
+    assert train.runtime.gpu_count({"gpus": None}, procs) == 1
+    assert train.runtime.gpu_count({"gpus": "0,2,3"}, procs) == 3
+    assert train.runtime.gpu_count({"gpus": None}, procs._replace(world_size=8)) == 8
 
 
 class _Readbacks(torch.overrides.TorchFunctionMode):
