@@ -23,8 +23,8 @@ import metrics
 import ops
 import profiling
 import runlog
-import tasks
 import runtime
+import tasks
 import train
 from config import with_defaults
 from networks import build_network
