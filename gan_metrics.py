@@ -189,9 +189,12 @@ def classifier_features(path):
                         f"trained with --task {task}")
     weights = checkpoint.unwrap_state_dict(state["ema"] if isinstance(state.get("ema"), dict)
                                            else state["model"])
-    num_classes = config.get("num_classes")
-    if not isinstance(num_classes, int):  # a torchvision set's: the last layer's outputs
-        num_classes = [v for v in weights.values() if v.dim() == 2][-1].shape[0]
+    matrices = [v for v in weights.values() if v.dim() == 2]
+    if not matrices:
+        raise UserError(f"--fid-features: {path!r} holds no Linear layer's weights")
+    # the last layer's outputs: config's num_classes is --num-classes' value, which an
+    # image folder's own classes override
+    num_classes = matrices[-1].shape[0]
     image_size, channels = int(config.get("image_size") or 32), _channels(config)
     try:
         net = networks.build_network(config["network"], num_classes, channels, image_size)
