@@ -19,6 +19,7 @@ The features are computed once per image and given to torchmetrics'
 statistics: means, covariances, the matrix square root, the polynomial-kernel MMD).
 """
 
+import math
 import os
 import warnings
 
@@ -252,7 +253,8 @@ def measure(features, real, fake, seed=0, batch_size=256):
     Returns:
         ``{"fid<s>", "kid<s>", "kid_std<s>": float}`` with ``<s>`` empty for Inception and
         ``_<name>`` (``_classifier``) otherwise. KID averages ``KID_SUBSETS`` subsets of
-        ``min(KID_SUBSET_SIZE, N)`` images.
+        ``min(KID_SUBSET_SIZE, N)`` images. All NaN when an image's features are not
+        finite (a generator that diverged to NaN or infinity).
 
     Raises:
         UserError: fewer than 2 images on a side.
@@ -270,15 +272,20 @@ def measure(features, real, fake, seed=0, batch_size=256):
         warnings.filterwarnings("ignore", message=".*save all extracted features")
         kid = KernelInceptionDistance(feature=_Given(features.num_features),
                                       subsets=KID_SUBSETS, subset_size=subset).to(device)
+    finite = True
     for images, is_real in ((real, True), (fake, False)):
         for batch in images.split(batch_size):
             f = features(batch.to(device)).double()  # (B, D)
+            finite = finite and bool(torch.isfinite(f).all())
             fid.update(f, real=is_real)
             kid.update(f, real=is_real)
+    suffix = "" if features.name == "inception" else f"_{features.name}"
+    if not finite:  # a diverged generator: LAPACK's eigvals would crash the process on NaN
+        return {f"fid{suffix}": math.nan, f"kid{suffix}": math.nan,
+                f"kid_std{suffix}": math.nan}
     with torch.random.fork_rng(devices=[]):  # KID's subsets: seeded, global RNG untouched
         torch.manual_seed(seed)
         kid_mean, kid_std = kid.compute()
-    suffix = "" if features.name == "inception" else f"_{features.name}"
     return {f"fid{suffix}": float(fid.compute()), f"kid{suffix}": float(kid_mean),
             f"kid_std{suffix}": float(kid_std)}
 

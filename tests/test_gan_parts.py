@@ -2,6 +2,7 @@
 and sample grid, and gan_metrics.py's FID/KID (Inception's missing weights; a trained
 classifier's features)."""
 
+import math
 import os
 
 import numpy as np
@@ -314,6 +315,18 @@ def test_fid_kid_of_a_set_with_itself_is_zero_and_of_other_classes_larger(classi
     # below zero (its cross term keeps each image's kernel with itself)
     assert abs(same["fid_classifier"]) < 1e-6 * other["fid_classifier"]
     assert abs(same["kid_classifier"]) < 0.1 * other["kid_classifier"]
+
+
+def test_a_nan_image_gives_nan_figures_not_a_crash(classifier):
+    # torch.linalg.eigvals on NaN kills the process (LAPACK's DGEBAL, a segfault): a
+    # generator that diverged must not take the run down with it
+    features = gan_metrics.build_features(classifier)
+    x, _ = _synthetic(8)
+    fake = x.clone()
+    fake[3, 0, 0, 0] = float("nan")
+    scores = gan_metrics.measure(features, x, fake)
+    assert set(scores) == {"fid_classifier", "kid_classifier", "kid_std_classifier"}
+    assert all(math.isnan(v) for v in scores.values())
 
 
 def test_generator_scores_are_seeded_and_take_the_first_n_real_images(classifier):
