@@ -329,7 +329,9 @@ def test_a_nan_image_gives_nan_figures_not_a_crash(classifier):
     assert all(math.isnan(v) for v in scores.values())
 
 
-def test_generator_scores_are_seeded_and_take_the_first_n_real_images(classifier):
+def test_generator_scores_are_seeded_and_take_the_first_n_real_images(classifier,
+                                                                      monkeypatch):
+    monkeypatch.setattr(gan_metrics, "KID_SUBSET_SIZE", 10)  # KID draws subsets: seeded
     features = gan_metrics.build_features(classifier)
     torch.manual_seed(0)
     g = dcgan.Generator(8, 3, 28, width=8)
@@ -340,7 +342,7 @@ def test_generator_scores_are_seeded_and_take_the_first_n_real_images(classifier
     a = gan_metrics.generator_scores(g, loader, features, n=24, seed=3)
     torch.manual_seed(6)  # the global generator plays no part
     b = gan_metrics.generator_scores(g, x[:24], features, n=24, seed=3)
-    assert a == b and a["fid_classifier"] > 0
+    assert a == b and a["fid_classifier"] > 0 and a["kid_std_classifier"] > 0
     c = gan_metrics.generator_scores(g, x[:24], features, n=24, seed=4)
     assert c["fid_classifier"] != a["fid_classifier"]  # other latents
     with pytest.raises(UserError, match="--fid-samples 50: there are only 40 real images"):
