@@ -70,10 +70,10 @@ class InceptionFeatures(nn.Module):
             # torch-fidelity loads the file with weights_only=False: refuse pickled code
             # before it does
             torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # torch.load raises several types for a bad or unsafe file
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise UserError(f"Inception weights {path} cannot be loaded safely: "
-                            f"{first[:200]}") from None
+        except Exception:  # torch.load raises several types for a bad or unsafe file
+            raise UserError(f"Inception weights {path} cannot be loaded safely (truncated, "
+                            f"damaged or holding pickled objects): put {INCEPTION_URL} "
+                            f"there") from None
         try:
             from torchmetrics.image.fid import NoTrainInceptionV3
             self.net = NoTrainInceptionV3(name="inception-v3-compat", features_list=["2048"],
@@ -179,7 +179,10 @@ def classifier_features(path):
     """
     import networks
 
-    state = checkpoint.load_checkpoint(path)
+    try:
+        state = checkpoint.load_checkpoint(path)
+    except checkpoint.CheckpointError as e:
+        raise UserError(f"--fid-features: {e}") from None
     config = state.get("config")
     if not isinstance(config, dict) or not isinstance(state.get("model"), dict):
         raise UserError(f"--fid-features: {path!r} is not a training checkpoint of this "

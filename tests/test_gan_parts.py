@@ -248,6 +248,10 @@ def test_inception_weights_holding_pickled_code_are_refused(tmp_path, monkeypatc
     path = gan_metrics.inception_weights_path()
     os.makedirs(os.path.dirname(path))
     torch.save({"x": torch.zeros(1), "code": os.getcwd}, path)  # a function: pickled code
+    with pytest.raises(UserError, match="cannot be loaded safely .* put https://"):
+        gan_metrics.InceptionFeatures()
+    with open(path, "wb") as f:  # a download cut short
+        f.write(b"PK\x03\x04" + bytes(100))
     with pytest.raises(UserError, match="cannot be loaded safely"):
         gan_metrics.InceptionFeatures()
 
@@ -352,7 +356,7 @@ def test_generator_scores_are_seeded_and_take_the_first_n_real_images(classifier
 def test_fid_features_refuses_what_is_not_a_classifier_checkpoint(tmp_path, classifier):
     import checkpoint
 
-    with pytest.raises(UserError, match="does not exist"):
+    with pytest.raises(UserError, match="^--fid-features: checkpoint .* does not exist"):
         gan_metrics.build_features(str(tmp_path / "missing.pt"))
     state = checkpoint.load_checkpoint(classifier)
     state["config"]["task"] = "segmentation"
