@@ -170,6 +170,19 @@ def test_wgan_gp_adds_the_penalty_and_refuses_a_batchnorm_critic(pair):
     assert set(figures) == {"loss_d", "d_real", "d_fake", "gradient_penalty"}
 
 
+@pytest.mark.parametrize("kind", dcgan.GAN_LOSSES)
+def test_losses_are_float32_under_bf16_autocast(kind):
+    torch.manual_seed(0)
+    g = dcgan.Generator(8, 3, 32, width=8)
+    d = dcgan.Discriminator(3, 32, batch_norm=kind != "wgan-gp", width=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fake = g(torch.randn(4, 8))
+        loss_d, figures = dcgan.discriminator_loss(d, torch.rand(4, 3, 32, 32), fake, kind)
+        loss_g, figures_g = dcgan.generator_loss(d, fake, kind)
+    assert loss_d.dtype == loss_g.dtype == torch.float32
+    assert all(v.dtype == torch.float32 for v in {**figures, **figures_g}.values())
+
+
 def test_unknown_gan_loss_names_the_choices(pair):
     g, d = pair
     with pytest.raises(ValueError, match="vanilla, lsgan, hinge, wgan-gp"):
