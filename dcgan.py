@@ -191,7 +191,7 @@ def discriminator_loss(discriminator, real, fake, kind="vanilla", gp_weight=10.0
         gp_weight: the gradient penalty's weight (wgan-gp only).
 
     Returns:
-        ``(loss, figures)``: the scalar loss to back-propagate, and detached scalar
+        ``(loss, figures)``: the scalar float32 loss to back-propagate, and detached scalar
         tensors (no host read here): ``loss_d``; ``d_real`` and ``d_fake``, the mean
         probability D gives real and fake images for vanilla (sigmoid of the logits), its
         mean output for lsgan (trained towards 1 and 0), its mean score for hinge and
@@ -201,8 +201,9 @@ def discriminator_loss(discriminator, real, fake, kind="vanilla", gp_weight=10.0
         ValueError: unknown ``kind``, or wgan-gp with a discriminator holding BatchNorm.
     """
     criterion = _criterion(kind)
-    real_scores = discriminator(real)  # (N,)
-    fake_scores = discriminator(fake.detach())  # (N,)
+    # float32 scores: under bf16 autocast hinge's and WGAN's means would be bf16 (3 digits)
+    real_scores = discriminator(real).float()  # (N,)
+    fake_scores = discriminator(fake.detach()).float()  # (N,)
     loss = criterion(real_scores, True) + criterion(fake_scores, False)
     figures = {"d_real": _shown(real_scores, kind), "d_fake": _shown(fake_scores, kind)}
     if kind == "wgan-gp":
@@ -230,9 +231,9 @@ def generator_loss(discriminator, fake, kind="vanilla"):
         kind: ``vanilla``, ``lsgan``, ``hinge`` or ``wgan-gp``.
 
     Returns:
-        ``(loss, {"loss_g": detached loss})``.
+        ``(loss, {"loss_g": detached loss})``, float32 (under autocast too).
     """
-    loss = _criterion(kind)(discriminator(fake), True, for_discriminator=False)
+    loss = _criterion(kind)(discriminator(fake).float(), True, for_discriminator=False)
     return loss, {"loss_g": loss.detach()}
 
 
