@@ -313,7 +313,8 @@ EOF
         "bench/recipes.py --device cuda --repeats 3" \
         "bench/export.py --networks simple_cnn,resnet18 --steps 12" \
         "bench/photos.py --device cuda --workers 8 --finetune-steps 20" \
-        "bench/segmentation.py --device cuda --amp bf16 --workers 8 --samples 2048"; do
+        "bench/segmentation.py --device cuda --amp bf16 --workers 8 --samples 2048" \
+        "bench/gan.py --device cuda --samples 16384 --steps 1000 --fid-samples 2048"; do
       name=${b%%.py *} && name=${name#bench/}
       # shellcheck disable=SC2086  # the arguments are words
       wanted "$name" && check "$name" "$T_BENCH" "$PY" $b

@@ -26,6 +26,9 @@ SMALLEST = {
                  "1"], "first batch identical on every path: yes"),
     "distributed.py": (["--network", "mlp", "--size", "64", "--batch", "32", "--epochs", "1",
                         "--repeats", "1"], "scaling efficiency"),
+    "gan.py": (["--samples", "64", "--steps", "3", "--batch-size", "16", "--fid-samples", "16",
+                "--width", "8", "--classifier-epochs", "1", "--classifier-network", "mlp"],
+               "plain     "),
     "lightning.py": (["--device", "cpu", "--network", "mlp", "--image-size", "8",
                       "--batch-size", "16", "--steps", "4", "--epochs", "1"],
                      "train.py (train.run_epoch)"),
@@ -50,8 +53,8 @@ SMALLEST = {
     "train_paths.py": (["--images", "40", "--batch-size", "16", "--workers", "0", "--repeats",
                         "1"], "device path / per-sample path:"),
 }
-WRITES_INTO = {"checkpoint.py": "--dir", "export.py": "--dir", "photos.py": "--dir",
-               "segmentation.py": "--dir"}
+WRITES_INTO = {"checkpoint.py": "--dir", "export.py": "--dir", "gan.py": "--dir",
+               "photos.py": "--dir", "segmentation.py": "--dir"}
 
 
 def test_every_bench_script_has_a_smallest_run():
