@@ -853,3 +853,16 @@ class Saver:
         except OSError as e:
             raise RunFailed(f"writing a checkpoint into {self.dir!r} failed ({e}); the "
                             f"files there are the last complete ones") from None
+
+
+def resume_file(resume):
+    """The checkpoint that ``--resume PATH`` names, loaded: ``(path, state)``; Nones for
+    ``--resume auto`` (found later, in the run directory) or no --resume."""
+    if resume in (None, "auto"):
+        return None, None
+    state = load_checkpoint(resume)
+    if "model" not in state:  # a plain state_dict
+        raise UserError(f"{resume!r} is not a training checkpoint of this project "
+                        f"(use --pretrained for plain weights)")
+    require(state, resume)  # one line naming what it lacks
+    return resume, state

@@ -20,6 +20,7 @@ TensorBoard scalars (``scalars`` dicts: tag -> value):
 metrics.jsonl: one ``epoch_record`` per finished epoch (docs/design.md lists its keys).
 """
 
+import os
 
 import engine
 
@@ -192,3 +193,20 @@ def epoch_line(record, config, task, on_device=False):
         lines.append(f"  {record['unreadable_images']} unreadable image(s) skipped so far "
                      f"(named in the warnings above)")
     return "\n".join(lines)
+
+
+def early_stop_line(config, state, task, ema=False):
+    """The line an early-stopped run ends with: why, and its best epoch and checkpoint.
+
+    Args:
+        config: the run's (``run_dir``, ``early_stop_*``).
+        state: its ``engine.TrainState`` (the patience's count, best.pt's epoch and figure).
+        task: its task (the figure best.pt follows).
+        ema: the run keeps a moving average (best.pt follows the average's figure).
+    """
+    name = best_key(task, ema)
+    best = os.path.join(config["run_dir"], "checkpoints", "best.pt")
+    return (f"early stop at epoch {state.epoch}: {name} did not improve by more than "
+            f"{config['early_stop_min_delta']:g} in {state.early_stop_waited} validation(s) "
+            f"(--early-stop-patience {config['early_stop_patience']}); the best was epoch "
+            f"{state.best_epoch} ({name} {state.best_val_acc:.4f}): {best}")

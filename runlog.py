@@ -26,6 +26,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
+import checkpoint
 import elastic
 import files
 import metrics
@@ -382,7 +383,7 @@ class RunLog:
     def __init__(self, run_dir, step, epoch, enabled, tracker=None):
         self.enabled, self.run_dir = enabled, run_dir
         self.path = os.path.join(run_dir, "metrics.jsonl")
-        self.writer = None
+        self.writer, self.closed = None, False
         self.tracker = tracker if enabled else None
         if not enabled:
             return
@@ -485,14 +486,15 @@ class RunLog:
         return Progress(f"epoch {epoch + 1}/{epochs}", total, self.enabled)
 
     def flush(self):
-        if self.enabled:
+        if self.enabled and not self.closed:
             with self._failing("TensorBoard"):
                 self.writer.flush()
 
     def close(self, config, final):
         """Writes the hparams with the final metrics (when the run finished) and closes."""
-        if not self.enabled:
+        if not self.enabled or self.closed:
             return
+        self.closed = True  # a close the disk refused is not tried again (flush, close)
         if self.tracker is not None:  # final is None when a signal stopped the run
             self.tracker.close("FINISHED" if final is not None else "KILLED")
         with self._failing("TensorBoard"):
@@ -577,3 +579,31 @@ class Progress:
             runtime.say(f"{self.desc}  {self.done}/{self.total} batches  loss {loss:.4f}  "
                         f"{rate:.0f} samples/s  efficiency {efficiency:.2f}",
                         file=sys.stderr)
+
+
+def choose_run_dir(config, resume_path, saved):
+    """``--run-dir``; else, for ``--resume PATH``, the checkpoint's own run directory, but
+    only when PATH is that run's newest checkpoint (continuing from an older one would
+    rewind the run); else a new ``runs/<time>-<network>-<dataset>``."""
+    if config["run_dir"]:
+        return config["run_dir"]
+    if saved is None:
+        return default_run_dir(config)
+    recorded = saved["config"].get("run_dir") or ""
+    ckpt_dir = os.path.join(recorded, "checkpoints")
+    if not (os.path.isdir(ckpt_dir) and os.path.samefile(
+            os.path.dirname(os.path.abspath(resume_path)), ckpt_dir)):
+        raise UserError(f"{resume_path!r} is not in the run directory it records "
+                        f"({recorded!r}); pass --run-dir to say where this run goes on")
+    _, newest = checkpoint.find_latest(recorded, warn=_quiet)  # skipped files: said later
+    if newest is not None and newest["step"] > saved["step"]:
+        raise UserError(f"{resume_path!r} (step {saved['step']}) is not the newest "
+                        f"checkpoint of {recorded!r} (step {newest['step']}): continuing "
+                        f"there would rewind that run. Continue it with --resume auto "
+                        f"--run-dir {recorded}, or start a new run from this checkpoint "
+                        f"with --run-dir NEW_DIR")
+    return recorded
+
+
+def _quiet(message):
+    """Drops a message."""

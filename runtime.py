@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import warnings
 from typing import NamedTuple
 
@@ -628,3 +629,30 @@ def dump_memory_snapshot(run_dir, device):
     snapshot = torch.cuda.memory._snapshot()
     files.atomic_write(path, lambda f: pickle.dump(snapshot, f), mode="wb")
     return path
+
+
+def set_up_out_of_memory(error, config, run_dir, device):
+    """The ``error:`` line's text for memory that ran out before the first step; writes the
+    --memory-snapshot file first. When the sets being put on the device took it
+    (--data-on-device), the remedy is the per-sample path, not a smaller batch."""
+    snapshot = dump_memory_snapshot(run_dir, device) if config["memory_snapshot"] else None
+    on_device = any(frame.name == "build_device_loaders"
+                    for frame in traceback.extract_tb(error.__traceback__))
+    return (f"out of memory ({ops.memory_error(error)}) "
+            f"{'holding the data on ' + str(device) if on_device else 'setting up the run'}, "
+            f"before the first step; every file written before is intact"
+            f"{'; the allocator history is in ' + snapshot if snapshot else ''}: "
+            f"{'use --data-on-device off' if on_device else 'lower --batch-size, or free memory'}")
+
+
+def count_flops(net, shape, config, procs, amp_dtype):
+    """A training step's FLOPs per sample (of the parameters that train now: counted again
+    after --unfreeze-at) and the peak the MFU divides by, for their mix of convolutions
+    and matrix products (``runtime.peak_tflops``).
+
+    Returns:
+        ``(flops_per_sample, peak_tflops)``; the peak is None where unknown.
+    """
+    flops, matmul = ops.train_flops_per_sample(net, shape, procs.device, kinds=True)
+    return flops, peak_tflops(procs.device, amp_dtype, gpu_count(config, procs),
+                                      matmul / flops if flops else 0.0)

@@ -85,6 +85,11 @@ def set_identity(config, dataset):
     return (segmentation_data if _segmenting(config) else data).set_identity(dataset)
 
 
+def use_tta(config):
+    """--tta flip, except where a mirror image is another class (digits)."""
+    return config["tta"] == "flip" and data.mirror_keeps_class(config["dataset"])
+
+
 def _segmenting(config):
     return config.get("task", "classification") == "segmentation"
 

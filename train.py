@@ -36,9 +36,7 @@ import contextlib
 import dataclasses
 import enum
 import functools
-import os
 import shlex
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -120,8 +118,8 @@ def train(argv, stop):
     config, explicit = parse_config(argv)
     check_config(config)
     lr_finder.check_config(config)  # --find-lr with --resume
-    resume_path, saved = resume_file(config)  # --resume PATH: read before anything is written
-    run_dir = choose_run_dir(config, explicit, resume_path, saved)
+    resume_path, saved = checkpoint.resume_file(config["resume"])  # before any write
+    run_dir = runlog.choose_run_dir(config, resume_path, saved)
     checkpoint.refuse_newer(run_dir)  # a newer version's checkpoints: one error, not written
     with runlog.RunDirectory(run_dir, is_main=runtime.process_rank() == 0) as directory:
         if config["resume"] == "auto":
@@ -186,7 +184,8 @@ def fit(config, argv, resume_path, saved, directory, stop):
     except (MemoryError, RuntimeError) as e:  # set-up: the snapshot, and what to try
         if ops.memory_error(e) is None:
             raise
-        raise RunFailed(set_up_out_of_memory(e, config, directory.path, procs.device)) from None
+        raise RunFailed(runtime.set_up_out_of_memory(e, config, directory.path,
+                                                    procs.device)) from None
     try:
         if config["find_lr"]:  # the LR range test instead of training: no checkpoint
             return lr_finder.run(training, train_loader, stop)
@@ -224,25 +223,11 @@ def fit(config, argv, resume_path, saved, directory, stop):
                 log(requeued)
         return stop.exit_code
     if ended is Ended.EARLY_STOP:
-        log(early_stop_line(training))
+        log(metrics.early_stop_line(config, training.state, training.task,
+                                    training.ema is not None))
     training.run_log.close(config, final)
     log(f"done: {directory.path}")
     return 0
-
-
-def set_up_out_of_memory(error, config, run_dir, device):
-    """The ``error:`` line's text for memory that ran out before the first step; writes the
-    --memory-snapshot file first. When the sets being put on the device took it
-    (--data-on-device), the remedy is the per-sample path, not a smaller batch."""
-    snapshot = runtime.dump_memory_snapshot(run_dir, device) if config["memory_snapshot"] \
-        else None
-    on_device = any(frame.name == "build_device_loaders"
-                    for frame in traceback.extract_tb(error.__traceback__))
-    return (f"out of memory ({ops.memory_error(error)}) "
-            f"{'holding the data on ' + str(device) if on_device else 'setting up the run'}, "
-            f"before the first step; every file written before is intact"
-            f"{'; the allocator history is in ' + snapshot if snapshot else ''}: "
-            f"{'use --data-on-device off' if on_device else 'lower --batch-size, or free memory'}")
 
 
 def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=None):
@@ -273,7 +258,7 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
             "timing")
         prefetch = 0
     loop = build_loop(config, procs, sampler, prefetch)
-    flops, peak = count_flops(net, task.example(train_set), config, procs,  # RNG untouched
+    flops, peak = runtime.count_flops(net, task.example(train_set), config, procs,  # RNG untouched
                               loop.amp_dtype)
     if presets.is_photo(config) and not config["network"].startswith("torchvision/"):
         size = config["image_size"]
@@ -291,7 +276,7 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
         checkpoint.check_same_threads(saved, resume_path, procs.device, warn)
         if unfrozen_at_resume(config, state):  # wrapped again: DDP must see them
             model = wrap_model(net, config, procs.device, procs.world_size)
-            flops, peak = count_flops(net, task.example(train_set), config, procs,
+            flops, peak = runtime.count_flops(net, task.example(train_set), config, procs,
                                       loop.amp_dtype)
     engine.set_lr(optimizer, loop.lr_factor(state.step))
     tracker = tracking.open_tracker(config, run_dir, saved, procs.is_main)  # --mlflow
@@ -307,19 +292,6 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
                         val_loader, (train_set, val_set), flops, peak,
                         on_device=isinstance(train_loader, device_data.DeviceLoader))
     return training, train_loader
-
-
-def count_flops(net, shape, config, procs, amp_dtype):
-    """A training step's FLOPs per sample (of the parameters that train now: counted again
-    after --unfreeze-at) and the peak the MFU divides by, for their mix of convolutions
-    and matrix products (``runtime.peak_tflops``).
-
-    Returns:
-        ``(flops_per_sample, peak_tflops)``; the peak is None where unknown.
-    """
-    flops, matmul = ops.train_flops_per_sample(net, shape, procs.device, kinds=True)
-    return flops, runtime.peak_tflops(procs.device, amp_dtype, runtime.gpu_count(config, procs),
-                                      matmul / flops if flops else 0.0)
 
 
 class Ended(enum.Enum):
@@ -458,7 +430,7 @@ def save(training, kind, best=False):
 def validate(training):
     """Evaluates on the validation set (with --ema-decay, the moving average too), logs
     the figures and the task's images; returns the figures (metrics.jsonl keys)."""
-    task, loop, tta = training.task, training.loop, use_tta(training.config)
+    task, loop, tta = training.task, training.loop, tasks.use_tta(training.config)
     result = engine.evaluate(training.model, training.val_loader, loop, task, tta=tta)
     ema = None
     if training.ema is not None:
@@ -476,11 +448,6 @@ def validate(training):
             for tag, image in task.images(evaluated, names, title):
                 training.run_log.image(metrics.validation_tag(tag, suffix), image, step)
     return figures
-
-
-def use_tta(config):
-    """--tta flip, except where a mirror image is another class (digits)."""
-    return config["tta"] == "flip" and data.mirror_keeps_class(config["dataset"])
 
 
 def finish_epoch(training, epoch):
@@ -528,59 +495,6 @@ def early_stop_due(config, state):
     """Whether --early-stop-patience validations went by without improvement."""
     patience = config["early_stop_patience"]
     return patience > 0 and state.early_stop_waited >= patience
-
-
-def early_stop_line(training):
-    """The line an early-stopped run ends with: why, and its best epoch and checkpoint."""
-    config, state = training.config, training.state
-    name = metrics.best_key(training.task, training.ema is not None)
-    best = os.path.join(config["run_dir"], "checkpoints", "best.pt")
-    return (f"early stop at epoch {state.epoch}: {name} did not improve by more than "
-            f"{config['early_stop_min_delta']:g} in {state.early_stop_waited} validation(s) "
-            f"(--early-stop-patience {config['early_stop_patience']}); the best was epoch "
-            f"{state.best_epoch} ({name} {state.best_val_acc:.4f}): {best}")
-
-
-# ------------------------------------------------------------------ config, run dir
-
-def resume_file(config):
-    """The checkpoint that ``--resume PATH`` names, loaded: ``(path, state)``, or Nones."""
-    if config["resume"] in (None, "auto"):
-        return None, None
-    state = checkpoint.load_checkpoint(config["resume"])
-    if "model" not in state:  # a plain state_dict
-        raise UserError(f"{config['resume']!r} is not a training checkpoint of this project "
-                        f"(use --pretrained for plain weights)")
-    checkpoint.require(state, config["resume"])  # one line naming what it lacks
-    return config["resume"], state
-
-
-def choose_run_dir(config, explicit, resume_path, saved):
-    """``--run-dir``; else, for ``--resume PATH``, the checkpoint's own run directory, but
-    only when PATH is that run's newest checkpoint (continuing from an older one would
-    rewind the run); else a new ``runs/<time>-<network>-<dataset>``."""
-    if config["run_dir"]:
-        return config["run_dir"]
-    if saved is None:
-        return runlog.default_run_dir(config)
-    recorded = saved["config"].get("run_dir") or ""
-    ckpt_dir = os.path.join(recorded, "checkpoints")
-    if not (os.path.isdir(ckpt_dir) and os.path.samefile(
-            os.path.dirname(os.path.abspath(resume_path)), ckpt_dir)):
-        raise UserError(f"{resume_path!r} is not in the run directory it records "
-                        f"({recorded!r}); pass --run-dir to say where this run goes on")
-    _, newest = checkpoint.find_latest(recorded, warn=_quiet)  # skipped files: said later
-    if newest is not None and newest["step"] > saved["step"]:
-        raise UserError(f"{resume_path!r} (step {saved['step']}) is not the newest "
-                        f"checkpoint of {recorded!r} (step {newest['step']}): continuing "
-                        f"there would rewind that run. Continue it with --resume auto "
-                        f"--run-dir {recorded}, or start a new run from this checkpoint "
-                        f"with --run-dir NEW_DIR")
-    return recorded
-
-
-def _quiet(message):
-    """Drops a message."""
 
 
 # --------------------------------------------------------------------- data, network
@@ -722,7 +636,7 @@ def unfreeze(training):
     names = unfreeze_into(training.net, training.optimizer, training.config)
     training.model = wrap_model(training.net, training.config, training.procs.device,
                                 training.procs.world_size)
-    training.flops_per_sample, training.peak_tflops = count_flops(  # their backward too
+    training.flops_per_sample, training.peak_tflops = runtime.count_flops(  # their backward too
         training.net, training.task.example(training.datasets[0]), training.config,
         training.procs, training.loop.amp_dtype)
     engine.set_lr(training.optimizer, training.loop.lr_factor(training.state.step))

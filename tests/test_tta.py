@@ -61,6 +61,6 @@ def test_train_validates_with_flips_and_digits_keep_their_side(tmp_path):
     read = [json.loads((tmp_path / d / "metrics.jsonl").read_text().splitlines()[-1])
             for d in ("flip", "plain")]
     assert read[0]["val_loss"] != read[1]["val_loss"]  # the mlp is not mirror-invariant
-    assert train.use_tta({"tta": "flip", "dataset": "cifar10"})
-    assert not train.use_tta({"tta": "flip", "dataset": "mnist"})
-    assert not train.use_tta({"tta": "none", "dataset": "cifar10"})
+    assert tasks.use_tta({"tta": "flip", "dataset": "cifar10"})
+    assert not tasks.use_tta({"tta": "flip", "dataset": "mnist"})
+    assert not tasks.use_tta({"tta": "none", "dataset": "cifar10"})
