@@ -34,7 +34,6 @@ import time
 import torch
 from torch.autograd import DeviceType
 
-import device_data
 import files
 import runtime
 
@@ -117,16 +116,24 @@ def top_operators(prof, cuda, count=TOP_OPERATORS):
 
 
 @contextlib.contextmanager
-def window(training, train_loader):
-    """The run's profiler for ``training`` (a ``train.Training``): a ``Profile`` with
-    --profile-steps, else None (nothing is built). Closed however the block ends."""
-    remove_orphans(os.path.join(training.config["run_dir"], "profile"))
-    asked = training.config["profile_steps"]
+def window(config, procs, loop, step, sampler, on_device=False):
+    """The run's profiler: a ``Profile`` with --profile-steps, else None (nothing is
+    built). Closed however the block ends.
+
+    Args:
+        config: the run's (``run_dir``, ``profile_steps``, ``epochs``, ``max_steps``).
+        procs: ``runtime.Processes``.
+        loop: the ``engine.LoopSettings`` (its timer, the accumulation).
+        step: the optimizer steps taken so far.
+        sampler: the training ``EpochBatchSampler`` (the steps left in the run).
+        on_device: the batches are made on the device (its advice differs).
+    """
+    remove_orphans(os.path.join(config["run_dir"], "profile"))
+    asked = config["profile_steps"]
     if not asked:
         yield None
         return
-    remaining = steps_left(training.config, train_loader.batch_sampler,
-                           training.loop.accum, training.state.step)
+    remaining = steps_left(config, sampler, loop.accum, step)
     wait, warmup, active = plan(asked, remaining)
     if not active:
         runtime.main_print("profile: --profile-steps: the run has no optimizer step left "
@@ -137,10 +144,8 @@ def window(training, train_loader):
         runtime.main_print(f"profile: --profile-steps {asked}: the run has {remaining} "
                            f"optimizer step(s) left; profiling {active} of them, after "
                            f"{wait} skipped and {warmup} warm-up")
-    profile = Profile(os.path.join(training.config["run_dir"], "profile"),
-                      training.procs, training.loop.timer, (wait, warmup, active),
-                      training.state.step,
-                      on_device=isinstance(train_loader, device_data.DeviceLoader))
+    profile = Profile(os.path.join(config["run_dir"], "profile"), procs, loop.timer,
+                      (wait, warmup, active), step, on_device=on_device)
     with profile:
         yield profile
 

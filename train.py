@@ -192,7 +192,9 @@ def fit(config, argv, resume_path, saved, directory, stop):
         log(f"training {config['network']} on {config['dataset']} "
             f"({len(training.datasets[0])} samples, {procs.world_size} process(es), "
             f"{procs.device}) into {directory.path}")
-        with profiling.window(training, train_loader) as training.profiler:  # --profile-steps
+        profiler = profiling.window(config, procs, training.loop, training.state.step,
+                                    train_loader.batch_sampler, training.on_device)
+        with profiler as training.profiler:  # --profile-steps: a Profile, or None
             ended, final = run_epochs(training, train_loader, stop)
     except ops.OutOfMemory as e:  # one line: where, the batch, what to try
         training.run_log.failed()
