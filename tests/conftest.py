@@ -18,6 +18,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 torch.set_num_threads(2)
 
 
+# The quick half of the suite (`python -m pytest -m "not slow"`): modules of unit tests on
+# small tensors and files. Every other module trains through train.py, starts processes
+# (torchrun, subprocesses) or waits for signals, and is marked slow.
+QUICK_MODULES = {"test_config", "test_layers", "test_losses", "test_ops_blocks", "test_files",
+                 "test_runtime", "test_runlog", "test_data", "test_seg_parts",
+                 "test_segmentation_data", "test_docs_blocks", "test_optional_imports",
+                 "test_gan_parts", "test_checkpoint", "test_cuda"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.module.__name__ not in QUICK_MODULES:
+            item.add_marker(pytest.mark.slow)
+
+
 def tiny_args(run_dir, *extra, network="mlp", size=64, image=8, batch=16, epochs=1):
     """train.py flags for a run that takes a second or two on a CPU."""
     return ["--dataset", "synthetic", "--network", network, "--synthetic-size", str(size),

@@ -21,8 +21,6 @@ import engine
 import tasks
 import train
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def learned(tmp_path_factory):
