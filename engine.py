@@ -207,6 +207,7 @@ class Counters:
         self.worst = torch.zeros((), device=self.device, dtype=torch.long)
         self.skips = torch.zeros((), device=self.device)
         self.grad_norms = []  # each step's norm, a 0-d tensor on the device
+        self.finite = []  # each micro-batch's loss was finite: 0-d bools, read on failure
 
     def add_loss(self, loss, count):
         """Adds a batch's mean loss for ``count`` samples; tracks non-finite streaks.
@@ -221,6 +222,7 @@ class Counters:
         self.samples += count
         self.streak = torch.where(finite, 0, self.streak + 1)
         self.worst = torch.maximum(self.worst, self.streak)
+        self.finite.append(finite)  # no kernel: read only when a loss was not finite
 
     def add_grad_norm(self, norm):
         """Keeps an optimizer step's total gradient norm (before clipping): a list append
@@ -229,13 +231,16 @@ class Counters:
 
     def _grad_norm_sums(self, clip):
         """The kept norms' sum and count, the non-finite ones (an fp16 step the GradScaler
-        skips) left out, and how many were above ``clip`` (when > 0)."""
+        skips) left out, how many were above ``clip`` (when > 0), and the index of the
+        first non-finite one (None: all finite)."""
         if not self.grad_norms:
-            return 0.0, 0, 0
+            return 0.0, 0, 0, None
         norms = torch.stack(self.grad_norms).double()
         finite = torch.isfinite(norms)
         clipped = int((norms > clip).sum()) if clip > 0 else 0
-        return float(torch.where(finite, norms, 0.0).sum()), int(finite.sum()), clipped
+        count = int(finite.sum())
+        first = None if count == len(self.grad_norms) else _first_false(finite)
+        return float(torch.where(finite, norms, 0.0).sum()), count, clipped, first
 
     def read(self):
         """Returns the sums since the last read as numbers, and starts new ones.
@@ -245,16 +250,30 @@ class Counters:
             ``samples`` (all), ``worst_streak`` (longest run of non-finite losses),
             ``streak`` (the current one), ``scaler_skips``, and the gradient norms:
             ``grad_norm_sum`` over ``grad_norm_count`` steps, ``grad_clipped`` of them
-            above the clip (--grad-clip).
+            above the clip (--grad-clip). Where the first non-finite value was (replay.py):
+            ``micro_batches`` and ``steps`` since the last read, ``first_nonfinite_loss``
+            (a micro-batch's index among them) and ``first_nonfinite_grad_norm`` (an
+            optimizer step's), each None when all were finite.
         """
-        grad_sum, grad_count, clipped = self._grad_norm_sums(self.clip)
+        grad_sum, grad_count, clipped, first_grad = self._grad_norm_sums(self.clip)
+        worst = int(self.worst)
         values = {"loss_sum": float(self.loss_sum), "loss_count": int(self.loss_count),
-                  "samples": self.samples, "worst_streak": int(self.worst),
+                  "samples": self.samples, "worst_streak": worst,
                   "streak": int(self.streak), "scaler_skips": int(self.skips),
                   "grad_norm_sum": grad_sum, "grad_norm_count": grad_count,
-                  "grad_clipped": clipped}
+                  "grad_clipped": clipped, "micro_batches": len(self.finite),
+                  "steps": len(self.grad_norms), "first_nonfinite_grad_norm": first_grad,
+                  # worst > 0: a loss of this window was not finite (the only case that syncs)
+                  "first_nonfinite_loss": _first_false(torch.stack(self.finite))
+                  if worst and self.finite else None}
         self.reset()
         return values
+
+
+def _first_false(flags):
+    """The index of the first False in a 1-d bool tensor (one sync), or None."""
+    where = (~flags).nonzero()
+    return int(where[0, 0]) if len(where) else None
 
 
 class LossMeter:
@@ -270,6 +289,7 @@ class LossMeter:
 
     def __init__(self, counters, world_size=1):
         self.counters, self.world_size = counters, world_size
+        self.nonfinite = None  # set by collect
         self.restart()
 
     def restart(self, step=0):
@@ -284,13 +304,23 @@ class LossMeter:
         Returns:
             ``(streak, worst_streak)`` of non-finite losses, the worst over all
             processes: every process must take the same decision (skip a save, stop).
+            ``self.nonfinite`` then says where the first non-finite loss (any process)
+            or gradient norm of the window was, or is None.
         """
         values = self.counters.read()
         streaks = (values["streak"], values["worst_streak"])
-        if self.world_size > 1:
-            both = torch.tensor(streaks, device=self.counters.device)
+        first_loss = values["first_nonfinite_loss"]
+        if self.world_size > 1:  # the first bad micro-batch of any process rides along
+            both = torch.tensor([*streaks, -(first_loss if first_loss is not None else 2**62)],
+                                device=self.counters.device)
             dist.all_reduce(both, op=dist.ReduceOp.MAX)
-            streaks = tuple(int(s) for s in both)
+            streaks = (int(both[0]), int(both[1]))
+            first_loss = -int(both[2]) if int(both[2]) > -2**62 else None
+        self.nonfinite = None  # where the window's first non-finite value was (replay.py)
+        if first_loss is not None or values["first_nonfinite_grad_norm"] is not None:
+            self.nonfinite = {"micro_batches": values["micro_batches"],
+                              "steps": values["steps"], "loss": first_loss,
+                              "grad_norm": values["first_nonfinite_grad_norm"]}
         state.loss_sum += values["loss_sum"]
         state.loss_count += values["loss_count"]
         state.scaler_skips += values["scaler_skips"]

@@ -53,6 +53,7 @@ import ops
 import presets
 import profiling
 import recipes
+import replay
 import runlog
 import runtime
 import tasks
@@ -114,6 +115,8 @@ def main(argv=None):
 def train(argv, stop):
     """The run: config, its directory (locked), then ``fit``; returns the exit code."""
     config, explicit = parse_config(argv)
+    if config["replay"]:  # a recorded non-finite step, replayed in a scratch directory
+        return replay.run(config, explicit, stop, build_training, unfreeze_point, unfreeze)
     check_config(config)
     lr_finder.check_config(config)  # --find-lr with --resume
     resume_path, saved = resume_file(config)  # --resume PATH: read before anything is written
@@ -155,6 +158,7 @@ class Training:
     flops_per_sample: int         # forward + backward, for the TFLOP/s figure
     peak_tflops: float            # the datasheet peak of the run's GPUs (MFU), or None
     profiler: object = None       # a profiling.Profile while --profile-steps runs, or None
+    nonfinite_record: str = None  # the record of the first non-finite loss (replay.py)
 
 
 def fit(config, argv, resume_path, saved, directory, stop):
@@ -363,13 +367,15 @@ def run_epoch(training, train_loader, epoch, stop):
 # ----------------------------------------------------------- logging, saving, epochs
 
 def read_losses(training):
-    """Moves the loss counters into the run state (one sync); after --max-nonfinite bad
-    losses in a row, stops the run.
+    """Moves the loss counters into the run state (one sync); the first non-finite loss or
+    gradient norm is recorded for replay (replay.py); after --max-nonfinite bad losses in
+    a row, stops the run.
 
     Returns:
         How many of the latest losses in a row were not finite (0: the last was fine).
     """
     streak, worst = training.meter.collect(training.state)
+    replay.record_nonfinite(training)  # nothing to do unless a value was not finite
     if worst >= training.config["max_nonfinite"]:
         raise RunFailed(
             f"the loss was not finite for {worst} steps in a row (at step "
