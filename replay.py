@@ -20,6 +20,7 @@ Two halves:
 """
 
 import contextlib
+import io
 import json
 import os
 import shlex
@@ -256,15 +257,18 @@ def run(config, explicit, stop, build_training, unfreeze_point, unfreeze):
             procs = runtime.setup_processes(config, stop.pending)
             runtime.set_memory_options(config, procs.device)
             runtime.seed_everything(config["seed"], 0, config["deterministic"], procs.device)
-            training, loader = build_training(config, procs, run_dir, saved, resume_path,
-                                              stop.pending)
+            start = f"{resume_path} (step {saved['step']})" if saved else "the initial weights"
+            runtime.say(f"replaying step {record['step']} from {start} in a scratch "
+                        f"directory")
+            with contextlib.redirect_stdout(io.StringIO()):
+                training, loader = build_training(config, procs, run_dir, saved, resume_path,
+                                                  stop.pending)  # its lines are the run's
             try:
                 watch = replay_to(training, loader, record, unfreeze_point, unfreeze)
             finally:
                 data.shutdown_loader(loader)
                 data.shutdown_loader(training.val_loader)
                 training.run_log.close(config, None)
-    start = f"{resume_path} (step {saved['step']})" if saved else "the initial weights"
     return report(record, watch, start, training.datasets[0])
 
 

@@ -49,9 +49,8 @@ class RunDirectory:
     Use it as a context manager around the run. One run at a time: a second run in the
     same directory gets a UserError naming the first (``RunLock``). A run that fails
     before it wrote a checkpoint (or a non-finite record, replay.py) removes the directory
-    it created, and the parents it
-    created for it, so an offline typo or a name the file system refuses (too long)
-    leaves nothing behind.
+    it created, and the parents it created for it, so an offline typo or a name the file
+    system refuses (too long) leaves nothing behind.
 
     Args:
         path: the directory.

@@ -5,12 +5,13 @@ import os
 
 import pytest
 import torch
+from conftest import tiny_args, write_image_folder
+from helpers import finish, start_torchrun, write_launcher
 from torch import nn
 
 import data
 import networks
 import train
-from conftest import tiny_args
 
 MARK = 100.0  # synthetic pixels are about N(0, 1): only the marked sample reaches this
 PER_SAMPLE = ("--data-on-device", "off")  # samples through SeededDataset (marked below)
@@ -104,8 +105,7 @@ def test_a_nonfinite_loss_is_recorded_and_the_replay_names_module_and_sample(
     assert files_of(run_dir) == before
 
 
-def test_the_record_names_the_micro_batch_and_every_process_share(tmp_path, capsys,
-                                                                  monkeypatch, overflow):
+def test_the_record_names_the_micro_batch_of_a_step(tmp_path, capsys, monkeypatch, overflow):
     # --virtual-batch-size 32 of batches 16: two micro-batches a step. The marked sample is
     # in epoch 1's 4th batch: the second micro-batch of step 2; no checkpoint before it.
     run_dir = tmp_path / "run"
@@ -125,6 +125,54 @@ def test_the_record_names_the_micro_batch_and_every_process_share(tmp_path, caps
     out = capsys.readouterr().out
     assert "from the initial weights" in out
     assert "micro-batch 2 of 2" in out and f"samples: {index}\n" in out + "\n"
+
+
+def test_the_replay_names_an_image_folder_sample_by_its_file(tmp_path, capsys, monkeypatch,
+                                                            overflow):
+    images = write_image_folder(tmp_path / "images")  # 3 classes of 6 images: 18 samples
+    run_dir = tmp_path / "run"
+    index = bad_sample(epoch=0, batch=1, position=2, size=18, batch_size=4)
+    mark_sample(monkeypatch, index, epoch=0)
+    args = tiny_args(run_dir, *PER_SAMPLE, "--dataset", "imagefolder", "--data-dir",
+                     str(images), network="overflow_mlp", batch=4)
+    assert train.main(args) == 1
+    record_path = run_dir / "checkpoints" / "nonfinite-step-00000002.json"
+    capsys.readouterr()
+    assert train.main(["--replay", str(record_path)]) == 0
+    out = capsys.readouterr().out
+    path = images / "train" / ("cat", "dog", "emu")[index // 6] / f"{index % 6}.png"
+    assert f"samples: {index} ({path})\n" in out
+
+
+def test_under_ddp_the_record_holds_every_process_share_and_replays_in_one(
+        tmp_path, capsys, monkeypatch, overflow):
+    # Two processes of 8: the marked sample is the 14th of epoch 2's 3rd global batch, so
+    # only process 1's loss is not finite; the record says so, and one process replays it.
+    run_dir = tmp_path / "run"
+    index = bad_sample(epoch=1, batch=2, position=13)
+    launcher = write_launcher(tmp_path / "launch.py", LAUNCH.format(
+        tests=os.path.dirname(os.path.abspath(__file__)), index=index))
+    code, out = finish(start_torchrun(tiny_args(run_dir, *PER_SAMPLE, network="overflow_mlp",
+                                                batch=8, epochs=2), script=launcher))
+    assert code != 0 and "non-finite loss at step 7" in out, out[-3000:]
+    record = json.loads((run_dir / "checkpoints" / "nonfinite-step-00000007.json").read_text())
+    share = record["micro_batches"][0]["per_process"]
+    assert record["world_size"] == 2 and len(share) == 2 and len(share[0]) == 8
+    assert index in share[1] and index not in share[0]
+    assert record["micro_batches"][0]["samples"] == share[0] + share[1]
+    mark_sample(monkeypatch, index, epoch=1)
+    assert train.main(["--replay", str(run_dir / "checkpoints" /
+                                         "nonfinite-step-00000007.json")]) == 0
+    out = capsys.readouterr().out
+    assert "module '0' (Blowup)" in out and f"samples: {index}\n" in out
+
+
+LAUNCH = """sys.path.insert(0, {tests!r})
+import pytest, networks
+from test_replay import mark_sample, overflow_mlp
+patch = pytest.MonkeyPatch()
+patch.setitem(networks.NETWORKS, "overflow_mlp", overflow_mlp)
+mark_sample(patch, {index}, epoch=1)"""
 
 
 def test_a_healthy_run_writes_no_record(tmp_path, capsys):
