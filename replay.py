@@ -164,14 +164,27 @@ def read_record(path):
         raise UserError(f"--replay {path!r} cannot be read ({e.strerror or e})") from None
     except ValueError as e:
         raise UserError(f"--replay {path!r} is not a non-finite record ({e})") from None
-    keys = ("format", "step", "epoch", "micro_batches", "config", "checkpoint", "world_size")
-    if not isinstance(record, dict) or any(k not in record for k in keys):
+    if not _well_formed(record):
         raise UserError(f"--replay {path!r} is not a non-finite record of this project "
                         f"(train.py writes them as checkpoints/nonfinite-step-NNNNNNNN.json)")
     if record["format"] > RECORD_FORMAT:
         raise UserError(f"--replay {path!r} is of format {record['format']}, newer than this "
                         f"project reads ({RECORD_FORMAT}): update the project")
     return record
+
+
+def _well_formed(record):
+    """Whether ``record`` has the keys and types ``record_nonfinite`` writes."""
+    types = {"format": int, "step": int, "epoch": int, "world_size": int, "config": dict,
+             "micro_batches": list, "what": str}
+    if not isinstance(record, dict) or any(not isinstance(record.get(k), t)
+                                           for k, t in types.items()):
+        return False
+    if not isinstance(record.get("checkpoint"), (str, type(None))) or \
+            record["step"] < 1 or record["world_size"] < 1:
+        return False
+    return all(isinstance(mb, dict) and isinstance(mb.get("batch"), int) and
+               isinstance(mb.get("samples"), list) for mb in record["micro_batches"])
 
 
 def start_checkpoint(record, path):
@@ -302,7 +315,7 @@ def replay_to(training, loader, record, unfreeze_point, unfreeze):
             except RuntimeError as e:  # anomaly detection stopped the watched backward
                 if not watch.active:
                     raise
-                watch.anomaly = str(e).strip().splitlines()[0]
+                watch.stopped_by_anomaly(str(e).strip().splitlines()[0])
                 return watch
             state.epoch, state.epoch_samples = state.epoch + 1, 0
     raise RunFailed(f"the replay ended at step {state.step} without reaching step {target}: "
@@ -375,6 +388,15 @@ class Watch:
             for handle in handles:
                 handle.remove()
 
+    def stopped_by_anomaly(self, message):
+        """Anomaly detection stopped the backward at a NaN before any hook saw it: the
+        module whose output gradient was the last seen finite made it."""
+        self.anomaly = message
+        if self.forward is None and self.backward is None and self.last_finite_grad:
+            name, kind, micro_batch = self.last_finite_grad
+            self.backward = {"module": name, "type": kind, "micro_batch": micro_batch,
+                             "rows": None, "after": None, "inside": True}
+
     def found(self):
         return self.forward or self.backward or self.parameter or self.anomaly
 
@@ -401,10 +423,11 @@ class Watch:
             if self.backward is not None:
                 return
             if _finite(grad):
-                self.last_finite_grad = name
+                self.last_finite_grad = name, kind, micro_batch
             else:
                 self.backward = {"module": name, "type": kind, "micro_batch": micro_batch,
-                                 "rows": _bad_rows([grad]), "after": self.last_finite_grad}
+                                 "rows": _bad_rows([grad]), "inside": False,
+                                 "after": self.last_finite_grad}
         return hook
 
     def _parameter_hook(self, name):
@@ -475,11 +498,17 @@ def report(record, watch, start, dataset):
                      f"{len(record['micro_batches'])}; its inputs were "
                      f"{'finite' if f['inputs_finite'] else 'already not finite (the data?)'}")
     elif watch.backward:
-        b = watch.backward
-        after = f", in the backward of '{b['after']}'" if b["after"] else ""
-        lines.append(f"  first non-finite gradient: of the output of module '{b['module']}' "
-                     f"({b['type']}){after}, micro-batch {b['micro_batch'] + 1} of "
-                     f"{len(record['micro_batches'])}")
+        b, of = watch.backward, f"micro-batch {watch.backward['micro_batch'] + 1} of " \
+            f"{len(record['micro_batches'])}"
+        if b["inside"]:
+            lines.append(f"  first non-finite gradient: made in the backward pass of module "
+                         f"'{b['module']}' ({b['type']}), {of}; the gradient of its output "
+                         f"was finite")
+        else:
+            after = f", made in the backward pass of '{b['after'][0]}' ({b['after'][1]})" \
+                if b["after"] else ""
+            lines.append(f"  first non-finite gradient: of the output of module "
+                         f"'{b['module']}' ({b['type']}){after}, {of}")
     if watch.parameter:
         lines.append(f"  first non-finite parameter gradient: {watch.parameter['parameter']}")
     if watch.anomaly:
@@ -488,7 +517,7 @@ def report(record, watch, start, dataset):
         samples = record["micro_batches"][where["micro_batch"]]["samples"]
         rows = where["rows"]
         chosen = [samples[r] for r in rows if r < len(samples)] if rows else samples
-        what = "samples" if rows else "samples of the micro-batch (a batch-wide value)"
+        what = "samples" if rows else "samples of that micro-batch (not told apart)"
         lines.append(f"  {what}: " + ", ".join(_named(i, dataset) for i in chosen))
     runtime.say("\n".join(lines))
     return 0 if where is not None or watch.parameter else _not_named(step)

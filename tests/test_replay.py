@@ -32,6 +32,31 @@ def overflow_mlp(num_classes, in_channels, image_size):
                          nn.Linear(32, num_classes))
 
 
+class InfGradient(torch.autograd.Function):
+    """The identity forward; backward, an infinite gradient for a marked sample."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        marked = (x.amax(1) > MARK / 10).view(-1, 1)  # (after a Linear: N(0, 0.3) unmarked)
+        return torch.where(marked, grad * float("inf"), grad)
+
+
+class BadGradient(nn.Module):
+    def forward(self, x):
+        return InfGradient.apply(x)
+
+
+def bad_gradient_mlp(num_classes, in_channels, image_size):
+    return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size * image_size, 32),
+                         BadGradient(), nn.ReLU(), nn.Linear(32, num_classes))
+
+
 def bad_sample(epoch=1, batch=2, position=5, size=64, batch_size=16):
     """The index the sampler puts at ``position`` of ``batch`` in ``epoch`` (seed 0)."""
     sampler = data.EpochBatchSampler(size, batch_size, seed=0)
@@ -173,6 +198,24 @@ from test_replay import mark_sample, overflow_mlp
 patch = pytest.MonkeyPatch()
 patch.setitem(networks.NETWORKS, "overflow_mlp", overflow_mlp)
 mark_sample(patch, {index}, epoch=1)"""
+
+
+def test_a_gradient_made_non_finite_in_the_backward_is_found_there(tmp_path, capsys,
+                                                                   monkeypatch):
+    # The loss is finite; the gradient norm is not: the backward of module '2' made it.
+    monkeypatch.setitem(networks.NETWORKS, "bad_gradient_mlp", bad_gradient_mlp)
+    run_dir = tmp_path / "run"
+    index = bad_sample(epoch=0, batch=1, position=3)
+    mark_sample(monkeypatch, index, epoch=0)
+    assert train.main(tiny_args(run_dir, *PER_SAMPLE, network="bad_gradient_mlp")) == 1
+    record_path = run_dir / "checkpoints" / "nonfinite-step-00000002.json"
+    assert "non-finite gradient norm at step 2" in capsys.readouterr().err
+    assert json.loads(record_path.read_text())["what"] == "gradient norm"
+    assert train.main(["--replay", str(record_path)]) == 0
+    out = capsys.readouterr().out
+    assert "first non-finite gradient: made in the backward pass of module '2' " \
+           "(BadGradient)" in out
+    assert "anomaly detection: Function 'InfGradientBackward' returned nan" in out
 
 
 def test_a_healthy_run_writes_no_record(tmp_path, capsys):
