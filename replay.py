@@ -24,6 +24,7 @@ import io
 import json
 import os
 import shlex
+import signal
 import sys
 import tempfile
 import warnings
@@ -37,7 +38,7 @@ import files
 import runlog
 import runtime
 from config import check_config, merge_resumed_config, with_defaults
-from ops import RunFailed, UserError
+from ops import Interrupted, RunFailed, UserError
 
 RECORD_FORMAT = 1
 # Flags that would make a replay write somewhere, or do something other than replay.
@@ -65,6 +66,9 @@ def record_nonfinite(training):
         if found["loss"] is None:
             return None
     config, state, procs = training.config, training.state, training.procs
+    training.nonfinite_record = "recorded"  # once a run, on every process
+    if not procs.is_main:  # the main process writes every process's share
+        return None
     where = locate(found, state, config["batch_size"] * procs.world_size,
                    training.loop.accum, len(training.datasets[0]))
     batches = [batch_samples(len(training.datasets[0]), config["batch_size"], config["seed"],
@@ -85,16 +89,15 @@ def record_nonfinite(training):
         "command": f"python train.py --replay {shlex.quote(path)}",
     }
     training.nonfinite_record = path
-    if procs.is_main:
-        try:
-            files.atomic_write(path, lambda f: json.dump(record, f, indent=1, default=str))
-        except OSError as e:  # the run goes on; its own checks decide whether it stops
-            runtime.say(f"warning: the non-finite {where['what']} at step {where['step']} "
-                        f"could not be recorded in {path} ({e.strerror or e})", file=sys.stderr)
-            return None
-        runtime.say(f"non-finite {where['what']} at step {where['step']} (epoch "
-                    f"{state.epoch + 1}): its batch is recorded; replay it with: "
-                    f"{record['command']}", file=sys.stderr)
+    try:
+        files.atomic_write(path, lambda f: json.dump(record, f, indent=1, default=str))
+    except OSError as e:  # the run goes on; its own checks decide whether it stops
+        runtime.say(f"warning: the non-finite {where['what']} at step {where['step']} "
+                    f"could not be recorded in {path} ({e.strerror or e})", file=sys.stderr)
+        return None
+    runtime.say(f"non-finite {where['what']} at step {where['step']} (epoch "
+                f"{state.epoch + 1}): its batch is recorded; replay it with: "
+                f"{record['command']}", file=sys.stderr)
     return path
 
 
@@ -203,18 +206,26 @@ def start_checkpoint(record, path):
         saved = checkpoint.load_checkpoint(named)
         if saved["step"] < step:
             return named, saved
-    folder, best = os.path.dirname(named), (None, None)
-    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
-        candidate = os.path.join(folder, name)
-        if not name.endswith(".pt") or candidate == named:
-            continue
-        with contextlib.suppress(UserError):
-            saved = checkpoint.load_checkpoint(candidate)
-            if saved["step"] < step and (best[1] is None or saved["step"] > best[1]["step"]):
-                best = candidate, saved
+    # Beside the record: its run directory may have been moved or copied since.
+    beside = os.path.join(os.path.dirname(os.path.abspath(path)), os.path.basename(named))
+    if beside != named and os.path.isfile(beside):
+        saved = checkpoint.load_checkpoint(beside)
+        if saved["step"] < step:
+            return beside, saved
+    best = None, None
+    for folder in dict.fromkeys([os.path.dirname(named), os.path.dirname(beside)]):
+        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+            candidate = os.path.join(folder, name)
+            if not name.endswith(".pt") or candidate in (named, beside):
+                continue
+            with contextlib.suppress(UserError):
+                saved = checkpoint.load_checkpoint(candidate)
+                if saved["step"] < step and (best[1] is None or
+                                             saved["step"] > best[1]["step"]):
+                    best = candidate, saved
     if best[0] is None:
         raise UserError(f"--replay {path!r}: no checkpoint from before step {step} is left "
-                        f"in {folder!r} ({named!r} was written over or removed)")
+                        f"beside it ({named!r} was written over or removed)")
     return best
 
 
@@ -249,7 +260,8 @@ def run(config, explicit, stop, build_training, unfreeze_point, unfreeze):
             unfrozen exactly as training does it).
 
     Returns:
-        0 when the replay reproduced the non-finite value and named where it arose.
+        0 when the replay reproduced the non-finite value and named where it arose;
+        128 + the signal's number when a stop signal ended it (nothing is written).
 
     Raises:
         UserError: a bad record or flag; RunFailed: not reproduced (one line).
@@ -277,7 +289,11 @@ def run(config, explicit, stop, build_training, unfreeze_point, unfreeze):
                 training, loader = build_training(config, procs, run_dir, saved, resume_path,
                                                   stop.pending)  # its lines are the run's
             try:
-                watch = replay_to(training, loader, record, unfreeze_point, unfreeze)
+                watch = replay_to(training, loader, record, unfreeze_point, unfreeze, stop)
+            except Interrupted as e:
+                runtime.say(f"{signal.Signals(e.signum).name}: stopped {e.what}; nothing was "
+                            f"written (the recorded run is only read)", file=sys.stderr)
+                return 128 + e.signum
             finally:
                 data.shutdown_loader(loader)
                 data.shutdown_loader(training.val_loader)
@@ -285,11 +301,14 @@ def run(config, explicit, stop, build_training, unfreeze_point, unfreeze):
     return report(record, watch, start, training.datasets[0])
 
 
-def replay_to(training, loader, record, unfreeze_point, unfreeze):
+def replay_to(training, loader, record, unfreeze_point, unfreeze, stop):
     """Trains from the restored state to the recorded step, then runs that step watched.
 
     Returns:
         The ``Watch`` of the recorded step.
+
+    Raises:
+        ops.Interrupted: a stop signal (``stop``, a ``runtime.StopRequest``) came.
     """
     state, sampler, target = training.state, loader.batch_sampler, record["step"]
     watch = Watch(training.net, training.task)
@@ -312,6 +331,9 @@ def replay_to(training, loader, record, unfreeze_point, unfreeze):
                         if step == target - 1:
                             armed.enter_context(watch.armed())
                         _check_finite_before(training, step)
+                        if stop.pending():  # a stop signal: the replay leaves nothing
+                            raise Interrupted(stop.pending(), f"the replay at step {step} "
+                                              f"of {target}")
             except RuntimeError as e:  # anomaly detection stopped the watched backward
                 if not watch.active:
                     raise

@@ -218,6 +218,35 @@ def test_a_gradient_made_non_finite_in_the_backward_is_found_there(tmp_path, cap
     assert "anomaly detection: Function 'InfGradientBackward' returned nan" in out
 
 
+def test_the_replay_finds_its_checkpoint_in_a_moved_run_and_refuses_to_write(
+        tmp_path, capsys, monkeypatch, overflow):
+    run_dir, moved = tmp_path / "run", tmp_path / "moved"
+    index = bad_sample()
+    mark_sample(monkeypatch, index, epoch=1)
+    assert train.main(tiny_args(run_dir, *PER_SAMPLE, network="overflow_mlp", epochs=2)) == 1
+    run_dir.rename(moved)  # the record names run/checkpoints/last.pt: gone
+    record = str(moved / "checkpoints" / "nonfinite-step-00000007.json")
+    capsys.readouterr()
+    assert train.main(["--replay", record]) == 0
+    out = capsys.readouterr().out
+    assert f"from {moved / 'checkpoints' / 'last.pt'} (step 4)" in out
+    (moved / "checkpoints" / "last.pt").unlink()  # another file of step 4 stands in
+    assert train.main(["--replay", record]) == 0
+    assert "(step 4): reproduced" in capsys.readouterr().out
+    for name in os.listdir(moved / "checkpoints"):
+        if name.endswith(".pt"):
+            (moved / "checkpoints" / name).unlink()
+    for args, env in ((["--run-dir", str(moved)], {}), (["--resume", "auto"], {}),
+                      ([], {"WORLD_SIZE": "2"}), ([], {})):
+        with monkeypatch.context() as patch:
+            for key, value in env.items():
+                patch.setenv(key, value)
+            assert train.main(["--replay", record, *args]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("error: ")
+    assert not (moved / "checkpoints" / "last.pt").exists()
+
+
 def test_a_healthy_run_writes_no_record(tmp_path, capsys):
     assert train.main(tiny_args(tmp_path, epochs=1)) == 0
     assert not [n for n in os.listdir(tmp_path / "checkpoints") if n.startswith("nonfinite")]
