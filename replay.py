@@ -505,11 +505,13 @@ def report(record, watch, start, dataset):
     """Prints what the replay found; returns 0, or raises RunFailed (not reproduced)."""
     step = record["step"]
     if not watch.found():
+        ddp = f", {record['world_size']} processes' BatchNorm statistics taken apart" \
+            if record["world_size"] > 1 else ""
         raise RunFailed(f"not reproduced: step {step} replayed from {start} was finite "
                         f"everywhere (every module's output and gradient, the loss); the "
                         f"recorded run's non-finite {record['what']} came from something the "
                         f"replay does not repeat (another device, threads, or library "
-                        f"version)")
+                        f"version{ddp})")
     lines = [f"replay of step {step} (epoch {record['epoch'] + 1}) from {start}: "
              f"reproduced the non-finite {record['what']}"]
     where = watch.forward or watch.backward
