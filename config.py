@@ -240,6 +240,12 @@ def _inspection_flags(g):
                    help="the learning rate the range test starts from")
     g.add_argument("--find-lr-max", type=float, default=10.0,
                    help="the learning rate the range test ends at")
+    g.add_argument("--replay", default=None, metavar="RECORD",
+                   help="replay the step a non-finite loss or gradient norm was recorded at "
+                   "(RUN_DIR/checkpoints/nonfinite-step-NNNNNNNN.json): from its last good "
+                   "checkpoint, in a scratch directory, with anomaly detection and hooks on "
+                   "every module; names the first module whose output or gradient is not "
+                   "finite, and the samples")
 
 
 

@@ -10,6 +10,7 @@ the wall time: the time the GPU was not computing.
 
 import contextlib
 import dataclasses
+import functools
 import math
 import threading
 import time
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import ops
 from ops import OutOfMemory, UserError, keep_frozen_norms_eval, memory_error
 
 
@@ -170,6 +172,36 @@ class LoopSettings:
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
 
+def build_loop(config, procs, sampler, dtype, prefetch=0):
+    """The loop's fixed settings: accumulation, precision, LR schedule, timers.
+
+    Args:
+        config: the run's (batch sizes, epochs, --max-steps, schedule, clip, memory format).
+        procs: ``runtime.Processes`` (device, world size, the main process).
+        sampler: the training ``EpochBatchSampler`` (batches an epoch).
+        dtype: the autocast dtype (``runtime.amp_dtype``), None for full precision.
+        prefetch: the BackgroundGenerator's depth (0: none).
+    """
+    device = procs.device
+    accum = (config["virtual_batch_size"] or config["batch_size"]) // config["batch_size"]
+    steps_per_epoch = -(-len(sampler) // accum)
+    total_steps = steps_per_epoch * config["epochs"]
+    if config["max_steps"]:
+        total_steps = min(total_steps, config["max_steps"])
+    return LoopSettings(
+        device=device, accum=accum, world_size=procs.world_size,
+        amp_dtype=dtype, scaler=torch.amp.GradScaler(device.type,
+                                                     enabled=dtype == torch.float16),
+        grad_clip=config["grad_clip"], prefetch=prefetch,
+        memory_format=torch.channels_last if config["channels_last"]
+        else torch.contiguous_format,
+        show_progress=procs.is_main,
+        lr_factor=functools.partial(ops.lr_factor, total_steps=total_steps,
+                                    schedule=config["scheduler"],
+                                    warmup_steps=int(config["warmup_epochs"] * steps_per_epoch)),
+        timer=StepTimer(device), counters=Counters(device, config["grad_clip"]))
+
+
 class Autocast(torch.nn.Module):
     """Runs ``module`` under ``torch.autocast(device_type, dtype)`` (nothing when ``dtype``
     is None). DataParallel wraps this: its replicas run in worker threads that re-enter
@@ -187,11 +219,15 @@ class Autocast(torch.nn.Module):
             return self.module(*args, **kwargs)
 
 
-FOLD_NORMS = 64  # Counters keeps at most this many per-step gradient norms as tensors
+FOLD_NORMS = 64  # Counters keeps at most this many per-step norms (and loss flags) as tensors
 
 
 class Counters:
-    """Running sums kept on the device and read (one sync) only when logging or saving.
+    """Running sums kept on the device and read (one transfer) only when logging or saving.
+
+    Per micro-batch and per optimizer step they only append to lists (no kernel, no sync);
+    every ``FOLD_NORMS`` entries the lists are folded into sums on the device, so a long
+    --log-every keeps few tensors alive.
 
     Args:
         device: where the sums live.
@@ -210,8 +246,13 @@ class Counters:
         self.worst = torch.zeros((), device=self.device, dtype=torch.long)
         self.skips = torch.zeros((), device=self.device)
         self.grad_norms = []  # the latest steps' norms, 0-d tensors on the device ...
-        self.grad_sums = torch.zeros(3, device=self.device, dtype=torch.float64)  # ... and
-        # the earlier ones', folded in: the finite norms' sum, their count, the clipped
+        self.finite = []      # ... the latest micro-batches' "loss was finite" flags ...
+        # ... and the earlier ones', folded in: the finite norms' sum, their count, the
+        # clipped, the index of the first non-finite norm and of the first non-finite loss
+        # (NONE_YET while there is none)
+        self.folded = torch.tensor([0.0, 0.0, 0.0, NONE_YET, NONE_YET], device=self.device,
+                                   dtype=torch.float64)
+        self.steps = self.micro_batches = 0  # since the last read
 
     def add_loss(self, loss, count):
         """Adds a batch's mean loss for ``count`` samples; tracks non-finite streaks.
@@ -226,26 +267,43 @@ class Counters:
         self.samples += count
         self.streak = torch.where(finite, 0, self.streak + 1)
         self.worst = torch.maximum(self.worst, self.streak)
+        self.finite.append(finite)  # no kernel: folded every FOLD_NORMS micro-batches
+        self.micro_batches += 1
+        if len(self.finite) >= FOLD_NORMS:
+            self._fold()
 
     def add_grad_norm(self, norm):
         """Keeps an optimizer step's total gradient norm (before clipping): a list append
         per step, no kernel; every ``FOLD_NORMS`` steps they are summed on the device (a
-        few kernels, no sync), so a long --log-every keeps no more tensors than that."""
+        few kernels, no sync)."""
         self.grad_norms.append(norm.detach())
+        self.steps += 1
         if len(self.grad_norms) >= FOLD_NORMS:
-            self._fold_grad_norms()
+            self._fold()
 
-    def _fold_grad_norms(self):
-        """Adds the kept norms to ``grad_sums``: the non-finite ones (an fp16 step the
-        GradScaler skipped) left out of the sum and count, and not counted as clipped."""
-        if not self.grad_norms:
-            return
-        norms = torch.stack(self.grad_norms).double()
-        finite = torch.isfinite(norms)
-        clipped = finite & (norms > self.clip) if self.clip > 0 else torch.zeros_like(finite)
-        self.grad_sums += torch.stack([torch.where(finite, norms, 0.0).sum(), finite.sum(),
-                                       clipped.sum()]).double()
-        self.grad_norms = []
+    def _fold(self):
+        """Folds the kept norms and flags into ``folded``, on the device: the non-finite
+        norms (an fp16 step the GradScaler skipped) left out of the sum and count and not
+        counted as clipped; the first non-finite norm's and loss's index kept."""
+        parts = []
+        if self.grad_norms:
+            norms = torch.stack(self.grad_norms).double()
+            finite = torch.isfinite(norms)
+            clipped = finite & (norms > self.clip) if self.clip > 0 else \
+                torch.zeros_like(finite)
+            first = self.steps - len(self.grad_norms)  # the index of norms[0]
+            parts.append((torch.stack([torch.where(finite, norms, 0.0).sum(),
+                                       finite.sum().double(), clipped.sum().double()]),
+                          _first_false(finite, first), 3))
+            self.grad_norms = []
+        if self.finite:
+            first = self.micro_batches - len(self.finite)
+            parts.append((None, _first_false(torch.stack(self.finite), first), 4))
+            self.finite = []
+        for sums, bad, at in parts:
+            if sums is not None:
+                self.folded[:3] += sums
+            self.folded[at] = torch.minimum(self.folded[at], bad)
 
     def read(self):
         """Returns the sums since the last read as numbers (one read from the device),
@@ -256,20 +314,37 @@ class Counters:
             ``samples`` (all), ``worst_streak`` (longest run of non-finite losses),
             ``streak`` (the current one), ``scaler_skips``, and the gradient norms:
             ``grad_norm_sum`` over ``grad_norm_count`` steps, ``grad_clipped`` of them
-            above the clip (--grad-clip).
+            above the clip (--grad-clip). Where the first non-finite value was (replay.py):
+            ``micro_batches`` and ``steps`` since the last read, ``first_nonfinite_loss``
+            (a micro-batch's index among them) and ``first_nonfinite_grad_norm`` (an
+            optimizer step's), each None when all were finite.
         """
-        self._fold_grad_norms()
-        (loss_sum, loss_count, worst, streak, skips, grad_sum, grad_count,
-         clipped) = torch.cat([torch.stack([t.double() for t in (
+        self._fold()
+        (loss_sum, loss_count, worst, streak, skips, grad_sum, grad_count, clipped,
+         first_grad, first_loss) = torch.cat([torch.stack([t.double() for t in (
              self.loss_sum, self.loss_count, self.worst, self.streak, self.skips)]),
-             self.grad_sums]).tolist()
+             self.folded]).tolist()
         values = {"loss_sum": loss_sum, "loss_count": int(loss_count),
                   "samples": self.samples, "worst_streak": int(worst),
                   "streak": int(streak), "scaler_skips": int(skips),
                   "grad_norm_sum": grad_sum, "grad_norm_count": int(grad_count),
-                  "grad_clipped": int(clipped)}
+                  "grad_clipped": int(clipped), "micro_batches": self.micro_batches,
+                  "steps": self.steps,
+                  "first_nonfinite_grad_norm": None if first_grad == NONE_YET
+                  else int(first_grad),
+                  "first_nonfinite_loss": None if first_loss == NONE_YET else int(first_loss)}
         self.reset()
         return values
+
+
+NONE_YET = 2.0 ** 52  # Counters' "no non-finite value yet" (an index no window reaches)
+
+
+def _first_false(flags, offset=0):
+    """``offset`` plus the index of the first False in a 1-d bool tensor, or ``NONE_YET``:
+    a 0-d float64 tensor on its device (no sync)."""
+    index = torch.arange(len(flags), device=flags.device, dtype=torch.float64) + offset
+    return torch.where(flags, NONE_YET, index).min()
 
 
 class LossMeter:
@@ -285,6 +360,7 @@ class LossMeter:
 
     def __init__(self, counters, world_size=1):
         self.counters, self.world_size = counters, world_size
+        self.nonfinite = None  # set by collect
         self.restart()
 
     def restart(self, step=0):
@@ -299,13 +375,23 @@ class LossMeter:
         Returns:
             ``(streak, worst_streak)`` of non-finite losses, the worst over all
             processes: every process must take the same decision (skip a save, stop).
+            ``self.nonfinite`` then says where the first non-finite loss (any process)
+            or gradient norm of the window was, or is None.
         """
         values = self.counters.read()
         streaks = (values["streak"], values["worst_streak"])
-        if self.world_size > 1:
-            both = torch.tensor(streaks, device=self.counters.device)
+        first_loss = values["first_nonfinite_loss"]
+        if self.world_size > 1:  # the first bad micro-batch of any process rides along
+            both = torch.tensor([*streaks, -(first_loss if first_loss is not None else 2**62)],
+                                device=self.counters.device)
             dist.all_reduce(both, op=dist.ReduceOp.MAX)
-            streaks = tuple(int(s) for s in both)
+            streaks = (int(both[0]), int(both[1]))
+            first_loss = -int(both[2]) if int(both[2]) > -2**62 else None
+        self.nonfinite = None  # where the window's first non-finite value was (replay.py)
+        if first_loss is not None or values["first_nonfinite_grad_norm"] is not None:
+            self.nonfinite = {"micro_batches": values["micro_batches"],
+                              "steps": values["steps"], "loss": first_loss,
+                              "grad_norm": values["first_nonfinite_grad_norm"]}
         state.loss_sum += values["loss_sum"]
         state.loss_count += values["loss_count"]
         state.scaler_skips += values["scaler_skips"]

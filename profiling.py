@@ -55,7 +55,7 @@ def plan(asked, remaining):
 
 def steps_left(config, sampler, accum, step):
     """Optimizer steps the run has after ``step``: every epoch's (``accum`` batches a
-    step, the last maybe fewer), at most --max-steps, as ``train.build_loop`` counts."""
+    step, the last maybe fewer), at most --max-steps, as ``engine.build_loop`` counts."""
     batches = -(-sampler.size // (sampler.batch_size * sampler.world_size))
     total = -(-batches // accum) * config["epochs"]
     if config["max_steps"]:

@@ -49,9 +49,9 @@ class RunDirectory:
 
     Use it as a context manager around the run. One run at a time: a second run in the
     same directory gets a UserError naming the first (``RunLock``). A run that fails
-    before it wrote a checkpoint removes the directory it created, and the parents it
-    created for it, so an offline typo or a name the file system refuses (too long)
-    leaves nothing behind.
+    before it wrote a checkpoint (or a non-finite record, replay.py) removes the directory
+    it created, and the parents it created for it, so an offline typo or a name the file
+    system refuses (too long) leaves nothing behind.
 
     Args:
         path: the directory.
@@ -99,8 +99,9 @@ class RunDirectory:
 
     def _remove_if_created(self):
         ckpt_dir = os.path.join(self.path, "checkpoints")
-        if not self.created or (os.path.isdir(ckpt_dir) and any(
-                name.endswith(".pt") for name in os.listdir(ckpt_dir))):
+        if not self.created or (os.path.isdir(ckpt_dir) and any(  # kept: what can resume,
+                name.endswith(".pt") or name.startswith("nonfinite-step-")  # or replay
+                for name in os.listdir(ckpt_dir))):
             return
         shutil.rmtree(self.created[0], ignore_errors=True)
         for parent in self.created[1:]:  # the parents made for it, where empty

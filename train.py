@@ -52,6 +52,7 @@ import ops
 import presets
 import profiling
 import recipes
+import replay
 import runlog
 import runtime
 import tasks
@@ -116,6 +117,8 @@ def main(argv=None):
 def train(argv, stop):
     """The run: config, its directory (locked), then ``fit``; returns the exit code."""
     config, explicit = parse_config(argv)
+    if config["replay"]:  # a recorded non-finite step, replayed in a scratch directory
+        return replay.run(config, explicit, stop, build_training, unfreeze_point, unfreeze)
     check_config(config)
     lr_finder.check_config(config)  # --find-lr with --resume
     resume_path, saved = checkpoint.resume_file(config["resume"])  # before any write
@@ -163,6 +166,7 @@ class Training:
     profiler: object = None       # a profiling.Profile while --profile-steps runs, or None
     timed_from: int = 0           # the epoch's samples before run_epoch started its timer
     on_device: bool = False       # the batches are made on the device (--data-on-device)
+    nonfinite_record: str = None  # the record of the first non-finite loss (replay.py)
 
 
 def fit(config, argv, resume_path, saved, directory, stop):
@@ -259,7 +263,8 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
             "device, where a thread in front would only move their kernels into the step's "
             "timing")
         prefetch = 0
-    loop = build_loop(config, procs, sampler, prefetch)
+    dtype = runtime.amp_dtype(config["amp"], procs.device)  # None: full precision
+    loop = engine.build_loop(config, procs, sampler, dtype, prefetch)
     flops, peak = runtime.count_flops(net, task.example(train_set), config, procs,  # RNG untouched
                               loop.amp_dtype)
     if presets.is_photo(config) and not config["network"].startswith("torchvision/"):
@@ -384,13 +389,15 @@ def run_epoch(training, train_loader, epoch, stop):
 # ----------------------------------------------------------- logging, saving, epochs
 
 def read_losses(training):
-    """Moves the loss counters into the run state (one sync); after --max-nonfinite bad
-    losses in a row, stops the run.
+    """Moves the loss counters into the run state (one sync); the first non-finite loss or
+    gradient norm is recorded for replay (replay.py); after --max-nonfinite bad losses in
+    a row, stops the run.
 
     Returns:
         How many of the latest losses in a row were not finite (0: the last was fine).
     """
     streak, worst = training.meter.collect(training.state)
+    replay.record_nonfinite(training)  # nothing to do unless a value was not finite
     if worst >= training.config["max_nonfinite"]:
         raise RunFailed(
             f"the loss was not finite for {worst} steps in a row (at step "
@@ -500,30 +507,6 @@ def early_stop_due(config, state):
 
 
 # --------------------------------------------------------------------- data, network
-
-def build_loop(config, procs, sampler, prefetch=0):
-    """The loop's fixed settings: accumulation, precision, LR schedule, timers."""
-    device = procs.device
-    dtype = runtime.amp_dtype(config["amp"], device)
-    accum = (config["virtual_batch_size"] or config["batch_size"]) // config["batch_size"]
-    steps_per_epoch = -(-len(sampler) // accum)
-    total_steps = steps_per_epoch * config["epochs"]
-    if config["max_steps"]:
-        total_steps = min(total_steps, config["max_steps"])
-    return engine.LoopSettings(
-        device=device, accum=accum, world_size=procs.world_size,
-        amp_dtype=dtype, scaler=torch.amp.GradScaler(device.type,
-                                                     enabled=dtype == torch.float16),
-        grad_clip=config["grad_clip"], prefetch=prefetch,
-        memory_format=torch.channels_last if config["channels_last"]
-        else torch.contiguous_format,
-        show_progress=procs.is_main,
-        lr_factor=functools.partial(ops.lr_factor, total_steps=total_steps,
-                                    schedule=config["scheduler"],
-                                    warmup_steps=int(config["warmup_epochs"] * steps_per_epoch)),
-        timer=engine.StepTimer(device),
-        counters=engine.Counters(device, config["grad_clip"]))
-
 
 def build_model(config, train_set, device, world_size, log, resuming=False):
     """The network: built, pretrained weights, frozen parts, moved and wrapped.
