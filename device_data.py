@@ -361,6 +361,25 @@ def device_data_decision(config, train_set, val_set, device):
     if isinstance(train_set.base, data.SafeImageFolder):
         cache = config.get("cache_dir") or decoded_cache.default_cache_dir(config["data_dir"])
         what += f" decoded once into {cache}"
+    return memory_decision(config, device, need, what, loader)
+
+
+def memory_decision(config, device, need, what, loader):
+    """``device_data_decision``'s memory rule, for any set the device path can hold: on
+    CUDA its free memory (under --gpu-memory-fraction, what the cap leaves), elsewhere the
+    memory available; ``auto`` takes at most ``DEVICE_SHARE`` of it.
+
+    Args:
+        config: the run's (``data_on_device``, ``gpu_memory_fraction``).
+        device: the training device.
+        need: the bytes the sets take there.
+        what: the sets, in words, for the line.
+        loader: the line's words for the per-sample path.
+
+    Returns:
+        ``(use, reason)``.
+    """
+    mode = config["data_on_device"]
     how = "each batch gathered, augmented and normalised there, no DataLoader workers"
     if device.type != "cuda":
         if mode == "on":

@@ -44,7 +44,6 @@ from torchvision.transforms.v2 import functional as TF
 import data
 import decoded_cache
 import device_data
-import runtime
 from ops import UserError
 from runtime import say
 
@@ -885,21 +884,7 @@ def device_decision(config, train_set, val_set, device):
         return False, f"{loader} (--data-on-device off)"
     need = device_nbytes(train_set) + device_nbytes(val_set)
     what = f"{config['dataset']} images and masks ({decoded_cache.mib(need)})"
-    how = "each batch gathered, augmented and normalised there, no DataLoader workers"
-    if device.type == "cuda":
-        free, where = torch.cuda.mem_get_info(device)[0], f"free on {device}"
-    else:
-        free, where = runtime.available_memory(), "of memory available"
-    share = need / max(free, 1)
-    if mode == "auto" and share > device_data.DEVICE_SHARE:
-        return False, f"{loader} ({what} would take {share:.0%} of the " \
-                      f"{decoded_cache.mib(free)} {where}; auto allows " \
-                      f"{device_data.DEVICE_SHARE:.0%})"
-    if share > 1 and device.type == "cuda":
-        raise UserError(f"--data-on-device on: {what} do not fit in the "
-                        f"{decoded_cache.mib(free)} free on {device}; use --data-on-device off")
-    return True, f"data path: on {device}: {what}, {share:.1%} of the " \
-                 f"{decoded_cache.mib(free)} {where}; {how}"
+    return device_data.memory_decision(config, device, need, what, loader)
 
 
 def build_device_loaders(config, train_set, val_set, sampler, device, rank=0, world_size=1,

@@ -13,6 +13,7 @@ from PIL import Image
 
 import data
 import device_data
+import runtime
 import segmentation_data as seg
 from config import with_defaults
 from ops import UserError
@@ -419,9 +420,9 @@ def test_the_device_decision_counts_images_and_masks(monkeypatch):
     need = 50 * 3 * 16 * 16 * 4 + 50 * 16 * 16 + 10 * (3 * 16 * 16 * 4 + 16 * 16)
     assert seg.device_nbytes(train) + seg.device_nbytes(val) == need
     use, why = seg.device_decision(config(data_on_device="auto"), train, val, "cpu")
-    assert use and why.startswith("data path: on cpu: synthetic images and masks")
+    assert use and why.startswith("data path: in memory (cpu): synthetic images and masks")
     assert not seg.device_decision(config(data_on_device="off"), train, val, "cpu")[0]
-    monkeypatch.setattr(seg.runtime, "available_memory", lambda: need * 3)  # 33% > 25%
+    monkeypatch.setattr(runtime, "available_memory", lambda: need * 3)  # 33% > 25%
     use, why = seg.device_decision(config(data_on_device="auto"), train, val, "cpu")
     assert not use and "would take 33%" in why and "auto allows 25%" in why
     assert seg.device_decision(config(data_on_device="on"), train, val, "cpu")[0]
