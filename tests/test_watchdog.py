@@ -14,8 +14,9 @@ import checkpoint
 import watchdog
 from config import parse_config
 
-# After ``optimizer steps`` finished steps, the MLP's forward sleeps: in a frame of its own
-# name, so that the stacks can be told apart. (RANK limits it to one torchrun process.)
+# After ``after`` finished optimizer steps, the MLP's training forward sleeps (validation's
+# does not: it is not timed), in a frame of its own name, so that the stacks can be told
+# apart. (RANK limits it to one torchrun process.)
 STALL = """
 import time
 import networks
@@ -24,7 +25,7 @@ taken = [0]
 register_optimizer_step_post_hook(lambda o, a, k: taken.__setitem__(0, taken[0] + 1))
 original = networks.MLP.forward
 def stalled_forward(self, x):
-    if taken[0] >= {after} and os.environ.get("RANK", "0") in {ranks!r}:
+    if self.training and taken[0] >= {after} and os.environ.get("RANK", "0") in {ranks!r}:
         time.sleep(120)
     return original(self, x)
 networks.MLP.forward = stalled_forward
@@ -108,7 +109,7 @@ def test_a_hung_step_writes_its_stack_and_exits_3(tmp_path):
     start = time.monotonic()
     done = run_launcher(launcher, tiny_args(run_dir, "--epochs", "3", "--ckpt-every-steps",
                                             "1", "--hang-timeout", "1.5"))
-    assert done.returncode == watchdog.EXIT_HUNG, done.stderr[-3000:]
+    assert done.returncode == watchdog.EXIT_HUNG == 3, done.stderr[-3000:]
     assert time.monotonic() - start < 60  # not the 120 s sleep
     stacks = (run_dir / "hang-rank0.txt").read_text()
     assert "no optimizer step finished" in stacks and "the last was step 2" in stacks
@@ -150,9 +151,11 @@ def test_torchrun_peer_stalls_both_say_where(tmp_path):
         not in waiting[0], rank0
     assert "in _engine_run_backward" in waiting[0]
     assert out.count("error: no step finished") == 2, out[-3000:]  # both said so, then
-    for rank in (0, 1):                                             # exited with 3
+    last = {}                                                       # exited with 3
+    for rank in (0, 1):  # the flight recorder: rank 0 issued an all-reduce in its backward
         with open(run_dir / "hang-flight-recorder" / f"rank_{rank}", "rb") as f:
-            recorded = pickle.load(f)  # the collectives, as torch's fr_trace reads them
-        names = [e["profiling_name"] for e in recorded["entries"]]
-        assert any("all_reduce" in n for n in names), names
+            last[rank] = pickle.load(f)["entries"][-1]  # that rank 1 never reached
+    assert "all_reduce" in last[0]["profiling_name"], last[0]
+    assert "_engine_run_backward" in [frame["name"] for frame in last[0]["frames"]]
+    assert last[1]["collective_seq_id"] < last[0]["collective_seq_id"], last
     assert checkpoint.load_checkpoint(ckpt(run_dir, "last.pt"))["epoch"] >= 0
