@@ -149,8 +149,13 @@ class Watchdog:
                 self._fire(waited, timeout)
 
     def overdue(self):
-        """``(seconds since the last step, timeout)`` when past the timeout, else
-        ``(None, timeout)``."""
+        """Whether the process counts as hung now.
+
+        Returns:
+            ``(seconds since the last step or the loop's resumption, timeout)`` when past
+            the timeout, else ``(None, timeout)``; ``(None, None)`` when not timed now
+            (paused, or no step finished yet).
+        """
         try:
             times = tuple(self._times)
         except RuntimeError:  # appended to while copied: look again at the next wake
