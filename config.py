@@ -217,6 +217,13 @@ def _run_flags(g):
                    help="also record the run in MLflow: params, metrics, artifacts; "
                    "without URI MLflow's default SQLite store, mlflow.db in the working "
                    "directory; or any tracking URI or path (default: off)")
+    g.add_argument("--hang-timeout", type=float, default=None, metavar="SECONDS",
+                   help="when no optimizer step finishes in this time, every process "
+                   "writes the Python stacks of its threads to RUN_DIR/hang-rank<N>.txt "
+                   "(and the collectives' flight recorder), says so and exits with 3 "
+                   "(torchrun/SLURM can restart it); validation, checkpoint saves and "
+                   "the set-up before the first step are not timed; 0 = off (default: "
+                   "max(300 s, 20 x the median step time), 300 s until 5 steps are timed)")
 
 
 def _inspection_flags(g):
@@ -532,6 +539,7 @@ RANGES = {  # every numeric flag's allowed values
     "find_lr_steps": _at_least(2),
     "find_lr_min": ((lambda v: v > 0), "must be above 0"),
     "find_lr_max": ((lambda v: v > 0), "must be above 0"),
+    "hang_timeout": ((lambda v: v is None or v >= 0), "must not be negative"),
 }
 
 _warned = set()  # warnings already shown for this run (check_config runs twice on resume)
@@ -558,7 +566,7 @@ def check_config(c):
         raise UserError(f"unknown network {c['network']!r}; choose one of: "
                         f"{', '.join(sorted(NETWORKS))}, or torchvision/<name>")
     for key, action in actions.items():
-        if action.type is float and not math.isfinite(c[key]):
+        if action.type is float and c[key] is not None and not math.isfinite(c[key]):
             raise UserError(f"{_flag(key)} must be a finite number (got {c[key]!r})")
     for key, (valid, rule) in RANGES.items():
         if not valid(c[key]):

@@ -57,12 +57,14 @@ import runlog
 import runtime
 import tasks
 import tracking
+import watchdog
 from checkpoint import Kind
 from config import check_config, merge_resumed_config, parse_config, with_defaults
 from networks import build_network
 from ops import Interrupted, RunFailed, UserError
 
 EXIT_USER_ERROR, EXIT_FAILED = 2, 1  # a signal exits with 128 + its number (130, 143, 129)
+# and a hung process with watchdog.EXIT_HUNG (3), from the watchdog's thread
 
 
 # ---------------------------------------------------------------------------- main
@@ -74,6 +76,7 @@ def main(argv=None):
         The exit code: 0 when done, 2 for a user error (one ``error:`` line), 1 when the
         run failed (non-finite loss or weights, a disk that refused a write), and
         128 + the signal's number when stopped by SIGINT/SIGTERM/SIGHUP after saving.
+        A process whose steps stopped (--hang-timeout) exits with 3 from ``watchdog``.
     """
     stop = runtime.StopRequest()
     runtime.quiet_writer_threads()
@@ -167,11 +170,14 @@ class Training:
     timed_from: int = 0           # the epoch's samples before run_epoch started its timer
     on_device: bool = False       # the batches are made on the device (--data-on-device)
     nonfinite_record: str = None  # the record of the first non-finite loss (replay.py)
+    watchdog: object = dataclasses.field(  # a watchdog.Watchdog (--hang-timeout); off until fit
+        default_factory=lambda: watchdog.Watchdog(0, ""))
 
 
 def fit(config, argv, resume_path, saved, directory, stop):
     """Builds everything, resumes, trains (``run_epochs``) and says how it ended."""
     log = runtime.main_print
+    watchdog.enable_flight_recorder(config)  # before the process group starts
     procs = runtime.setup_processes(config, stop.pending)
     runtime.set_memory_options(config, procs.device)  # before the first allocation
     if procs.world_size > 1:
@@ -196,9 +202,11 @@ def fit(config, argv, resume_path, saved, directory, stop):
         log(f"training {config['network']} on {config['dataset']} "
             f"({len(training.datasets[0])} samples, {procs.world_size} process(es), "
             f"{procs.device}) into {directory.path}")
+        training.watchdog = watchdog.Watchdog(config["hang_timeout"], directory.path,
+                                              procs.rank, training.state, procs.world_size > 1)
         profiler = profiling.window(config, procs, training.loop, training.state.step,
                                     train_loader.batch_sampler, training.on_device)
-        with profiler as training.profiler:  # --profile-steps: a Profile, or None
+        with training.watchdog, profiler as training.profiler:  # --profile-steps: or None
             ended, final = run_epochs(training, train_loader, stop)
     except ops.OutOfMemory as e:  # one line: where, the batch, what to try
         training.run_log.failed()
@@ -356,12 +364,15 @@ def run_epoch(training, train_loader, epoch, stop):
     training.loop.timer.reset()  # a resumed epoch: timed from here, for the samples from here
     training.timed_from = state.epoch_samples
     training.meter.restart(state.step)
+    training.watchdog.resume()  # timed from here (once a step finished): --hang-timeout
     with training.run_log.progress(epoch, config["epochs"], len(sampler)) as bar, \
             contextlib.closing(engine.steps(training.model, train_loader, training.optimizer,
                                             training.task, training.loop, state, bar)) as steps:
         for step in steps:
+            training.watchdog.step()  # one time.monotonic(), no sync
             if training.profiler is not None:  # --profile-steps: its schedule moves on
-                training.profiler.step()
+                with training.watchdog.paused():  # (its trace's export is not a hang)
+                    training.profiler.step()
             if training.ema is not None:
                 training.ema.update(training.net, step)  # the average, after every step
             training.saver.poll()  # a checkpoint write that failed in the background
@@ -381,6 +392,7 @@ def run_epoch(training, train_loader, epoch, stop):
                 save(training, Kind.STEP)
             if ended is not Ended.ALL_EPOCHS:
                 break
+        training.watchdog.pause()  # validation and the epoch's save are not timed
         if training.meter.pending(state):  # every epoch ends its loss curve, however short
             log_train(training, bar)
     return ended
@@ -428,12 +440,13 @@ def log_train(training, bar):
 
 def save(training, kind, best=False):
     """Checkpoints the state after the last optimizer step, unless its loss was not finite."""
-    if read_losses(training):
-        training.saver.check_weights()  # non-finite weights stop the run even so
-        runtime.main_print(f"not saving at step {training.state.step}: the last loss was "
-                           f"not finite")
-        return
-    training.saver.save(kind, best)  # checks the weights first
+    with training.watchdog.paused():  # a slow disk is not a hang (--hang-timeout)
+        if read_losses(training):
+            training.saver.check_weights()  # non-finite weights stop the run even so
+            runtime.main_print(f"not saving at step {training.state.step}: the last loss "
+                               f"was not finite")
+            return
+        training.saver.save(kind, best)  # checks the weights first
 
 
 def validate(training):

@@ -14,8 +14,9 @@ and the same criterion (losses.build_criterion, label smoothing 0.1) go through:
 * engine: train.py's own step loop, ``train.run_epoch``, over a ``train.Training`` that
   ``train.build_training`` made from train.py's flags (what a run of ``python train.py
   --dataset synthetic --no-augment ...`` builds: the LoopSettings with a disabled
-  GradScaler, the cosine schedule, StepTimer, Counters, a RunLog and a Saver in a
-  temporary run directory). Between steps it decides what a run decides: stop? log
+  GradScaler, the cosine schedule, StepTimer, Counters, a RunLog, a Saver in a
+  temporary run directory, and the hang watchdog's thread as train.fit starts it).
+  Between steps it decides what a run decides: stop? log
   (every --log-every steps ``log_train`` reads the counters, the one sync, and the timer
   totals, writes train/loss and train/lr to TensorBoard and shows the figures)? save?
   By default (--bar null) stderr goes to os.devnull, which is no terminal: the Progress
@@ -57,6 +58,7 @@ import data  # noqa: E402
 import runlog  # noqa: E402
 import runtime  # noqa: E402
 import train  # noqa: E402
+import watchdog  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -135,6 +137,9 @@ class EngineLoop:
         with contextlib.redirect_stdout(io.StringIO()):  # the torchinfo summary
             self.training, self.loader = train.build_training(
                 config, procs, run_dir)
+        # The hang watchdog, as train.fit starts it (--hang-timeout's automatic default).
+        self.training.watchdog = watchdog.Watchdog(
+            config["hang_timeout"], run_dir, 0, self.training.state).start()
         self.bar, self.stop = args.bar, stop
 
     def epoch(self, epoch, start=0):
@@ -149,6 +154,7 @@ class EngineLoop:
             train.run_epoch(training, self.loader, epoch, self.stop)
 
     def close(self):
+        self.training.watchdog.stop()
         self.training.run_log.close({}, None)
         data.shutdown_loader(self.loader)
 
