@@ -15,14 +15,19 @@ the same arithmetic (``crop_flip_draws``, ``normalise``), so both paths give the
 samples, bit for bit on the CPU.
 """
 
+import atexit
 import contextlib
 import functools
 import hashlib
 import math
+import multiprocessing
+import multiprocessing.util  # noqa: F401 (see _end_leftover_workers)
 import os
+import signal
 import socket
 import sys
 import threading
+import time
 import warnings
 
 import torch
@@ -34,6 +39,7 @@ from torchvision.transforms import functional as tv_functional
 from torchvision.transforms import v2
 
 import decoded_cache
+import files
 import recipes
 import runtime
 from ops import UserError
@@ -234,7 +240,7 @@ class SeededDataset(torch.utils.data.Dataset):
         self.transform = transform
         self.seed = seed
         self.random = random
-        self.classes = list(classes)
+        self.classes = [files.printable(c) for c in classes]  # non-UTF-8 names escaped
         self.num_classes = len(self.classes)
         self.in_channels = in_channels
         self.image_size = image_size
@@ -494,7 +500,7 @@ def set_identity(dataset):
     base, h = dataset.base, hashlib.sha256()
     if isinstance(base, SafeImageFolder):
         for path, label in base.samples:
-            h.update(f"{os.path.relpath(path, base.root)}\0{label}\n".encode())
+            h.update(os.fsencode(os.path.relpath(path, base.root)) + f"\0{label}\n".encode())
     elif isinstance(base, SyntheticImages):
         h.update(f"synthetic {dataset.seed} {dataset.image_size} {dataset.in_channels} "
                  f"{dataset.num_classes}".encode())
@@ -784,6 +790,33 @@ def build_loader(dataset, batch_sampler=None, batch_size=None, num_workers=0,
 def shard_indices(size, rank, world_size):
     """The contiguous share of ``range(size)`` evaluated by ``rank``: no padding, no repeat."""
     return list(range(rank * size // world_size, (rank + 1) * size // world_size))
+
+
+def _end_leftover_workers(grace=2.0):
+    """At exit: ends the daemonic child processes still running, DataLoader workers that
+    an error left behind. They ignore SIGTERM (``runtime.ignore_stop_signals``), which is
+    all that multiprocessing's own exit handler sends them before it waits for them:
+    forever. So SIGTERM first (any other child may end cleanly), then, after ``grace``
+    seconds, SIGKILL."""
+    children = [p for p in multiprocessing.active_children() if p.daemon]
+    if not children:
+        return
+    # torch's SIGCHLD handler raises for a worker that dies: here, that is the point
+    with contextlib.suppress(ValueError):  # (not the main thread)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for process in children:
+        process.terminate()
+    deadline = time.monotonic() + grace
+    for process in children:
+        process.join(max(deadline - time.monotonic(), 0))
+        if process.is_alive():
+            process.kill()
+            process.join(10)
+
+
+# multiprocessing.util registers its exit handler when it is imported (above); atexit
+# runs the last registered first: ours, then it.
+atexit.register(_end_leftover_workers)
 
 
 def shutdown_loader(loader):

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import files
 from ops import Interrupted, RunFailed, UserError
 
 
@@ -425,7 +426,10 @@ def say(message, file=None):
     """
     file = file or sys.stdout
     try:
-        print(message, file=file, flush=True)
+        try:
+            print(message, file=file, flush=True)
+        except UnicodeEncodeError:  # a non-UTF-8 file name, on a terminal that is strict
+            print(files.printable(str(message)), file=file, flush=True)
     except (BrokenPipeError, ValueError):  # ValueError: the stream was closed
         _silence(file)
 

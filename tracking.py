@@ -31,6 +31,7 @@ import sys
 import time
 import urllib.parse
 
+import files
 import metrics
 import runtime
 from config import NOT_SAVED_IN_CONFIG
@@ -74,7 +75,7 @@ def params_of(config):
     for key, value in config.items():
         if key in NOT_SAVED_IN_CONFIG:
             continue
-        text = str(value)
+        text = files.printable(str(value))  # a --data-dir not in UTF-8: escaped
         if len(text) > PARAM_LIMIT:
             text = text[:PARAM_LIMIT - len(TRUNCATED)] + TRUNCATED
         params[key] = text

@@ -1,0 +1,160 @@
+"""Hostile data, round 4 (issue 29): what an unlucky user's files and an unlucky machine do
+to a run. Each case ends in one line (a warning or an ``error:``), the process ends, and
+nothing that existed before is damaged."""
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, load_test_py, tiny_args, write_image_folder
+
+import data
+import decoded_cache
+import presets
+import train
+
+
+def folder_args(run, images, *extra, image=16, batch=4, workers=0):
+    """train.py flags: an image folder, a tiny network, one epoch."""
+    return tiny_args(run, "--dataset", "imagefolder", "--data-dir", str(images),
+                     "--num-workers", str(workers), *extra, network="simple_cnn",
+                     image=image, batch=batch)
+
+
+def run_train(args, timeout=120, env=None):
+    """train.py in its own process: ``(returncode, stdout, stderr)``; a process that does
+    not end within ``timeout`` fails the test (and is killed with its workers)."""
+    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               cwd=ROOT, env=env, start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+        pytest.fail(f"train.py did not end within {timeout} s:\n{err[-3000:]}")
+    return process.returncode, out, err
+
+
+def lines_starting(text, prefix):
+    return [line for line in text.splitlines() if line.startswith(prefix)]
+
+
+def loader_workers():
+    """The DataLoader worker processes this process has now."""
+    from torch.utils.data._utils.worker import _worker_loop
+
+    return [p for p in multiprocessing.active_children()
+            if getattr(p, "_target", None) is _worker_loop]
+
+
+# ------------------------------------------------------------ every exit path ends
+
+def test_a_photo_folder_whose_val_files_are_all_empty_is_one_line_and_the_run_ends(
+        tmp_path):
+    images = write_image_folder(tmp_path / "images", per_class=2, size=(64, 64))
+    for path in (images / "val").rglob("*.png"):
+        path.write_bytes(b"")  # what a failed copy leaves
+    rc, out, err = run_train(folder_args(tmp_path / "run", images, "--data-on-device", "off",
+                                         image=64, workers=2))
+    assert rc == 2, err
+    assert lines_starting(err, "error:") == [
+        f"error: no image in {str(images / 'val')!r} can be read (see the warnings above)"]
+    assert "Traceback" not in err and "DataLoader worker" not in err
+
+
+def test_a_failed_cache_build_leaves_no_decoding_worker(tmp_path, capfd):
+    images = write_image_folder(tmp_path / "images", splits=("val",), per_class=2,
+                                size=(64, 64))
+    for path in images.rglob("*.png"):
+        path.write_bytes(b"")
+    folder = data.SafeImageFolder(str(images / "val"), check=False)
+    with pytest.raises(data.UserError, match="^no image in .* can be read"):
+        decoded_cache.decoded_folder(folder, presets.ShortSide(73, presets.v2.InterpolationMode
+                                                               .BILINEAR),
+                                     str(tmp_path / "cache"), num_workers=2)
+    assert loader_workers() == []  # shut down by the build, not left to the exit
+
+
+LEFT_RUNNING = """
+import sys
+sys.path.insert(0, {root!r})
+import torch, data
+dataset = data.SeededDataset(data.SyntheticImages(32, 2, 3, 8, 0, "train"), lambda x: x,
+                             0, False, ["a", "b"], 3, 8)
+loader = data.build_loader(dataset, batch_size=4, num_workers=2)
+next(iter(loader))  # persistent workers, never shut down
+raise SystemExit(3)
+"""
+
+
+def test_loader_workers_left_running_do_not_keep_the_process_from_ending():
+    # The workers ignore SIGTERM, all that multiprocessing's exit handler sends them
+    # before it waits for them.
+    process = subprocess.Popen([sys.executable, "-c", LEFT_RUNNING.format(root=ROOT)],
+                               start_new_session=True)
+    try:
+        assert process.wait(timeout=60) == 3
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+# ------------------------------------------------------------------ non-UTF-8 names
+
+def latin1_folder(root, size):
+    """An image folder with a class folder named in Latin-1 (b"caf\\xe9") and a file
+    named b"\\xff.png": names that are not UTF-8."""
+    images = write_image_folder(root, per_class=2, size=size)
+    for split in ("train", "val"):
+        base = os.fsencode(images / split)
+        os.rename(os.path.join(base, b"cat"), os.path.join(base, b"caf\xe9"))
+        os.rename(os.path.join(base, b"dog", b"0.png"), os.path.join(base, b"dog", b"\xff.png"))
+    return images
+
+
+@pytest.mark.parametrize("image", [16, 64])  # small images; photos
+def test_non_utf8_names_train_log_and_evaluate(tmp_path, monkeypatch, capsys, image):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    images = latin1_folder(tmp_path / os.fsdecode(b"d\xf6ta"), (image, image))
+    run, store = tmp_path / "run", (tmp_path / "mlruns").as_uri()
+    assert train.main(folder_args(run, images, "--mlflow", store, image=image)) == 0
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and "warning: MLflow" not in captured.err
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert sorted(record["val_class_acc"]) == ["caf\\xe9", "dog", "emu"]
+    assert (run / "command.txt").read_bytes().count(os.fsencode(images)) == 1  # its bytes
+    client = mlflow.tracking.MlflowClient(tracking_uri=store)
+    (found,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert found.data.params["data_dir"] == str(images).replace("\udcf6", "\\xf6")
+    report = tmp_path / "report.json"
+    assert load_test_py().main(["--checkpoint", str(run / "checkpoints" / "last.pt"),
+                                "--json", str(report)]) == 0
+    assert sorted(json.loads(report.read_text())["per_class"]) == ["caf\\xe9", "dog", "emu"]
+
+
+def test_the_fingerprint_hashes_a_names_own_bytes(tmp_path):
+    images = latin1_folder(tmp_path / "images", (20, 24))
+    config = train.with_defaults({"dataset": "imagefolder", "data_dir": str(images),
+                                  "image_size": 16, "num_workers": 0})
+    before = data.set_identity(data.build_datasets(config)[0])
+    base = os.fsencode(images / "train" / "dog")
+    os.rename(os.path.join(base, b"\xff.png"), os.path.join(base, b"\xfe.png"))
+    after = data.set_identity(data.build_datasets(config)[0])
+    assert before["size"] == after["size"] and before["fingerprint"] != after["fingerprint"]
+    assert data.build_datasets(config)[0].classes == ["caf\\xe9", "dog", "emu"]
+
+
+def test_a_strict_terminal_prints_a_non_utf8_path_escaped(tmp_path):
+    images = latin1_folder(tmp_path / os.fsdecode(b"d\xf6ta"), (20, 24))
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8:strict"}  # as under en_US.UTF-8
+    rc, out, err = run_train(folder_args(tmp_path / "run", images, "--data-on-device", "on"),
+                             env=env)
+    assert rc == 0, err
+    assert "d\\xf6ta" in out and "done: " in out  # the rest of the output not lost
