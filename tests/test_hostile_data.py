@@ -2,6 +2,7 @@
 to a run. Each case ends in one line (a warning or an ``error:``), the process ends, and
 nothing that existed before is damaged."""
 
+import hashlib
 import json
 import multiprocessing
 import os
@@ -11,6 +12,7 @@ import sys
 
 import pytest
 from conftest import ROOT, load_test_py, tiny_args, write_image_folder
+from test_photos import fake_hub  # noqa: F401 (a fixture)
 
 import data
 import decoded_cache
@@ -158,3 +160,30 @@ def test_a_strict_terminal_prints_a_non_utf8_path_escaped(tmp_path):
                              env=env)
     assert rc == 0, err
     assert "d\\xf6ta" in out and "done: " in out  # the rest of the output not lost
+
+
+# ------------------------------------------------------- damaged pretrained weights
+
+def test_a_damaged_copy_of_the_weights_is_refused_with_one_line(
+        tmp_path, fake_hub, capsys):  # noqa: F811 (the fixture)
+    from test_photos import photo_folder, tv_args
+
+    weights, state, cached = fake_hub
+    cached.parent.mkdir(parents=True)
+    served = weights.value.url[len("file://"):]
+    blob = bytearray(open(served, "rb").read())
+    middle = len(blob) // 2
+    blob[middle:middle + 58] = bytes(b ^ 0xFF for b in blob[middle:middle + 58])
+    cached.write_bytes(bytes(blob))  # in TORCH_HOME: found there, not downloaded
+    run, images = tmp_path / "run", photo_folder(tmp_path / "images")
+    assert train.main(tv_args(run, images)) == 2
+    err = capsys.readouterr().err
+    assert lines_starting(err, "error:") == [
+        f"error: --pretrained torchvision: the copy of {weights} at {cached} is damaged (its "
+        f"SHA-256 starts {hashlib.sha256(blob).hexdigest()[:8]}, its name says "
+        f"{cached.name.split('-')[1][:8]}); delete it and it is downloaded again, or pass "
+        f"--pretrained PATH"]
+    assert "Traceback" not in err and not run.exists()
+    cached.unlink()  # as the line says: downloaded again, and trained on
+    assert train.main(tv_args(run, images)) == 0
+    assert cached.read_bytes() == open(served, "rb").read()
