@@ -42,7 +42,7 @@ import decoded_cache
 import files
 import recipes
 import runtime
-from ops import UserError
+from ops import Interrupted, UserError
 from runtime import say
 
 # Per-channel mean and std of the training split, for normalisation.
@@ -639,7 +639,19 @@ class CachedImages(torch.utils.data.Dataset):
         return self.folder.unreadable_count()
 
 
-def build_datasets(config, log=say, stop=None):
+@contextlib.contextmanager
+def requeue_on_stop(config):
+    """Marks the ``ops.Interrupted`` of a stop signal that is ``--requeue-signal``'s
+    (SLURM's warning before a time limit) with ``requeue = True``: train.main then
+    requeues the job, as a stop during training does."""
+    try:
+        yield
+    except Interrupted as e:
+        e.requeue = e.signum == signal.Signals[f"SIG{config.get('requeue_signal', 'USR1')}"]
+        raise
+
+
+def build_datasets(config, log=say, should_stop=None):
     """Builds the training and validation datasets named by the config.
 
     Args:
@@ -663,7 +675,8 @@ def build_datasets(config, log=say, stop=None):
 
     Args (more):
         log: prints where a decoded cache is and how big.
-        stop: returns a signal's number to stop a cache build at (``ops.Interrupted``).
+        should_stop: returns a signal's number to stop a cache build at (``ops.
+            Interrupted``, its ``requeue`` set: ``requeue_on_stop``), or None.
 
     Raises:
         UserError: unknown dataset, missing directory, download impossible, an image
@@ -687,7 +700,8 @@ def build_datasets(config, log=say, stop=None):
     if name == "imagefolder":
         if not os.path.isdir(data_dir):
             raise UserError(f"--data-dir {data_dir!r} does not exist")
-        return _imagefolder_splits(config, policy, log, stop)
+        with requeue_on_stop(config):
+            return _imagefolder_splits(config, policy, log, should_stop)
     if name not in TORCHVISION_SETS:
         raise UserError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
     train, val = (_torchvision_split(name, data_dir, split) for split in (True, False))

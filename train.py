@@ -90,6 +90,10 @@ def main(argv=None):
         runtime.say(f"{signal.Signals(e.signum).name}: stopped {e.what}; no step was "
                     f"taken, so nothing was saved and nothing half-written is left",
                     file=sys.stderr)
+        requeued = getattr(e, "requeue", False) and runtime.process_rank() == 0 \
+            and runtime.slurm_requeue()  # --requeue-signal (SIGUSR1) under SLURM
+        if requeued:
+            runtime.say(requeued)
         return 128 + e.signum
     except OSError as e:  # a file system that failed mid-run: full, gone, read-only
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
@@ -226,7 +230,7 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
     log = runtime.main_print
     train_set, val_set = runtime.main_process_first(
         procs, f"reading {config['dataset']} (downloading it if needed)", data.build_datasets,
-        config, stop=stop)
+        config, stop=stop, should_stop=stop)
     sampler = data.EpochBatchSampler(len(train_set), config["batch_size"], config["seed"],
                                      rank=procs.rank, world_size=procs.world_size)
     train_loader, val_loader = build_loaders(config, procs, train_set, val_set, sampler, stop)

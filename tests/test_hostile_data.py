@@ -9,9 +9,11 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import ROOT, load_test_py, tiny_args, write_image_folder
+from test_cluster import scontrol  # noqa: F401 (a fixture)
 from test_photos import fake_hub  # noqa: F401 (a fixture)
 
 import data
@@ -187,3 +189,61 @@ def test_a_damaged_copy_of_the_weights_is_refused_with_one_line(
     cached.unlink()  # as the line says: downloaded again, and trained on
     assert train.main(tv_args(run, images)) == 0
     assert cached.read_bytes() == open(served, "rb").read()
+
+
+# ------------------------------------------------- a stop signal in a photo cache build
+
+SLOW_BUILD = """
+import sys, time
+sys.path.insert(0, {root!r})
+import decoded_cache, train
+original = decoded_cache._Decoding.__getitem__
+def slow(self, index):
+    time.sleep(0.1)
+    return original(self, index)
+decoded_cache._Decoding.__getitem__ = slow
+sys.exit(train.main({args!r}))
+"""
+
+
+def signal_during_the_build(images, args, signum):
+    """Starts train.py with a slow decoded-cache build (0.1 s an image), sends ``signum``
+    1 s into the training split's build; ``(returncode, stdout, stderr)``."""
+    process = subprocess.Popen([sys.executable, "-c", SLOW_BUILD.format(root=ROOT, args=args)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cache = images / ".cache"
+    deadline = time.monotonic() + 120
+    while not (cache.is_dir() and any(f.startswith(".tmp-") for f in os.listdir(cache))):
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(1.0)
+    process.send_signal(signum)
+    out, err = process.communicate(timeout=120)
+    return process.returncode, out, err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_ends_a_photo_cache_build_within_a_batch(tmp_path, signum):
+    # (a real process and a real signal mid-build: about 20 s on two loaded cores)
+    images = write_image_folder(tmp_path / "images", per_class=20, size=(64, 64))  # 60 + 60
+    run = tmp_path / "run"
+    rc, out, err = signal_during_the_build(images, folder_args(run, images, image=64), signum)
+    assert rc == 128 + signum, err
+    assert f"{signal.Signals(signum).name}: stopped while decoding {images / 'train'} into " \
+           f"its cache" in err
+    assert "Traceback" not in err and "training " not in out
+    assert os.listdir(images / ".cache") == []  # the val split never started; nothing left
+    assert not run.exists()
+
+
+@pytest.mark.parametrize("image, path", [(16, "on"), (64, "off")])  # device path; photos
+def test_sigusr1_in_a_cache_build_under_slurm_requeues(
+        tmp_path, monkeypatch, scontrol, image, path):  # noqa: F811 (the fixture)
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    images = write_image_folder(tmp_path / "images", per_class=20, size=(image, image))
+    args = folder_args(tmp_path / "run", images, "--data-on-device", path, image=image)
+    rc, out, err = signal_during_the_build(images, args, signal.SIGUSR1)
+    assert rc == 128 + signal.SIGUSR1, err
+    assert "SIGUSR1: stopped while decoding" in err and "Traceback" not in err
+    assert "SLURM job 123: requeued (scontrol requeue 123)" in out
+    assert scontrol.read_text().splitlines() == ["requeue 123"]
