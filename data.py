@@ -360,23 +360,46 @@ def load_image(path, short_side=None, interpolation=None):
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(path, formats=IMAGE_FORMATS) as image:
+                if short_side is not None:  # before decoding: its size is in the header
+                    check_stored_size(*image.size, short_side)
                 if short_side is not None and image.format == "JPEG":
                     scale = short_side / min(image.size)
                     if scale < 0.5:  # only then can the decoder skip work
                         image.draft("RGB", tuple(math.ceil(s * scale) for s in image.size))
                 image.load()
                 image = _to_rgb(ImageOps.exif_transpose(image))
+    except UnreadableImage:
+        raise
     except Exception as e:  # PIL raises OSError, ValueError, SyntaxError, EOFError...
         reason = str(e).splitlines()[0] if str(e) else "no message"
         raise UnreadableImage(f"{type(e).__name__}: {reason}") from e
     if short_side is None:
         return image
-    if min(image.size) < short_side:
-        say(f"warning: {path} is {image.size[0]}x{image.size[1]}, smaller than the "
-            f"{short_side} px its short side is kept at: upscaled", file=sys.stderr)
     mode = interpolation or v2.InterpolationMode.BILINEAR
-    return image.resize(stored_size(*image.size, short_side),
-                        tv_functional.pil_modes_mapping[mode])
+    stored = image.resize(stored_size(*image.size, short_side),
+                          tv_functional.pil_modes_mapping[mode])
+    stored.info["source_size"] = image.size  # upscaled ones: one line for a whole set
+    return stored
+
+
+# A photo is stored with its short side at --image-size / --crop-pct and its long side in
+# proportion: a thin strip (a 113-byte 1x8000 PNG) would become hundreds of megabytes.
+# Beyond this many squares of the short side (an aspect ratio of 32:1; a panorama is
+# 2:1 to 8:1), it is skipped as unreadable: training sees a crop of aspect 3:4 to 4:3,
+# so most of such an image is never used, and one file should not cost gigabytes.
+MAX_STORED_SQUARES = 32
+
+
+def check_stored_size(width, height, side):
+    """Raises UnreadableImage when an image of ``width`` x ``height`` would be stored
+    (its short side at ``side``) larger than ``MAX_STORED_SQUARES`` squares of ``side``:
+    the size it is decoded to decides, not the file's own pixels."""
+    w, h = stored_size(width, height, side) if min(width, height) > 0 else (0, 0)
+    if w * h > MAX_STORED_SQUARES * side * side:
+        raise UnreadableImage(
+            f"{width}x{height} px, stored at {w}x{h} ({w * h * 3 / 2**20:.1f} MiB decoded): "
+            f"more than {MAX_STORED_SQUARES} times a square {side} px image, too long and "
+            f"thin to train on")
 
 
 def stored_size(width, height, side):
@@ -409,6 +432,10 @@ class SafeImageFolder(tv_datasets.ImageFolder):
     def __init__(self, root, check=True):
         super().__init__(root, loader=load_image)
         self.unreadable = torch.zeros(len(self.samples), dtype=torch.uint8).share_memory_()
+        # (width, height) of each image read with a short side (photos) before it was
+        # resized, (0, 0) before; shared with the decoding workers as ``unreadable`` is
+        self.source_sizes = torch.zeros(len(self.samples), 2,
+                                        dtype=torch.int32).share_memory_()
         if check:  # (photos skip it: their decoded cache reads them all, or reuses)
             self[0]  # finds a readable image now, or raises UserError
 
@@ -459,11 +486,16 @@ class SafeImageFolder(tv_datasets.ImageFolder):
                 continue
             path, label = self.samples[i]
             try:
-                return loader(path), label
+                image = loader(path)
             except UnreadableImage as e:
                 self.unreadable[i] = 1
                 say(f"warning: skipping unreadable image {path} ({e}); the next readable "
                     f"image of the set stands in for it", file=sys.stderr)
+                continue
+            size = getattr(image, "info", {}).get("source_size")
+            if size is not None:
+                self.source_sizes[i] = torch.tensor(size, dtype=torch.int32)
+            return image, label
         raise UserError(f"no image in {self.root!r} can be read (see the warnings above)")
 
     def unreadable_count(self):
@@ -609,10 +641,35 @@ def _imagefolder_splits(config, policy, log, stop):
         train, val = (CachedImages(folder, decoded_cache.decoded_folder(
             folder, decoder, cache_dir, config["num_workers"], log, stop,
             unreadable_reason)) for folder in (train, val))
+        say_upscaled((train.folder, val.folder), decoder.side, image_size)
     else:
         t_train, t_eval = _transforms("imagefolder", image_size, augment, policy=policy)
     return (SeededDataset(train, t_train, seed, augment, train.classes, 3, image_size),
             SeededDataset(val, t_eval, seed, False, val.classes, 3, image_size))
+
+
+def say_upscaled(folders, side, crop):
+    """One warning line for the photos of ``folders`` decoded just now whose short side was
+    under ``side`` (so they were upscaled), none when there are none; the smallest is named.
+
+    Args:
+        folders: SafeImageFolders (their ``source_sizes``, filled as they were decoded).
+        side: the short side photos are stored at (``presets.stored_side``).
+        crop: the crop's side (--image-size).
+    """
+    sizes = torch.cat([f.source_sizes for f in folders]).long()
+    paths = [path for f in folders for path, _ in f.samples]
+    short = sizes.min(dim=1).values
+    small = (short > 0) & (short < side)
+    if not small.any():
+        return
+    smallest = int(torch.where(small, short, side).argmin())
+    under_crop = int(((short > 0) & (short < crop)).sum())
+    width, height = sizes[smallest].tolist()
+    say(f"warning: {int(small.sum())} of {int((short > 0).sum())} photos decoded were smaller "
+        f"than the {side} px their short side is stored at, so they were upscaled "
+        f"({under_crop} of them smaller than the {crop} px crop itself); the smallest: "
+        f"{paths[smallest]} ({width}x{height})", file=sys.stderr)
 
 
 class CachedImages(torch.utils.data.Dataset):

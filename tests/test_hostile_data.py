@@ -13,6 +13,7 @@ import time
 
 import pytest
 from conftest import ROOT, load_test_py, tiny_args, write_image_folder
+from PIL import Image
 from test_cluster import scontrol  # noqa: F401 (a fixture)
 from test_photos import fake_hub  # noqa: F401 (a fixture)
 
@@ -247,3 +248,55 @@ def test_sigusr1_in_a_cache_build_under_slurm_requeues(
     assert "SIGUSR1: stopped while decoding" in err and "Traceback" not in err
     assert "SLURM job 123: requeued (scontrol requeue 123)" in out
     assert scontrol.read_text().splitlines() == ["requeue 123"]
+
+
+# ------------------------------------------------ the decoded size, not the file's
+
+def photo_config(images, **extra):
+    return train.with_defaults({"dataset": "imagefolder", "data_dir": str(images),
+                                "image_size": 64, "num_workers": 0, **extra})
+
+
+def test_a_tiny_file_that_would_decode_to_megabytes_is_skipped_with_one_line(tmp_path,
+                                                                            capfd):
+    images = write_image_folder(tmp_path / "images", per_class=3, size=(64, 64))
+    strip = images / "train" / "cat" / "strip.png"
+    Image.new("RGB", (1, 8000), (200, 30, 30)).save(strip)  # ~120 bytes
+    Image.new("RGB", (512, 64), (30, 200, 30)).save(images / "train" / "dog" / "pano.png")
+    train_set, _ = data.build_datasets(photo_config(images))
+    err = capfd.readouterr().err
+    named = [line for line in err.splitlines() if "strip.png" in line]
+    assert named == [f"warning: skipping unreadable image {strip} (1x8000 px, stored at "
+                     f"73x584000 (122.0 MiB decoded): more than 32 times a square 73 px "
+                     f"image, too long and thin to train on); the next readable image of "
+                     f"the set stands in for it"]
+    assert train_set.unreadable_count() == 1  # counted, as any unreadable file
+    names = [os.path.basename(p) for p, _ in train_set.base.folder.samples]
+    assert tuple(train_set.base.decoded.image(names.index("pano.png")).shape) == (3, 73, 584)
+    cache = images / ".cache"
+    assert sum(f.stat().st_size for f in cache.iterdir()) < 2**20  # not 122 MiB
+    assert "Traceback" not in err
+
+
+# ----------------------------------------------------------- one line, not a flood
+
+def test_upscaled_photos_are_one_summary_line(tmp_path, capfd):
+    images = write_image_folder(tmp_path / "images", per_class=4, size=(64, 64))  # 12 + 12
+    small = images / "val" / "dog" / "small.png"
+    Image.new("RGB", (40, 30), (5, 5, 5)).save(small)
+    for i in range(3):  # larger than the 73 px short side photos are stored at
+        Image.new("RGB", (120, 100), (9, 9, 9)).save(images / "train" / "emu" / f"big{i}.png")
+    data.build_datasets(photo_config(images, num_workers=2))  # decoded by workers
+    err = capfd.readouterr().err
+    assert err.splitlines() == [
+        f"warning: 25 of 28 photos decoded were smaller than the 73 px their short side is "
+        f"stored at, so they were upscaled (1 of them smaller than the 64 px crop itself); "
+        f"the smallest: {small} (40x30)"]
+    data.build_datasets(photo_config(images))  # the cache reused: nothing decoded, no line
+    assert capfd.readouterr().err == ""
+
+
+def test_photos_none_of_them_upscaled_get_no_line(tmp_path, capfd):
+    images = write_image_folder(tmp_path / "images", per_class=2, size=(80, 90))
+    data.build_datasets(photo_config(images))
+    assert capfd.readouterr().err == ""
