@@ -23,6 +23,7 @@ import math
 import multiprocessing
 import multiprocessing.util  # noqa: F401 (see _end_leftover_workers)
 import os
+import re
 import signal
 import socket
 import sys
@@ -861,6 +862,44 @@ def build_loader(dataset, batch_sampler=None, batch_size=None, num_workers=0,
 def shard_indices(size, rank, world_size):
     """The contiguous share of ``range(size)`` evaluated by ``rank``: no padding, no repeat."""
     return list(range(rank * size // world_size, (rank + 1) * size // world_size))
+
+
+_WORKER_DIED = re.compile(r"DataLoader worker \(pid(?:\(s\))? ([0-9, ]+)\) (?:is killed by "
+                          r"signal: ([^.]+)\.|exited unexpectedly( with exit code)?)")
+
+
+def worker_death(error):
+    """The line that says what happened when ``error`` is the DataLoader's report of a
+    worker that died (``RuntimeError: DataLoader worker (pid N) is killed by signal:
+    Killed``, or ``exited unexpectedly``); else None.
+
+    A worker killed with SIGKILL is, unless someone sent it, the kernel's out-of-memory
+    killer's doing; SIGBUS, a full shared memory (/dev/shm), which workers hand their
+    batches through.
+
+    Args:
+        error: an exception.
+
+    Returns:
+        The line (without ``error:``), or None.
+    """
+    match = _WORKER_DIED.search(str(error))
+    if not isinstance(error, RuntimeError) or match is None:
+        return None
+    pids, how, code = match[1].strip(), match[2], match[3]
+    names = {signal.strsignal(s): s.name for s in signal.Signals if signal.strsignal(s)}
+    what = f"was killed by {names.get(how, how)}" if how else "exited unexpectedly"
+    if how is not None and names.get(how) == "SIGBUS":
+        cause = ("most likely out of shared memory (/dev/shm, which workers hand batches "
+                 "through): use fewer --num-workers or a smaller --batch-size, or give the "
+                 "machine (a container: --shm-size) more")
+    elif (how is None and code is None) or names.get(how) == "SIGKILL":
+        cause = ("most likely the kernel's out-of-memory killer: the machine ran out of "
+                 "memory; use fewer --num-workers or a smaller --batch-size")
+    else:
+        cause = "it crashed; --num-workers 0 reads the data in this process and shows why"
+    return (f"a DataLoader worker (pid{'s' if ',' in pids else ''} {pids}) {what}: {cause}. "
+            f"The checkpoints are intact: continue with --resume auto")
 
 
 def _end_leftover_workers(grace=2.0):

@@ -100,6 +100,9 @@ def main(argv=None):
         runtime.say(f"error: {e.strerror or e}{where}", file=sys.stderr)
         return EXIT_FAILED
     except (MemoryError, RuntimeError) as e:
+        if data.worker_death(e) is not None:  # a worker killed (the OOM killer?): one line
+            runtime.say(f"error: {data.worker_death(e)}", file=sys.stderr)
+            return EXIT_FAILED
         if ops.memory_error(e) is not None:  # out of memory outside a step (set-up, a save)
             runtime.say(f"error: {out_of_memory_message(ops.memory_error(e))}",
                         file=sys.stderr)

@@ -12,7 +12,8 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, load_test_py, tiny_args, write_image_folder
+import torch
+from conftest import ROOT, final_state, load_test_py, tiny_args, write_image_folder
 from PIL import Image
 from test_cluster import scontrol  # noqa: F401 (a fixture)
 from test_photos import fake_hub  # noqa: F401 (a fixture)
@@ -300,3 +301,51 @@ def test_photos_none_of_them_upscaled_get_no_line(tmp_path, capfd):
     images = write_image_folder(tmp_path / "images", per_class=2, size=(80, 90))
     data.build_datasets(photo_config(images))
     assert capfd.readouterr().err == ""
+
+
+# ------------------------------------------------------- a worker killed for memory
+
+def children_of(pid):
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(child) for child in f.read().split()]
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux's /proc")
+def test_a_worker_killed_by_sigkill_is_one_line_and_the_run_resumes(tmp_path):
+    # What the kernel's out-of-memory killer does: SIGKILL to one DataLoader worker.
+    # (a real process whose real worker is killed mid-run: about 30 s on two loaded cores)
+    images = write_image_folder(tmp_path / "images", per_class=40)
+    run = tmp_path / "run"
+    args = folder_args(run, images, "--data-on-device", "off", "--epochs", "50",
+                       "--ckpt-every-steps", "5", workers=2)
+    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "checkpoints" / "last.pt").exists():
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        worker = children_of(process.pid)[0]
+        os.kill(worker, signal.SIGKILL)
+        out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 1, err
+    assert lines_starting(err, "error:") == [
+        f"error: a DataLoader worker (pid {worker}) was killed by SIGKILL: most likely the "
+        f"kernel's out-of-memory killer: the machine ran out of memory; use fewer "
+        f"--num-workers or a smaller --batch-size. The checkpoints are intact: continue with "
+        f"--resume auto"]
+    assert "Traceback" not in err
+    step = final_state(run)["step"]  # every checkpoint loads
+    for path in (run / "checkpoints").glob("*.pt"):
+        torch.load(path, weights_only=True)
+    more = folder_args(run, images, "--data-on-device", "off", "--resume", "auto",
+                       "--max-steps", str(step + 2))
+    assert train.main(more) == 0 and final_state(run)["step"] == step + 2
