@@ -527,10 +527,13 @@ def _first_visits(root, dirs, seen):
 
 def set_identity(dataset):
     """What a checkpoint records of the training set, to tell a resume onto other data:
-    ``{"size": N, "fingerprint": hex}``. For an image folder the fingerprint hashes every
-    sample's path (relative to the split) and label; for the other sets, their kind and
-    labels (the synthetic set: its recipe)."""
+    ``{"size": N, "fingerprint": hex}``. For an image folder (photos too) the fingerprint
+    hashes every sample's path (relative to the split, its own bytes: a name that is not
+    UTF-8 too) and label; for the other sets, their kind and labels (the synthetic set:
+    its recipe)."""
     base, h = dataset.base, hashlib.sha256()
+    if isinstance(base, CachedImages):  # photos: their folder's files, as small images'
+        base = base.folder
     if isinstance(base, SafeImageFolder):
         for path, label in base.samples:
             h.update(os.fsencode(os.path.relpath(path, base.root)) + f"\0{label}\n".encode())

@@ -145,10 +145,11 @@ def test_non_utf8_names_train_log_and_evaluate(tmp_path, monkeypatch, capsys, im
     assert sorted(json.loads(report.read_text())["per_class"]) == ["caf\\xe9", "dog", "emu"]
 
 
-def test_the_fingerprint_hashes_a_names_own_bytes(tmp_path):
-    images = latin1_folder(tmp_path / "images", (20, 24))
+@pytest.mark.parametrize("image", [16, 64])  # small images; photos
+def test_the_fingerprint_hashes_a_names_own_bytes(tmp_path, image):
+    images = latin1_folder(tmp_path / "images", (image, image))
     config = train.with_defaults({"dataset": "imagefolder", "data_dir": str(images),
-                                  "image_size": 16, "num_workers": 0})
+                                  "image_size": image, "num_workers": 0})
     before = data.set_identity(data.build_datasets(config)[0])
     base = os.fsencode(images / "train" / "dog")
     os.rename(os.path.join(base, b"\xff.png"), os.path.join(base, b"\xfe.png"))
