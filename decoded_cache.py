@@ -162,23 +162,16 @@ def _decoded_batches(folder, decoder, num_workers, stop):
         _Decoding(folder, decoder), batch_size=DECODE_BATCH, num_workers=num_workers,
         collate_fn=_as_list, worker_init_fn=runtime.ignore_stop_signals,
         generator=torch.Generator().manual_seed(0))
-    batches = iter(loader)
-    try:
-        for batch in batches:
-            if stop is not None and stop() is not None:
-                raise Interrupted(stop(), f"while decoding {folder.root} into its cache")
-            for image, label in batch:
-                if image is None:  # (see _Decoding)
-                    raise UserError(label)
-                if decoder.shape is not None and tuple(image.shape) != decoder.shape:
-                    raise ValueError(f"decoded an image of shape {tuple(image.shape)}, "
-                                     f"expected {decoder.shape}")
-            yield batch
-    finally:  # its workers ignore SIGTERM: left running, the interpreter's exit would
-        #       wait for them forever
-        shutdown = getattr(batches, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+    for batch in loader:
+        if stop is not None and stop() is not None:
+            raise Interrupted(stop(), f"while decoding {folder.root} into its cache")
+        for image, label in batch:
+            if image is None:  # (see _Decoding)
+                raise UserError(label)
+            if decoder.shape is not None and tuple(image.shape) != decoder.shape:
+                raise ValueError(f"decoded an image of shape {tuple(image.shape)}, expected "
+                                 f"{decoder.shape}")
+        yield batch
 
 
 def _write_images(path, n, decoder, batches):

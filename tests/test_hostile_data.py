@@ -158,6 +158,14 @@ def test_the_fingerprint_hashes_a_names_own_bytes(tmp_path, image):
     assert data.build_datasets(config)[0].classes == ["caf\\xe9", "dog", "emu"]
 
 
+def test_the_confusion_image_takes_names_that_are_not_utf8():
+    import plots
+
+    names = [os.fsdecode(b"caf\xe9"), os.fsdecode(b"\xff"), "emu"]  # as os.listdir reads
+    image = plots.confusion_image(torch.eye(3), names, os.fsdecode(b"run d\xf6ta"))
+    assert image.ndim == 3 and image.shape[2] == 3 and image.dtype.name == "uint8"
+
+
 def test_a_strict_terminal_prints_a_non_utf8_path_escaped(tmp_path):
     images = latin1_folder(tmp_path / os.fsdecode(b"d\xf6ta"), (20, 24))
     env = {**os.environ, "PYTHONIOENCODING": "utf-8:strict"}  # as under en_US.UTF-8
@@ -225,7 +233,7 @@ def signal_during_the_build(images, args, signum):
     return process.returncode, out, err
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
 def test_a_stop_signal_ends_a_photo_cache_build_within_a_batch(tmp_path, signum):
     # (a real process and a real signal mid-build: about 20 s on two loaded cores)
     images = write_image_folder(tmp_path / "images", per_class=20, size=(64, 64))  # 60 + 60
