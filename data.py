@@ -891,6 +891,8 @@ def worker_death(error):
         return None
     pids, how, code = match[1].strip(), match[2], match[3]
     names = {signal.strsignal(s): s.name for s in signal.Signals if signal.strsignal(s)}
+    if how is None and code is None:  # found dead while the loader waited: its status is
+        how = _killed_by(error)       # with the loader's frame (its SIGCHLD handler has it)
     what = f"was killed by {names.get(how, how)}" if how else "exited unexpectedly"
     if how is not None and names.get(how) == "SIGBUS":
         cause = ("most likely out of shared memory (/dev/shm, which workers hand batches "
@@ -903,6 +905,22 @@ def worker_death(error):
         cause = "it crashed; --num-workers 0 reads the data in this process and shows why"
     return (f"a DataLoader worker (pid{'s' if ',' in pids else ''} {pids}) {what}: {cause}. "
             f"The checkpoints are intact: continue with --resume auto")
+
+
+def _killed_by(error):
+    """The description (``signal.strsignal``) of the signal that killed the workers that
+    the DataLoader found dead while it waited (``exited unexpectedly``), or None: their
+    ``multiprocessing.Process`` objects, exit codes included, are the ``failed_workers``
+    of the frame that raised ``error``."""
+    traceback = error.__traceback__
+    while traceback is not None:
+        for worker in traceback.tb_frame.f_locals.get("failed_workers", ()):
+            code = getattr(worker, "exitcode", None)
+            if code is not None and code < 0:
+                with contextlib.suppress(ValueError):
+                    return signal.strsignal(-code)
+        traceback = traceback.tb_next
+    return None
 
 
 def _end_leftover_workers(grace=2.0):

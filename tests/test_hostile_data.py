@@ -51,11 +51,8 @@ def lines_starting(text, prefix):
 
 
 def loader_workers():
-    """The DataLoader worker processes this process has now."""
-    from torch.utils.data._utils.worker import _worker_loop
-
-    return [p for p in multiprocessing.active_children()
-            if getattr(p, "_target", None) is _worker_loop]
+    """The worker processes (daemonic children: DataLoader workers) this process has now."""
+    return [p for p in multiprocessing.active_children() if p.daemon]
 
 
 # ------------------------------------------------------------ every exit path ends
@@ -358,3 +355,34 @@ def test_a_worker_killed_by_sigkill_is_one_line_and_the_run_resumes(tmp_path):
     more = folder_args(run, images, "--data-on-device", "off", "--resume", "auto",
                        "--max-steps", str(step + 2))
     assert train.main(more) == 0 and final_state(run)["step"] == step + 2
+
+
+def slow_identity(image):
+    time.sleep(0.2)
+    return image
+
+
+def test_a_worker_found_dead_while_the_loader_waits_is_named_with_its_signal():
+    # The other way the DataLoader learns of it (when its SIGCHLD handler is not first):
+    # "DataLoader worker (pid(s) N) exited unexpectedly", which names no signal.
+    dataset = data.SeededDataset(data.SyntheticImages(64, 2, 3, 8, 0, "train"),
+                                 slow_identity, 0, False, ["a", "b"], 3, 8)
+    before = loader_workers()
+    loader = data.build_loader(dataset, batch_size=2, num_workers=1)
+    batches = iter(loader)
+    next(batches)
+    (worker,) = [p for p in loader_workers() if p not in before]
+    handler = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        os.kill(worker.pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="exited unexpectedly") as info:
+            for _ in batches:
+                pass
+    finally:
+        signal.signal(signal.SIGCHLD, handler)
+        data.shutdown_loader(loader)
+    assert data.worker_death(info.value) == (
+        f"a DataLoader worker (pid {worker.pid}) was killed by SIGKILL: most likely the "
+        f"kernel's out-of-memory killer: the machine ran out of memory; use fewer "
+        f"--num-workers or a smaller --batch-size. The checkpoints are intact: continue with "
+        f"--resume auto")
