@@ -422,14 +422,13 @@ def ignore_stop_signals(worker_id=None):
 def say(message, file=None):
     """Prints a line; a closed stdout/stderr (``train.py | head``) never stops the run.
 
-    Once the reader of a pipe is gone, further output to it goes to /dev/null.
+    Once the reader of a pipe is gone, further output to it goes to /dev/null. A file name
+    that is not UTF-8 is escaped as everywhere (``files.printable``): a strict terminal
+    would raise, and stderr would show its bytes otherwise.
     """
     file = file or sys.stdout
     try:
-        try:
-            print(message, file=file, flush=True)
-        except UnicodeEncodeError:  # a non-UTF-8 file name, on a terminal that is strict
-            print(files.printable(str(message)), file=file, flush=True)
+        print(files.printable(str(message)), file=file, flush=True)
     except (BrokenPipeError, ValueError):  # ValueError: the stream was closed
         _silence(file)
 

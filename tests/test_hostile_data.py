@@ -130,6 +130,8 @@ def test_non_utf8_names_train_log_and_evaluate(tmp_path, monkeypatch, capsys, im
     assert train.main(folder_args(run, images, "--mlflow", store, image=image)) == 0
     captured = capsys.readouterr()
     assert "Traceback" not in captured.err and "warning: MLflow" not in captured.err
+    said = captured.out + captured.err  # names escaped as everywhere, never raw bytes
+    assert not [c for c in said if 0xDC80 <= ord(c) <= 0xDCFF] and "d\\xf6ta" in said
     record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert sorted(record["val_class_acc"]) == ["caf\\xe9", "dog", "emu"]
     assert (run / "command.txt").read_bytes().count(os.fsencode(images)) == 1  # its bytes
