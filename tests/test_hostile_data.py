@@ -234,7 +234,7 @@ def signal_during_the_build(images, args, signum):
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
 def test_a_stop_signal_ends_a_photo_cache_build_within_a_batch(tmp_path, signum):
-    # (a real process and a real signal mid-build: about 20 s on two loaded cores)
+    # (a real process and a real signal mid-build: about 5 s)
     images = write_image_folder(tmp_path / "images", per_class=20, size=(64, 64))  # 60 + 60
     run = tmp_path / "run"
     rc, out, err = signal_during_the_build(images, folder_args(run, images, image=64), signum)
@@ -324,7 +324,7 @@ def children_of(pid):
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux's /proc")
 def test_a_worker_killed_by_sigkill_is_one_line_and_the_run_resumes(tmp_path):
     # What the kernel's out-of-memory killer does: SIGKILL to one DataLoader worker.
-    # (a real process whose real worker is killed mid-run: about 30 s on two loaded cores)
+    # (a real process whose real worker is killed mid-run, then a resume: about 10 s)
     images = write_image_folder(tmp_path / "images", per_class=40)
     run = tmp_path / "run"
     args = folder_args(run, images, "--data-on-device", "off", "--epochs", "50",
