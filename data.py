@@ -15,14 +15,20 @@ the same arithmetic (``crop_flip_draws``, ``normalise``), so both paths give the
 samples, bit for bit on the CPU.
 """
 
+import atexit
 import contextlib
 import functools
 import hashlib
 import math
+import multiprocessing
+import multiprocessing.util  # noqa: F401 (see _end_leftover_workers)
 import os
+import re
+import signal
 import socket
 import sys
 import threading
+import time
 import warnings
 
 import torch
@@ -34,9 +40,10 @@ from torchvision.transforms import functional as tv_functional
 from torchvision.transforms import v2
 
 import decoded_cache
+import files
 import recipes
 import runtime
-from ops import UserError
+from ops import Interrupted, UserError
 from runtime import say
 
 # Per-channel mean and std of the training split, for normalisation.
@@ -234,7 +241,7 @@ class SeededDataset(torch.utils.data.Dataset):
         self.transform = transform
         self.seed = seed
         self.random = random
-        self.classes = list(classes)
+        self.classes = [files.printable(c) for c in classes]  # non-UTF-8 names escaped
         self.num_classes = len(self.classes)
         self.in_channels = in_channels
         self.image_size = image_size
@@ -354,23 +361,46 @@ def load_image(path, short_side=None, interpolation=None):
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(path, formats=IMAGE_FORMATS) as image:
+                if short_side is not None:  # before decoding: its size is in the header
+                    check_stored_size(*image.size, short_side)
                 if short_side is not None and image.format == "JPEG":
                     scale = short_side / min(image.size)
                     if scale < 0.5:  # only then can the decoder skip work
                         image.draft("RGB", tuple(math.ceil(s * scale) for s in image.size))
                 image.load()
                 image = _to_rgb(ImageOps.exif_transpose(image))
+    except UnreadableImage:
+        raise
     except Exception as e:  # PIL raises OSError, ValueError, SyntaxError, EOFError...
         reason = str(e).splitlines()[0] if str(e) else "no message"
         raise UnreadableImage(f"{type(e).__name__}: {reason}") from e
     if short_side is None:
         return image
-    if min(image.size) < short_side:
-        say(f"warning: {path} is {image.size[0]}x{image.size[1]}, smaller than the "
-            f"{short_side} px its short side is kept at: upscaled", file=sys.stderr)
     mode = interpolation or v2.InterpolationMode.BILINEAR
-    return image.resize(stored_size(*image.size, short_side),
-                        tv_functional.pil_modes_mapping[mode])
+    stored = image.resize(stored_size(*image.size, short_side),
+                          tv_functional.pil_modes_mapping[mode])
+    stored.info["source_size"] = image.size  # upscaled ones: one line for a whole set
+    return stored
+
+
+# A photo is stored with its short side at --image-size / --crop-pct and its long side in
+# proportion: a thin strip (a 113-byte 1x8000 PNG) would become hundreds of megabytes.
+# Beyond this many squares of the short side (an aspect ratio of 32:1; a panorama is
+# 2:1 to 8:1), it is skipped as unreadable: training sees a crop of aspect 3:4 to 4:3,
+# so most of such an image is never used, and one file should not cost gigabytes.
+MAX_STORED_SQUARES = 32
+
+
+def check_stored_size(width, height, side):
+    """Raises UnreadableImage when an image of ``width`` x ``height`` would be stored
+    (its short side at ``side``) larger than ``MAX_STORED_SQUARES`` squares of ``side``:
+    the size it is decoded to decides, not the file's own pixels."""
+    w, h = stored_size(width, height, side) if min(width, height) > 0 else (0, 0)
+    if w * h > MAX_STORED_SQUARES * side * side:
+        raise UnreadableImage(
+            f"{width}x{height} px, stored at {w}x{h} ({w * h * 3 / 2**20:.1f} MiB decoded): "
+            f"more than {MAX_STORED_SQUARES} times a square {side} px image, too long and "
+            f"thin to train on")
 
 
 def stored_size(width, height, side):
@@ -403,6 +433,10 @@ class SafeImageFolder(tv_datasets.ImageFolder):
     def __init__(self, root, check=True):
         super().__init__(root, loader=load_image)
         self.unreadable = torch.zeros(len(self.samples), dtype=torch.uint8).share_memory_()
+        # (width, height) of each image read with a short side (photos) before it was
+        # resized, (0, 0) before; shared with the decoding workers as ``unreadable`` is
+        self.source_sizes = torch.zeros(len(self.samples), 2,
+                                        dtype=torch.int32).share_memory_()
         if check:  # (photos skip it: their decoded cache reads them all, or reuses)
             self[0]  # finds a readable image now, or raises UserError
 
@@ -453,11 +487,16 @@ class SafeImageFolder(tv_datasets.ImageFolder):
                 continue
             path, label = self.samples[i]
             try:
-                return loader(path), label
+                image = loader(path)
             except UnreadableImage as e:
                 self.unreadable[i] = 1
                 say(f"warning: skipping unreadable image {path} ({e}); the next readable "
                     f"image of the set stands in for it", file=sys.stderr)
+                continue
+            size = getattr(image, "info", {}).get("source_size")
+            if size is not None:
+                self.source_sizes[i] = torch.tensor(size, dtype=torch.int32)
+            return image, label
         raise UserError(f"no image in {self.root!r} can be read (see the warnings above)")
 
     def unreadable_count(self):
@@ -488,13 +527,16 @@ def _first_visits(root, dirs, seen):
 
 def set_identity(dataset):
     """What a checkpoint records of the training set, to tell a resume onto other data:
-    ``{"size": N, "fingerprint": hex}``. For an image folder the fingerprint hashes every
-    sample's path (relative to the split) and label; for the other sets, their kind and
-    labels (the synthetic set: its recipe)."""
+    ``{"size": N, "fingerprint": hex}``. For an image folder (photos too) the fingerprint
+    hashes every sample's path (relative to the split, its own bytes: a name that is not
+    UTF-8 too) and label; for the other sets, their kind and labels (the synthetic set:
+    its recipe)."""
     base, h = dataset.base, hashlib.sha256()
+    if isinstance(base, CachedImages):  # photos: their folder's files, as small images'
+        base = base.folder
     if isinstance(base, SafeImageFolder):
         for path, label in base.samples:
-            h.update(f"{os.path.relpath(path, base.root)}\0{label}\n".encode())
+            h.update(os.fsencode(os.path.relpath(path, base.root)) + f"\0{label}\n".encode())
     elif isinstance(base, SyntheticImages):
         h.update(f"synthetic {dataset.seed} {dataset.image_size} {dataset.in_channels} "
                  f"{dataset.num_classes}".encode())
@@ -603,10 +645,35 @@ def _imagefolder_splits(config, policy, log, stop):
         train, val = (CachedImages(folder, decoded_cache.decoded_folder(
             folder, decoder, cache_dir, config["num_workers"], log, stop,
             unreadable_reason)) for folder in (train, val))
+        say_upscaled((train.folder, val.folder), decoder.side, image_size)
     else:
         t_train, t_eval = _transforms("imagefolder", image_size, augment, policy=policy)
     return (SeededDataset(train, t_train, seed, augment, train.classes, 3, image_size),
             SeededDataset(val, t_eval, seed, False, val.classes, 3, image_size))
+
+
+def say_upscaled(folders, side, crop):
+    """One warning line for the photos of ``folders`` decoded just now whose short side was
+    under ``side`` (so they were upscaled), none when there are none; the smallest is named.
+
+    Args:
+        folders: SafeImageFolders (their ``source_sizes``, filled as they were decoded).
+        side: the short side photos are stored at (``presets.stored_side``).
+        crop: the crop's side (--image-size).
+    """
+    sizes = torch.cat([f.source_sizes for f in folders]).long()
+    paths = [path for f in folders for path, _ in f.samples]
+    short = sizes.min(dim=1).values
+    small = (short > 0) & (short < side)
+    if not small.any():
+        return
+    smallest = int(torch.where(small, short, side).argmin())
+    under_crop = int(((short > 0) & (short < crop)).sum())
+    width, height = sizes[smallest].tolist()
+    say(f"warning: {int(small.sum())} of {int((short > 0).sum())} photos decoded were smaller "
+        f"than the {side} px their short side is stored at, so they were upscaled "
+        f"({under_crop} of them smaller than the {crop} px crop itself); the smallest: "
+        f"{paths[smallest]} ({width}x{height})", file=sys.stderr)
 
 
 class CachedImages(torch.utils.data.Dataset):
@@ -633,7 +700,19 @@ class CachedImages(torch.utils.data.Dataset):
         return self.folder.unreadable_count()
 
 
-def build_datasets(config, log=say, stop=None):
+@contextlib.contextmanager
+def requeue_on_stop(config):
+    """Marks the ``ops.Interrupted`` of a stop signal that is ``--requeue-signal``'s
+    (SLURM's warning before a time limit) with ``requeue = True``: train.main then
+    requeues the job, as a stop during training does."""
+    try:
+        yield
+    except Interrupted as e:
+        e.requeue = e.signum == signal.Signals[f"SIG{config.get('requeue_signal', 'USR1')}"]
+        raise
+
+
+def build_datasets(config, log=say, should_stop=None):
     """Builds the training and validation datasets named by the config.
 
     Args:
@@ -657,7 +736,8 @@ def build_datasets(config, log=say, stop=None):
 
     Args (more):
         log: prints where a decoded cache is and how big.
-        stop: returns a signal's number to stop a cache build at (``ops.Interrupted``).
+        should_stop: returns a signal's number to stop a cache build at (``ops.
+            Interrupted``, its ``requeue`` set: ``requeue_on_stop``), or None.
 
     Raises:
         UserError: unknown dataset, missing directory, download impossible, an image
@@ -681,7 +761,8 @@ def build_datasets(config, log=say, stop=None):
     if name == "imagefolder":
         if not os.path.isdir(data_dir):
             raise UserError(f"--data-dir {data_dir!r} does not exist")
-        return _imagefolder_splits(config, policy, log, stop)
+        with requeue_on_stop(config):
+            return _imagefolder_splits(config, policy, log, should_stop)
     if name not in TORCHVISION_SETS:
         raise UserError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
     train, val = (_torchvision_split(name, data_dir, split) for split in (True, False))
@@ -784,6 +865,89 @@ def build_loader(dataset, batch_sampler=None, batch_size=None, num_workers=0,
 def shard_indices(size, rank, world_size):
     """The contiguous share of ``range(size)`` evaluated by ``rank``: no padding, no repeat."""
     return list(range(rank * size // world_size, (rank + 1) * size // world_size))
+
+
+_WORKER_DIED = re.compile(r"DataLoader worker \(pid(?:\(s\))? ([0-9, ]+)\) (?:is killed by "
+                          r"signal: ([^.]+)\.|exited unexpectedly( with exit code)?)")
+
+
+def worker_death(error):
+    """The line that says what happened when ``error`` is the DataLoader's report of a
+    worker that died (``RuntimeError: DataLoader worker (pid N) is killed by signal:
+    Killed``, or ``exited unexpectedly``); else None.
+
+    A worker killed with SIGKILL is, unless someone sent it, the kernel's out-of-memory
+    killer's doing; SIGBUS, a full shared memory (/dev/shm), which workers hand their
+    batches through.
+
+    Args:
+        error: an exception.
+
+    Returns:
+        The line (without ``error:``), or None.
+    """
+    match = _WORKER_DIED.search(str(error))
+    if not isinstance(error, RuntimeError) or match is None:
+        return None
+    pids, how, code = match[1].strip(), match[2], match[3]
+    names = {signal.strsignal(s): s.name for s in signal.Signals if signal.strsignal(s)}
+    if how is None and code is None:  # found dead while the loader waited: its status is
+        how = _killed_by(error)       # with the loader's frame (its SIGCHLD handler has it)
+    what = f"was killed by {names.get(how, how)}" if how else "exited unexpectedly"
+    if how is not None and names.get(how) == "SIGBUS":
+        cause = ("most likely out of shared memory (/dev/shm, which workers hand batches "
+                 "through): use fewer --num-workers or a smaller --batch-size, or give the "
+                 "machine (a container: --shm-size) more")
+    elif (how is None and code is None) or names.get(how) == "SIGKILL":
+        cause = ("most likely the kernel's out-of-memory killer: the machine ran out of "
+                 "memory; use fewer --num-workers or a smaller --batch-size")
+    else:
+        cause = "it crashed; --num-workers 0 reads the data in this process and shows why"
+    return (f"a DataLoader worker (pid{'s' if ',' in pids else ''} {pids}) {what}: {cause}. "
+            f"The checkpoints are intact: continue with --resume auto")
+
+
+def _killed_by(error):
+    """The description (``signal.strsignal``) of the signal that killed the workers that
+    the DataLoader found dead while it waited (``exited unexpectedly``), or None: their
+    ``multiprocessing.Process`` objects, exit codes included, are the ``failed_workers``
+    of the frame that raised ``error``."""
+    traceback = error.__traceback__
+    while traceback is not None:
+        for worker in traceback.tb_frame.f_locals.get("failed_workers", ()):
+            code = getattr(worker, "exitcode", None)
+            if code is not None and code < 0:
+                with contextlib.suppress(ValueError):
+                    return signal.strsignal(-code)
+        traceback = traceback.tb_next
+    return None
+
+
+def _end_leftover_workers(grace=2.0):
+    """At exit: ends the daemonic child processes still running, DataLoader workers that
+    an error left behind. They ignore SIGTERM (``runtime.ignore_stop_signals``), which is
+    all that multiprocessing's own exit handler sends them before it waits for them:
+    forever. So SIGTERM first (any other child may end cleanly), then, after ``grace``
+    seconds, SIGKILL."""
+    children = [p for p in multiprocessing.active_children() if p.daemon]
+    if not children:
+        return
+    # torch's SIGCHLD handler raises for a worker that dies: here, that is the point
+    with contextlib.suppress(ValueError):  # (not the main thread)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for process in children:
+        process.terminate()
+    deadline = time.monotonic() + grace
+    for process in children:
+        process.join(max(deadline - time.monotonic(), 0))
+        if process.is_alive():
+            process.kill()
+            process.join(10)
+
+
+# multiprocessing.util registers its exit handler when it is imported (above); atexit
+# runs the last registered first: ours, then it.
+atexit.register(_end_leftover_workers)
 
 
 def shutdown_loader(loader):

@@ -35,7 +35,7 @@ import torchvision
 
 import files
 import runtime
-from ops import Interrupted
+from ops import Interrupted, UserError
 from runtime import say
 
 CACHE_VERSION = 3    # of the cache's layout and record
@@ -127,7 +127,12 @@ def folder_fingerprint(folder, decoder):
 
 
 class _Decoding(torch.utils.data.Dataset):
-    """A folder's images through a decoder (what the cache holds), one at a time."""
+    """A folder's images through a decoder (what the cache holds), one at a time.
+
+    A user error in a decoding worker (no image of the folder can be read) comes back as
+    ``(None, message)``: raised there, the DataLoader would re-raise it here with the
+    worker's whole traceback as its message; ``_decoded_batches`` raises it as one line.
+    """
 
     def __init__(self, folder, decoder):
         self.folder, self.decoder = folder, decoder
@@ -136,7 +141,10 @@ class _Decoding(torch.utils.data.Dataset):
         return len(self.folder)
 
     def __getitem__(self, index):
-        return self.decoder(self.folder, index)
+        try:
+            return self.decoder(self.folder, index)
+        except UserError as e:
+            return None, str(e)
 
 
 def _as_list(batch):
@@ -157,7 +165,9 @@ def _decoded_batches(folder, decoder, num_workers, stop):
     for batch in loader:
         if stop is not None and stop() is not None:
             raise Interrupted(stop(), f"while decoding {folder.root} into its cache")
-        for image, _ in batch:
+        for image, label in batch:
+            if image is None:  # (see _Decoding)
+                raise UserError(label)
             if decoder.shape is not None and tuple(image.shape) != decoder.shape:
                 raise ValueError(f"decoded an image of shape {tuple(image.shape)}, expected "
                                  f"{decoder.shape}")
@@ -310,7 +320,7 @@ def decoded_folder(folder, decoder, cache_dir, num_workers=0, log=say, stop=None
         A ``Decoded``.
     """
     split = os.path.basename(os.path.normpath(folder.root))
-    place = hashlib.sha256(os.path.abspath(folder.root).encode()).hexdigest()[:8]
+    place = hashlib.sha256(os.fsencode(os.path.abspath(folder.root))).hexdigest()[:8]
     prefix = os.path.join(cache_dir, f"decoded-{split}-{decoder.name}-{place}-")
     fingerprint = folder_fingerprint(folder, decoder)
     base, suffix = prefix + fingerprint[:16], ".npy" if decoder.shape else ".bin"

@@ -450,12 +450,13 @@ def build_device_loaders(config, train_set, val_set, sampler, device, rank=0, wo
         raise UserError(f"--data-on-device: the device path {e}") from None
     cache_dir = config.get("cache_dir") or decoded_cache.default_cache_dir(config["data_dir"])
     workers = config["num_workers"]
-    train_loader = DeviceLoader(train_set, *source_tensors(train_set, cache_dir, workers, log,
-                                                           should_stop),
-                                device, batch_sampler=sampler, memory_format=memory_format)
-    val_loader = DeviceLoader(val_set, *source_tensors(val_set, cache_dir, workers, log,
-                                                       should_stop),
-                              device, indices=data.shard_indices(len(val_set), rank, world_size),
+    with data.requeue_on_stop(config):  # SIGUSR1 in a cache's build still requeues
+        train_source = source_tensors(train_set, cache_dir, workers, log, should_stop)
+        val_source = source_tensors(val_set, cache_dir, workers, log, should_stop)
+    train_loader = DeviceLoader(train_set, *train_source, device, batch_sampler=sampler,
+                                memory_format=memory_format)
+    val_loader = DeviceLoader(val_set, *val_source, device,
+                              indices=data.shard_indices(len(val_set), rank, world_size),
                               batch_size=config["batch_size"], memory_format=memory_format)
     return train_loader, val_loader
 

@@ -15,6 +15,23 @@ import shutil
 import tempfile
 
 
+def printable(text):
+    """``text`` as every writer takes it (matplotlib, protobuf, MLflow, JSON, a strict
+    terminal): where it holds a file name that is not UTF-8 (whose bytes Python keeps as
+    surrogates, as ``os.fsdecode`` reads them), each such byte becomes an escape,
+    ``b"caf\\xe9"`` -> ``"caf\\xe9"``; other text is returned as it is.
+
+    Args:
+        text: a string (anything else is returned unchanged).
+
+    Returns:
+        The string, encodable as UTF-8.
+    """
+    if not isinstance(text, str):
+        return text
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def umask():
     """The process umask, read without changing it (``os.umask`` sets it, and another
     thread creating a file meanwhile would get the temporary value)."""

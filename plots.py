@@ -6,6 +6,8 @@ no display), returned as an ``HxWx3`` uint8 array for ``RunLog.image``.
 
 import numpy as np
 
+import files
+
 NAMED_CLASSES = 30      # up to this many classes, their names label the axes
 ANNOTATED_CLASSES = 12  # up to this many, each cell shows its share
 
@@ -37,14 +39,15 @@ def confusion_image(confusion, classes, title=""):
     figure.colorbar(shown, ax=axes, fraction=0.046, pad=0.04)
     named = n <= NAMED_CLASSES
     ticks = np.arange(n) if named else np.unique(np.linspace(0, n - 1, 11).round()).astype(int)
-    labels = [str(classes[i]) if named else str(i) for i in ticks]
+    # a folder named in Latin-1 (b"caf\xe9") is escaped: matplotlib takes UTF-8 text only
+    labels = [files.printable(str(classes[i])) if named else str(i) for i in ticks]
     axes.set_xticks(ticks, labels, rotation=90 if named and n > 6 else 0,
                     fontsize=8 if n > 12 else 10)
     axes.set_yticks(ticks, labels, fontsize=8 if n > 12 else 10)
     axes.set_xlabel("predicted class")
     axes.set_ylabel("true class")
     if title:
-        axes.set_title(title, fontsize=10)
+        axes.set_title(files.printable(title), fontsize=10)
     if n <= ANNOTATED_CLASSES:
         for i in range(n):
             for j in range(n):

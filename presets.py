@@ -19,6 +19,7 @@ the device path, any worker count, after a resume, give the same crops. Below 64
 image folder keeps the small-image geometry (resize to a square, pad-and-crop).
 """
 
+import hashlib
 import math
 import os
 
@@ -281,6 +282,8 @@ def fetch_weights(weights):
     filename = os.path.basename(urllib.parse.urlparse(weights.url).path)
     path = os.path.join(torch.hub.get_dir(), "checkpoints", filename)
     had_copy = os.path.exists(path)
+    if had_copy:  # torch.hub checks the hash of a download only, not of a copy it finds
+        check_weights_hash(path, weights)
     try:
         return weights.get_state_dict(progress=sys.stderr.isatty(), check_hash=True)
     except (urllib.error.URLError, OSError, TimeoutError) as e:
@@ -294,6 +297,31 @@ def fetch_weights(weights):
             f"the download of {weights.url} failed its check"
         raise UserError(f"--pretrained torchvision: {where} ({first[:200]}); delete it and "
                         f"try again, or pass --pretrained PATH") from None
+
+
+def check_weights_hash(path, weights):
+    """Checks a copy of torchvision's weights against the hash its name carries: the
+    first hex digits of its SHA-256 after the last ``-`` (``resnet18-f37072fd.pth``), the
+    check torch.hub does at download (``torch.hub.HASH_REGEX``), done when it is loaded.
+
+    Raises:
+        ops.UserError: the file's hash differs (damaged on disk, cut short, replaced): one
+            line naming it and saying to delete it (it is then downloaded again).
+    """
+    from ops import UserError
+
+    match = torch.hub.HASH_REGEX.search(os.path.basename(path))
+    if match is None or not match.group(1):
+        return  # (torchvision's names all carry one)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(2**20), b""):
+            digest.update(block)
+    if not digest.hexdigest().startswith(match.group(1)):
+        raise UserError(f"--pretrained torchvision: the copy of {weights} at {path} is "
+                        f"damaged (its SHA-256 starts {digest.hexdigest()[:len(match[1])]}, "
+                        f"its name says {match[1]}); delete it and it is downloaded again, "
+                        f"or pass --pretrained PATH")
 
 
 def preset(config):

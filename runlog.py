@@ -121,7 +121,8 @@ class RunDirectory:
         saved = {k: v for k, v in config.items() if k not in NOT_SAVED_IN_CONFIG}
         files.atomic_write(os.path.join(self.path, "config.yaml"),
                                 lambda f: yaml.safe_dump(saved, f, sort_keys=False))
-        with open(os.path.join(self.path, "command.txt"), "a") as f:
+        with open(os.path.join(self.path, "command.txt"), "a",
+                  errors="surrogateescape") as f:  # a path's own bytes: pasted, it runs
             f.write(f"{datetime.datetime.now().isoformat(timespec='seconds')}  "
                     f"{shlex.join(['python', 'train.py', *argv])}\n"
                     f"  git {_git_commit()}  torch {torch.__version__}  {platform.node()}\n")
@@ -512,7 +513,7 @@ class RunLog:
         if final:
             from torch.utils.tensorboard.summary import hparams
 
-            hp = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
+            hp = {k: (v if isinstance(v, (int, float, bool)) else files.printable(str(v)))
                   for k, v in config.items() if k not in NOT_SAVED_IN_CONFIG}
             # metrics named after curves of this run: HPARAMS shows their last values
             for summary in hparams(hp, metrics.hparam_metrics(final)):

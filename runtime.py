@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import elastic
+import files
 import ops
 from ops import STOP_SIGNALS, Interrupted, RunFailed, UserError
 
@@ -534,11 +535,13 @@ def ignore_stop_signals(worker_id=None):
 def say(message, file=None):
     """Prints a line; a closed stdout/stderr (``train.py | head``) never stops the run.
 
-    Once the reader of a pipe is gone, further output to it goes to /dev/null.
+    Once the reader of a pipe is gone, further output to it goes to /dev/null. A file name
+    that is not UTF-8 is escaped as everywhere (``files.printable``): a strict terminal
+    would raise, and stderr would show its bytes otherwise.
     """
     file = file or sys.stdout
     try:
-        print(message, file=file, flush=True)
+        print(files.printable(str(message)), file=file, flush=True)
     except (BrokenPipeError, ValueError):  # ValueError: the stream was closed
         _silence(file)
 

@@ -60,13 +60,14 @@ def build_task(config, train_set):
     raise UserError(f"unknown task {name!r}; choose one of: {', '.join(TASKS)}")
 
 
-def build_datasets(config, log, stop=None):
+def build_datasets(config, log, should_stop=None):
     """The training and validation sets of the task: ``(train, val)``, SeededDatasets of
     (image, label) for classification (data.py), of (image, mask) for segmentation
-    (segmentation_data.py)."""
+    (segmentation_data.py). ``should_stop`` returns a stop signal's number (a decoded
+    cache's build stops at it)."""
     if _segmenting(config):
-        return segmentation_data.build_datasets(config, log, stop)
-    return data.build_datasets(config, log, stop)
+        return segmentation_data.build_datasets(config, log, should_stop)
+    return data.build_datasets(config, log, should_stop)
 
 
 def build_loaders(config, procs, train_set, val_set, sampler, stop=None):

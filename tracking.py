@@ -42,6 +42,7 @@ import sys
 import time
 import urllib.parse
 
+import files
 import metrics
 import runtime
 from ops import first_sentence
@@ -131,7 +132,7 @@ def params_of(config):
     for key, value in config.items():
         if key in NOT_SAVED_IN_CONFIG:
             continue
-        text = str(value)
+        text = files.printable(str(value))  # a --data-dir not in UTF-8: escaped
         if len(text) > PARAM_LIMIT:
             text = text[:PARAM_LIMIT - len(TRUNCATED)] + TRUNCATED
         params[key] = text

@@ -92,6 +92,10 @@ def main(argv=None):
         runtime.say(f"{signal.Signals(e.signum).name}: stopped {e.what}; no step was "
                     f"taken, so nothing was saved and nothing half-written is left",
                     file=sys.stderr)
+        requeued = getattr(e, "requeue", False) and runtime.process_rank() == 0 \
+            and runtime.slurm_requeue()  # --requeue-signal (SIGUSR1) under SLURM
+        if requeued:
+            runtime.say(requeued)
         return 128 + e.signum
     except OSError as e:  # a file system that failed mid-run: full, gone, read-only
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
@@ -101,6 +105,9 @@ def main(argv=None):
         if runtime.cublas_config_error(e) is not None:  # --deterministic after a gemm
             runtime.say(f"error: {runtime.cublas_config_error(e)}", file=sys.stderr)
             return EXIT_USER_ERROR
+        if data.worker_death(e) is not None:  # a worker killed (the OOM killer?): one line
+            runtime.say(f"error: {data.worker_death(e)}", file=sys.stderr)
+            return EXIT_FAILED
         if ops.memory_error(e) is not None:  # out of memory outside a step (set-up, a save)
             runtime.say(f"error: {ops.out_of_memory_message(ops.memory_error(e))}",
                         file=sys.stderr)
@@ -255,7 +262,7 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
     log = runtime.main_print
     train_set, val_set = runtime.main_process_first(
         procs, f"reading {config['dataset']} (downloading it if needed)", tasks.build_datasets,
-        config, log, stop=stop)
+        config, log, stop=stop, should_stop=stop)
     sampler = data.EpochBatchSampler(len(train_set), config["batch_size"], config["seed"],
                                      rank=procs.rank, world_size=procs.world_size)
     train_loader, val_loader = tasks.build_loaders(config, procs, train_set, val_set, sampler,
