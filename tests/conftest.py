@@ -224,3 +224,14 @@ def fake_hub(tmp_path, monkeypatch):
     monkeypatch.setattr(weights.value, "url", named.as_uri())
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
     return weights, state, tmp_path / "torch_home" / "hub" / "checkpoints" / named.name
+
+
+@pytest.fixture
+def scontrol(tmp_path, monkeypatch):
+    """A stand-in scontrol on PATH that writes down its arguments."""
+    shim, log = tmp_path / "bin", tmp_path / "scontrol.log"
+    shim.mkdir()
+    (shim / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {log}\n')
+    (shim / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim}{os.pathsep}{os.environ['PATH']}")
+    return log

@@ -10,18 +10,6 @@ from helpers import stop_at_step
 
 import train
 
-
-@pytest.fixture
-def scontrol(tmp_path, monkeypatch):
-    """A stand-in scontrol on PATH that writes down its arguments."""
-    shim, log = tmp_path / "bin", tmp_path / "scontrol.log"
-    shim.mkdir()
-    (shim / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {log}\n')
-    (shim / "scontrol").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{shim}{os.pathsep}{os.environ['PATH']}")
-    return log
-
-
 ARGS = dict(network="simple_cnn", size=96, image=16, batch=16, epochs=2)
 
 

@@ -15,8 +15,6 @@ import pytest
 import torch
 from conftest import ROOT, final_state, load_test_py, tiny_args, write_image_folder
 from PIL import Image
-from test_cluster import scontrol  # noqa: F401 (a fixture)
-from test_photos import fake_hub  # noqa: F401 (a fixture)
 
 import data
 import decoded_cache
@@ -178,7 +176,7 @@ def test_a_strict_terminal_prints_a_non_utf8_path_escaped(tmp_path):
 
 def test_a_damaged_copy_of_the_weights_is_refused_with_one_line(
         tmp_path, fake_hub, capsys):  # noqa: F811 (the fixture)
-    from test_photos import photo_folder, tv_args
+    from helpers import photo_folder, tv_args
 
     weights, state, cached = fake_hub
     cached.parent.mkdir(parents=True)
