@@ -146,7 +146,7 @@ class Watchdog:
         while not self._stopping.wait(wake):
             waited, timeout = self.overdue()
             if waited is not None:
-                self._fire(waited, timeout)
+                self._fire(waited, timeout, grace=2 * wake + 1 if self.distributed else 0)
 
     def overdue(self):
         """Whether the process counts as hung now.
@@ -169,8 +169,11 @@ class Watchdog:
         waited = time.monotonic() - max(steps[-1], self._resumed_at)
         return (waited if waited > timeout else None), timeout
 
-    def _fire(self, waited, timeout):
-        """Writes the stacks and the flight recorder, says so, exits with EXIT_HUNG."""
+    def _fire(self, waited, timeout, grace=0.0):
+        """Writes the stacks and the flight recorder, says so, exits with EXIT_HUNG after
+        ``grace`` seconds: under DDP the other processes' watchdogs fire within a wake or
+        two of this one, and this exit (torchrun then stops them, or their collective
+        fails) must not come before they have written their stacks too."""
         step = getattr(self.state, "step", "?")
         rule = f"--hang-timeout {timeout:g}" if self.setting is not None else \
             f"--hang-timeout auto: {timeout:.0f} s"
@@ -193,6 +196,7 @@ class Watchdog:
                   f"the last step was {step}): stacks in {where}{also}; exiting with "
                   f"{EXIT_HUNG}, the checkpoints are intact: continue with --resume auto",
                   file=sys.stderr, flush=True)
+            time.sleep(grace)
         finally:
             os._exit(EXIT_HUNG)  # the training thread may be stuck in C: no clean exit
 

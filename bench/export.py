@@ -45,6 +45,7 @@ import torch  # noqa: E402
 
 import data  # noqa: E402
 import export  # noqa: E402
+import tasks  # noqa: E402
 import train  # noqa: E402
 from config import with_defaults  # noqa: E402
 
@@ -134,7 +135,8 @@ def measure(test_py, network, ckpt, files, batches):
             run, size = (lambda x: net(x)), test_py.weights_bytes(net)
         else:
             run, size = loaders[suffix](files[name]), os.path.getsize(files[name])
-        result = test_py.evaluate_exported(run, val_set, 64, 0)
+        result = test_py.evaluate_exported(run, val_set, 64, 0,
+                                           tasks.Classification(val_set.num_classes))
         speeds = [test_py.samples_per_second(run, shape, b) for b in batches]
         rows.append((network, name, size, speeds, result["acc"], result["count"]))
     return rows

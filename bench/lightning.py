@@ -112,7 +112,8 @@ def build(args, run_dir):
     runtime.seed_everything(config["seed"], 0, False, procs.device)  # cuDNN benchmark too
     os.makedirs(os.path.join(run_dir, "checkpoints"))
     with contextlib.redirect_stdout(io.StringIO()):  # the summary and the set-up lines
-        return train.build_training(config, procs, run_dir)
+        training, loader = train.build_training(config, procs, run_dir)
+    return training, loader, training.task.criterion
 
 
 def time_train_py(training, loader, criterion, epochs, device):
@@ -125,7 +126,7 @@ def time_train_py(training, loader, criterion, epochs, device):
                 training.state.epoch_samples = 0
                 sync(device)
                 start = time.perf_counter()
-                train.run_epoch(training, loader, criterion, epoch, stop)
+                train.run_epoch(training, loader, epoch, stop)
                 sync(device)
                 times.append(time.perf_counter() - start)
     finally:

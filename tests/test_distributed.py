@@ -268,10 +268,10 @@ import data
 real_init, real_build = dist.init_process_group, data.build_datasets
 def init_process_group(*args, **kwargs):  # a timeout far below the build's length
     return real_init(*args, timeout=datetime.timedelta(seconds={timeout}), **kwargs)
-def build_datasets(config):
+def build_datasets(config, *args, **kwargs):
     if os.environ["RANK"] == "0":
         {action}
-    return real_build(config)
+    return real_build(config, *args, **kwargs)
 dist.init_process_group, data.build_datasets = init_process_group, build_datasets
 """
 

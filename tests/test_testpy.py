@@ -95,9 +95,9 @@ def test_batch_size_and_data_dir_override_the_checkpoints(mlp_run, tmp_path, mon
     seen = {}
     real_datasets, real_loader = data.build_datasets, data.build_loader
 
-    def datasets(config):
+    def datasets(config, *args, **kwargs):
         seen["data_dir"] = config["data_dir"]
-        return real_datasets(config)
+        return real_datasets(config, *args, **kwargs)
 
     def loader(dataset, **kwargs):
         seen["batch_size"] = kwargs["batch_size"]
