@@ -173,7 +173,7 @@ def test_gpu_script_exits_1_when_a_check_fails_and_runs_the_rest(tmp_path):
 def test_gpu_script_cuts_a_hanging_check_and_keeps_to_its_budget(tmp_path):
     # Every train.py run hangs. Each is cut at its own limit (2 s here) and the next runs.
     shim = _shim(tmp_path, 'case "$*" in *train.py*) exec sleep 120;; esac')
-    skip = "imports tests photos lightning resnet18-bf16 resnet18-fp32"
+    skip = "imports tests photos lightning resnet18-bf16 resnet18-fp32 segmentation"
     out, seconds = _gpu_sh(tmp_path, shim, GPU_SH_T_TRAIN="2", GPU_SH_SKIP=skip)
     assert out.returncode == 1, out.stdout[-3000:]
     result = json.loads((tmp_path / "out" / "gpu-figures.json").read_text())
