@@ -17,6 +17,7 @@ import yaml
 import data
 import presets
 import runtime
+import sample_transforms
 import segmentation_data
 import tasks
 from networks import NETWORKS, is_segmentation
@@ -447,7 +448,7 @@ def default_network(dataset, image_size=32, pretrained=None, task="classificatio
         return "torchvision/resnet18"
     if dataset == "synthetic":
         return "simple_cnn"
-    if dataset == "imagefolder" and image_size >= data.PHOTO_SIDE:
+    if dataset == "imagefolder" and image_size >= sample_transforms.PHOTO_SIDE:
         return "torchvision/resnet18"
     return "resnet18"
 

@@ -17,9 +17,7 @@ samples, bit for bit on the CPU.
 
 import atexit
 import contextlib
-import functools
 import hashlib
-import math
 import multiprocessing
 import multiprocessing.util  # noqa: F401 (see _end_leftover_workers)
 import os
@@ -27,196 +25,34 @@ import re
 import signal
 import socket
 import sys
-import threading
 import time
-import warnings
 
 import torch
 import torch.utils.data
-from PIL import Image, ImageOps
 from torchvision import datasets as tv_datasets
-from torchvision import tv_tensors
-from torchvision.transforms import functional as tv_functional
 from torchvision.transforms import v2
 
 import decoded_cache
 import files
+import presets
 import recipes
 import runtime
+from images import UnreadableImage, load_image
 from ops import Interrupted, UserError
 from runtime import say
+from sample_transforms import (
+    _SAMPLE,
+    PHOTO_SIDE,
+    STATS,
+    Normalise,
+    SampleCrop,
+    SampleFlip,
+    sample_seed,
+)
 
-# Per-channel mean and std of the training split, for normalisation.
-STATS = {
-    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
-    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
-    "mnist": ((0.1307,), (0.3081,)),
-    "fashion_mnist": ((0.2860,), (0.3530,)),
-    "imagefolder": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),  # ImageNet's
-}
 TORCHVISION_SETS = {"cifar10": tv_datasets.CIFAR10, "cifar100": tv_datasets.CIFAR100,
                     "mnist": tv_datasets.MNIST, "fashion_mnist": tv_datasets.FashionMNIST}
 DATASETS = sorted(TORCHVISION_SETS) + ["imagefolder", "synthetic"]
-# The raster formats an ImageFolder image may be in. Left free, PIL.Image.open tries about
-# forty formats on any file, EPS among them (which runs Ghostscript on the file).
-IMAGE_FORMATS = ("JPEG", "PNG", "BMP", "GIF", "TIFF", "WEBP", "PPM")
-PHOTO_SIDE = 64  # image folders at this --image-size and above are photos (presets.py)
-
-
-def sample_seed(seed, epoch, index):
-    """The seed of torch's generator for one sample's random transforms other than crop and
-    flip (those use ``crop_flip_draws``): a function of (seed, epoch, index) only."""
-    return ((seed * 1_000_003 + epoch) * 1_000_000_007 + index) % (2**63 - 1)
-
-
-# ------------------------------------------------------------ the counter-based hash
-#
-# Crop offsets and flips come from a hash of (seed, epoch, index), not from an RNG state:
-# the same integer arithmetic on Python ints (one sample, per-sample path) and on int64
-# tensors (a whole epoch at once, device path) gives the same draws on any device. Every
-# intermediate value stays below 2**49, so int64 tensors never overflow.
-
-_MASK32 = 0xFFFFFFFF
-STREAM_TOP, STREAM_LEFT, STREAM_FLIP = 1, 2, 3  # one independent draw per stream
-
-
-def _mul32(x, c):
-    """``x * c mod 2**32`` for ``0 <= x < 2**32``, in 16-bit halves of ``c`` (exact in int64)."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
-
-
-def mix32(x):
-    """A bijection of 32-bit integers with strong avalanche: ``lowbias32`` from Chris
-    Wellons' hash prospector. Works on Python ints and on int64 tensors alike."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def sample_hash(seed, epoch, index, stream):
-    """A 32-bit hash of (seed, epoch, index) for one ``stream`` of draws.
-
-    ``index`` may be an int or an int64 tensor of indices (``seed``, ``epoch`` and
-    ``stream`` are ints); the result has its type. Distinct indices of one (seed, epoch,
-    stream) always give distinct hashes (each step is a bijection).
-    """
-    return mix32(_stream_key(seed, epoch, stream) ^ (index & _MASK32))
-
-
-@functools.lru_cache(maxsize=64)
-def _stream_key(seed, epoch, stream):
-    """The part of ``sample_hash`` shared by an epoch's samples (computed once)."""
-    return mix32(mix32(mix32(stream) ^ (seed & _MASK32)) ^ (epoch & _MASK32))
-
-
-def crop_offsets(seed, epoch, index, padding):
-    """``(top, left)``: a sample's crop offsets into its image padded by ``padding`` on each
-    side, each in ``[0, 2 * padding]``; ints, or int64 tensors when ``index`` is one."""
-    span = 2 * padding + 1
-    return (sample_hash(seed, epoch, index, STREAM_TOP) % span,
-            sample_hash(seed, epoch, index, STREAM_LEFT) % span)
-
-
-def flip_draw(seed, epoch, index):
-    """1 where a sample is flipped horizontally, else 0 (an int, or an int64 tensor)."""
-    return sample_hash(seed, epoch, index, STREAM_FLIP) >> 31
-
-
-def crop_flip_draws(seed, epoch, index, padding):
-    """The crop offset and flip of samples: ``(top, left, flip)``.
-
-    Args:
-        seed: the run's seed.
-        epoch: the epoch.
-        index: a sample's index (int), or an int64 tensor of indices.
-        padding: the crop's zero padding on each side; offsets lie in ``[0, 2 * padding]``.
-
-    Returns:
-        ``top`` and ``left`` offsets into the padded image and ``flip`` (1: flip
-        horizontally, 0: not), ints or int64 tensors like ``index``.
-    """
-    return (*crop_offsets(seed, epoch, index, padding), flip_draw(seed, epoch, index))
-
-
-_SAMPLE = threading.local()  # (seed, epoch, index) of the sample being transformed
-
-
-def current_sample():
-    """``(seed, epoch, index)`` of the sample ``SeededDataset`` is transforming now."""
-    key = getattr(_SAMPLE, "key", None)
-    if key is None:
-        raise RuntimeError("SampleCrop and SampleFlip draw from the sample's (seed, epoch, "
-                           "index): call the transform through SeededDataset")
-    return key
-
-
-def _like(out, image):
-    """``out`` as the same tv_tensors type as ``image`` (torch ops return plain tensors)."""
-    return tv_tensors.wrap(out, like=image) if isinstance(image, tv_tensors.TVTensor) else out
-
-
-class SampleCrop:
-    """Random crop with zero padding, as ``v2.RandomCrop(size, padding)``, whose offset is
-    ``crop_flip_draws`` of the sample being transformed (not torch's RNG). Takes (C, H, W)
-    tensors, uint8 or float; the output has the input's side."""
-
-    def __init__(self, padding):
-        self.padding = padding
-
-    def __call__(self, image):
-        top, left = crop_offsets(*current_sample(), self.padding)
-        h, w = image.shape[-2:]
-        padded = torch.nn.functional.pad(image.as_subclass(torch.Tensor), [self.padding] * 4)
-        return _like(padded[..., top:top + h, left:left + w], image)
-
-    def __repr__(self):
-        return f"SampleCrop(padding={self.padding})"
-
-
-class SampleFlip:
-    """Horizontal flip of half the samples, as ``v2.RandomHorizontalFlip()``, decided by
-    ``crop_flip_draws`` of the sample being transformed."""
-
-    def __call__(self, image):
-        if not flip_draw(*current_sample()):
-            return image
-        return _like(image.as_subclass(torch.Tensor).flip(-1), image)
-
-    def __repr__(self):
-        return "SampleFlip()"
-
-
-def normalise(images, mean, std):
-    """uint8 images scaled to [0, 1] floats (as ``v2.ToDtype(float32, scale=True)``), then
-    ``(x - mean) / std`` per channel (as ``v2.Normalize``); float images only the latter.
-
-    The per-sample path (one (C, H, W) image) and the device path (a (N, C, H, W) batch)
-    both call this: elementwise, in the same order, so the results are the same bits.
-    ``mean`` and ``std`` are sequences or float32 tensors of shape (C, 1, 1).
-    """
-    x = images.as_subclass(torch.Tensor)
-    mean = torch.as_tensor(mean, dtype=torch.float32, device=x.device).view(-1, 1, 1)
-    std = torch.as_tensor(std, dtype=torch.float32, device=x.device).view(-1, 1, 1)
-    if x.is_floating_point():
-        x = x.to(torch.float32).sub(mean)
-    else:
-        x = x.to(torch.float32).mul_(1.0 / 255).sub_(mean)
-    return x.div_(std)
-
-
-class Normalise:
-    """``normalise`` as a transform (uint8 or float image in, normalised float32 out)."""
-
-    def __init__(self, mean, std):
-        self.mean, self.std = tuple(mean), tuple(std)
-
-    def __call__(self, image):
-        return normalise(image, self.mean, self.std)
-
-    def __repr__(self):
-        return f"Normalise(mean={self.mean}, std={self.std})"
 
 
 class SeededDataset(torch.utils.data.Dataset):
@@ -308,107 +144,6 @@ class SyntheticImages(torch.utils.data.Dataset):
 
     def __getitem__(self, index):
         return self.images[index], int(self.labels[index])
-
-
-class UnreadableImage(OSError):
-    """An image file that cannot be decoded: empty, truncated, not an image, too large."""
-
-
-def _to_rgb(image):
-    """An 8-bit RGB copy of a decoded image.
-
-    16-bit (``I;16*``), 32-bit (``I``) and float (``F``) grayscale is scaled to 8 bits by
-    its bit depth, not clipped at 255: 16 bits for ``I;16*``; for ``I`` and ``F`` the
-    smallest of 8, 16 or 31 (signed 32) bits that holds the largest value, or [0, 1] for
-    floats up to 1.
-    """
-    if image.mode.startswith("I;16") or image.mode in ("I", "F"):
-        top = image.getextrema()[1]
-        if image.mode.startswith("I;16"):
-            full = 2**16 - 1
-        elif image.mode == "F" and top <= 1:
-            full = 1
-        else:
-            full = next((2**b - 1 for b in (8, 16, 31) if top < 2**b), top)
-        mode = "F" if image.mode == "F" else "I"
-        image = image.convert(mode).point(lambda v: v * 255 / full).convert("L")
-    return image.convert("RGB")  # palette, LA, RGBA, CMYK... (and always a copy)
-
-
-def load_image(path, short_side=None, interpolation=None):
-    """Reads an image file fully into an 8-bit RGB PIL image (ImageFolder's loader).
-
-    Only ``IMAGE_FORMATS`` are tried (never EPS/PostScript or PDF). A decompression bomb
-    (more than ``PIL.Image.MAX_IMAGE_PIXELS`` pixels) counts as unreadable. The whole image
-    is decoded here, so a truncated file fails here and not later in a transform. An EXIF
-    orientation (what a phone's camera writes) is applied, as users expect.
-
-    Args:
-        path: the image file.
-        short_side: resize so that the short side is this (aspect kept; the long side
-            truncated, as torchvision's ``Resize(int)``); a JPEG much larger than that is
-            decoded at 1/2, 1/4 or 1/8 of its size first (PIL's draft mode: no smaller
-            than needed), several times faster. None: the image as it is.
-        interpolation: a ``v2.InterpolationMode`` for that resize (default bilinear).
-
-    Returns:
-        The RGB image (see ``_to_rgb`` for 16-bit, 32-bit and float grayscale).
-
-    Raises:
-        UnreadableImage: the file cannot be read; the message says why.
-    """
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path, formats=IMAGE_FORMATS) as image:
-                if short_side is not None:  # before decoding: its size is in the header
-                    check_stored_size(*image.size, short_side)
-                if short_side is not None and image.format == "JPEG":
-                    scale = short_side / min(image.size)
-                    if scale < 0.5:  # only then can the decoder skip work
-                        image.draft("RGB", tuple(math.ceil(s * scale) for s in image.size))
-                image.load()
-                image = _to_rgb(ImageOps.exif_transpose(image))
-    except UnreadableImage:
-        raise
-    except Exception as e:  # PIL raises OSError, ValueError, SyntaxError, EOFError...
-        reason = str(e).splitlines()[0] if str(e) else "no message"
-        raise UnreadableImage(f"{type(e).__name__}: {reason}") from e
-    if short_side is None:
-        return image
-    mode = interpolation or v2.InterpolationMode.BILINEAR
-    stored = image.resize(stored_size(*image.size, short_side),
-                          tv_functional.pil_modes_mapping[mode])
-    stored.info["source_size"] = image.size  # upscaled ones: one line for a whole set
-    return stored
-
-
-# A photo is stored with its short side at --image-size / --crop-pct and its long side in
-# proportion: a thin strip (a 113-byte 1x8000 PNG) would become hundreds of megabytes.
-# Beyond this many squares of the short side (an aspect ratio of 32:1; a panorama is
-# 2:1 to 8:1), it is skipped as unreadable: training sees a crop of aspect 3:4 to 4:3,
-# so most of such an image is never used, and one file should not cost gigabytes.
-MAX_STORED_SQUARES = 32
-
-
-def check_stored_size(width, height, side):
-    """Raises UnreadableImage when an image of ``width`` x ``height`` would be stored
-    (its short side at ``side``) larger than ``MAX_STORED_SQUARES`` squares of ``side``:
-    the size it is decoded to decides, not the file's own pixels."""
-    w, h = stored_size(width, height, side) if min(width, height) > 0 else (0, 0)
-    if w * h > MAX_STORED_SQUARES * side * side:
-        raise UnreadableImage(
-            f"{width}x{height} px, stored at {w}x{h} ({w * h * 3 / 2**20:.1f} MiB decoded): "
-            f"more than {MAX_STORED_SQUARES} times a square {side} px image, too long and "
-            f"thin to train on")
-
-
-def stored_size(width, height, side):
-    """``(width, height)`` with the short side at ``side``, the long one in proportion
-    (truncated, as torchvision's ``Resize(int)``)."""
-    if width <= height:
-        return side, int(side * height / width)
-    return int(side * width / height), side
 
 
 class SafeImageFolder(tv_datasets.ImageFolder):
@@ -635,8 +370,6 @@ def _imagefolder_splits(config, policy, log, stop):
         say(f"warning: {train_dir!r} has a single class folder ({train.classes[0]!r}): "
             f"every label is the same, so there is nothing to learn", file=sys.stderr)
     if image_size >= PHOTO_SIDE:  # photos: decoded once into the cache, read from there
-        import presets  # (it builds on this module)
-
         t_train, t_eval = presets.transforms(config, policy)
         p = presets.preset(config)
         decoder = presets.ShortSide(presets.stored_side(image_size, config["crop_pct"]),

@@ -314,7 +314,7 @@ def decoded_folder(folder, decoder, cache_dir, num_workers=0, log=say, stop=None
         log: prints the cache's place and size.
         stop: called between batches; a signal number it returns stops the build
             (``ops.Interrupted``, nothing left behind). None: never.
-        unreadable_reason: ``path -> why`` for the record (``data.load_image``'s error).
+        unreadable_reason: ``path -> why`` for the record (``images.load_image``'s error).
 
     Returns:
         A ``Decoded``.

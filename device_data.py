@@ -2,11 +2,12 @@
 
 ``DeviceLoader`` holds a set as one uint8 (synthetic: float32) tensor on the training
 device and gathers, crops, flips and normalises each batch there: no worker processes,
-no per-sample Python. It draws the same crop offsets and flips (``data.crop_flip_draws``,
-a hash of (seed, epoch, index)) and does the same arithmetic (zero padding, indexing,
-``data.normalise``) as the per-sample path in data.py, so both give the same samples, bit
-for bit on the CPU. ``device_data_decision`` says which path a run takes and why
-(``--data-on-device``); ``build_device_loaders`` builds this one.
+no per-sample Python. It draws the same crop offsets and flips
+(``sample_transforms.crop_flip_draws``, a hash of (seed, epoch, index)) and does the same
+arithmetic (zero padding, indexing, ``sample_transforms.normalise``) as the per-sample
+path in data.py, so both give the same samples, bit for bit on the CPU.
+``device_data_decision`` says which path a run takes and why (``--data-on-device``);
+``build_device_loaders`` builds this one.
 
 Image folders reach it through their decoded cache (decoded_cache.py): every image
 decoded and resized once into a memory-mapped uint8 array file under
@@ -24,6 +25,7 @@ import data
 import decoded_cache
 import presets
 import runtime
+import sample_transforms
 from decoded_cache import mib as _mib
 from ops import UserError, sum_over_processes
 from runtime import say
@@ -60,7 +62,7 @@ class DevicePipeline:
             raise UnsupportedOnDevice("resizes only image folders (through their cache)")
         self.padding, self.flip, self.mean, self.std = 0, False, None, None
         self.photo = None  # photos: "train" (random-resized crop) or "eval" (centre crop)
-        if i < len(steps) and isinstance(steps[i], data.SampleCrop):
+        if i < len(steps) and isinstance(steps[i], sample_transforms.SampleCrop):
             self.padding, i = steps[i].padding, i + 1
         elif i < len(steps) and isinstance(steps[i], (presets.RandomResizedCrop,
                                                       presets.CenterCrop)):
@@ -69,9 +71,9 @@ class DevicePipeline:
             self.size, i = crop.size, i + 1
             self.min_scale = getattr(crop, "min_scale", None)
             self.interpolation = getattr(crop, "interpolation", None)
-        if i < len(steps) and isinstance(steps[i], data.SampleFlip):
+        if i < len(steps) and isinstance(steps[i], sample_transforms.SampleFlip):
             self.flip, i = True, i + 1
-        if i < len(steps) and isinstance(steps[i], data.Normalise):
+        if i < len(steps) and isinstance(steps[i], sample_transforms.Normalise):
             self.mean, self.std, i = steps[i].mean, steps[i].std, i + 1
         if i < len(steps):
             step = getattr(steps[i], "policy", steps[i])  # recipes wraps float-image policies
@@ -260,9 +262,9 @@ class DeviceLoader:
             return
         if p.random:
             zero = torch.zeros_like(index)
-            top, left = data.crop_offsets(self.dataset.seed, epoch, index, p.padding) \
-                if p.padding else (zero, zero)
-            flip = data.flip_draw(self.dataset.seed, epoch, index) if p.flip else zero
+            top, left = sample_transforms.crop_offsets(
+                self.dataset.seed, epoch, index, p.padding) if p.padding else (zero, zero)
+            flip = sample_transforms.flip_draw(self.dataset.seed, epoch, index) if p.flip else zero
             columns += [top, left, flip]
         packed = torch.stack(columns)  # one copy for the whole epoch, from pinned memory:
         if self.device.type == "cuda":  # a copy from pageable memory waits for the GPU
@@ -277,7 +279,7 @@ class DeviceLoader:
         epoch's indices and flips reach the device in one copy."""
         p, seed = self.pipeline, self.dataset.seed
         shapes = self.shapes[index]
-        flip = data.flip_draw(seed, epoch, index) if p.random and p.flip else \
+        flip = sample_transforms.flip_draw(seed, epoch, index) if p.random and p.flip else \
             torch.zeros_like(index)
         boxes = [b.tolist() for b in presets.crop_boxes(
             seed, epoch, index, shapes[:, 1], shapes[:, 2], p.min_scale)] \
@@ -300,7 +302,7 @@ class DeviceLoader:
                 x = torch.where(part[1].bool().view(-1, 1, 1, 1), x.flip(-1), x)
             x = x.contiguous(memory_format=self.memory_format)
             if self._stats is not None:
-                x = data.normalise(x, *self._stats)
+                x = sample_transforms.normalise(x, *self._stats)
             yield x, self.labels.index_select(0, part[0])
 
     def _image(self, i):
@@ -315,7 +317,7 @@ class DeviceLoader:
             x = crop_flip_batch(x, part[1], part[2], part[3], self.pipeline.padding)
         x = x.contiguous(memory_format=self.memory_format)
         if self._stats is not None:
-            x = data.normalise(x, *self._stats)
+            x = sample_transforms.normalise(x, *self._stats)
         return x, self.labels.index_select(0, part[0])
 
 

@@ -34,6 +34,7 @@ import torch
 import data
 import files
 import presets
+import sample_transforms
 from ops import UserError
 from runtime import say, shown
 
@@ -171,7 +172,7 @@ def normalisation(config):
     if presets.is_photo(config):
         p = presets.preset(config)
         return {"mean": list(p["mean"]), "std": list(p["std"])}
-    stats = data.STATS.get(config["dataset"])
+    stats = sample_transforms.STATS.get(config["dataset"])
     return None if stats is None else {"mean": list(stats[0]), "std": list(stats[1])}
 
 

@@ -28,8 +28,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import checkpoint
-import data
 import dcgan
+import sample_transforms
 from ops import UserError
 
 INCEPTION_FILE = "weights-inception-2015-12-05-6726825d.pth"  # torch-fidelity's URL's name
@@ -97,7 +97,7 @@ class ClassifierFeatures(nn.Module):
     (the last one called in a forward pass), taken by a forward hook.
 
     Images in [-1, 1] are brought to what the classifier was trained on: mapped to [0, 1]
-    and normalised with ``mean`` and ``std`` (data.STATS, as data.py does), or left in
+    and normalised with ``mean`` and ``std`` (sample_transforms.STATS, as data.py does), or left in
     [-1, 1] when there are none (the synthetic set is not normalised); resized
     (bilinear) to its ``image_size``; one channel repeated to its three.
 
@@ -206,7 +206,7 @@ def classifier_features(path):
         raise UserError(f"--fid-features: {path!r}: {e}") from None
     checkpoint.check_compatible(net, weights, path)
     net.load_state_dict(weights)
-    mean, std = data.STATS.get(config.get("dataset"), (None, None))
+    mean, std = sample_transforms.STATS.get(config.get("dataset"), (None, None))
     return ClassifierFeatures(net, image_size, channels, mean, std)
 
 

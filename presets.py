@@ -12,10 +12,11 @@ PIL's draft mode) into the decoded cache with its short side at ``stored_side``:
 * evaluation: the centre ``image_size`` crop of the stored image (torchvision's
   ``Resize(256)`` + ``CenterCrop(224)``).
 
-The crop's draws come from a hash of (seed, epoch, index) (``data.sample_hash``), like the
-small images' crop and flip, and the boxes are computed with the same float64 tensor
-arithmetic (+, *, /, sqrt, round: exact in IEEE) on every path: the DataLoader workers,
-the device path, any worker count, after a resume, give the same crops. Below 64 px an
+The crop's draws come from a hash of (seed, epoch, index)
+(``sample_transforms.sample_hash``), like the small images' crop and flip, and the boxes
+are computed with the same float64 tensor arithmetic (+, *, /, sqrt, round: exact in
+IEEE) on every path: the DataLoader workers, the device path, any worker count, after a
+resume, give the same crops. Below 64 px an
 image folder keeps the small-image geometry (resize to a square, pad-and-crop).
 """
 
@@ -29,11 +30,12 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
 import checkpoint
-import data
+import images
+import sample_transforms
 from networks import is_segmentation
 from ops import UserError
 
-PHOTO_SIDE = data.PHOTO_SIDE  # image folders at this --image-size and above
+PHOTO_SIDE = sample_transforms.PHOTO_SIDE  # image folders at this --image-size and above
 RATIO = (3 / 4, 4 / 3)  # the random-resized crop's aspect ratios, as torchvision's
 ATTEMPTS = 10          # tries at a crop that fits, as torchvision's; then the centre
 STREAM = 100           # attempt a's draws: streams STREAM + 4a (area) ... + 3 (left)
@@ -80,7 +82,7 @@ def crop_boxes(seed, epoch, index, heights, widths, min_scale):
     ratios = _ratio_table()
     top, left, h, w = (torch.full_like(index, -1) for _ in range(4))
     for attempt in reversed(range(ATTEMPTS)):  # the first attempt that fits wins
-        draw = [data.sample_hash(seed, epoch, index, STREAM + 4 * attempt + k)
+        draw = [sample_transforms.sample_hash(seed, epoch, index, STREAM + 4 * attempt + k)
                 for k in range(4)]
         scale = min_scale + (1.0 - min_scale) * (draw[0].to(torch.float64) / 2.0**32)
         ratio = ratios[draw[1] % _RATIOS]
@@ -113,7 +115,7 @@ def crop_box(seed, epoch, index, height, width, min_scale):
         _RATIO_LIST = _ratio_table().tolist()
     ratios, area = _RATIO_LIST, float(height * width)
     for attempt in range(ATTEMPTS):
-        draw = [data.sample_hash(seed, epoch, index, STREAM + 4 * attempt + k)
+        draw = [sample_transforms.sample_hash(seed, epoch, index, STREAM + 4 * attempt + k)
                 for k in range(4)]
         scale = min_scale + (1.0 - min_scale) * (draw[0] / 2.0**32)
         ratio = ratios[draw[1] % _RATIOS]
@@ -144,14 +146,15 @@ def center_crop(image, size):
 
 
 class RandomResizedCrop:
-    """The photo training crop of the sample being transformed (``data.current_sample``:
-    its draws are ``crop_boxes``'), on a (C, H, W) uint8 tensor."""
+    """The photo training crop of the sample being transformed
+    (``sample_transforms.current_sample``: its draws are ``crop_boxes``'), on a (C, H, W)
+    uint8 tensor."""
 
     def __init__(self, size, min_scale, interpolation):
         self.size, self.min_scale, self.interpolation = size, min_scale, interpolation
 
     def __call__(self, image):
-        seed, epoch, index = data.current_sample()
+        seed, epoch, index = sample_transforms.current_sample()
         h, w = image.shape[-2:]
         box = crop_box(seed, epoch, index, int(h), int(w), self.min_scale)
         return resized_crop(image.as_subclass(torch.Tensor), *box, self.size,
@@ -177,7 +180,7 @@ class CenterCrop:
 
 class ShortSide:
     """A decoded-cache decoder for photos: each image read at reduced size where it is a
-    JPEG much larger than needed (``data.load_image``'s ``short_side``), turned as its
+    JPEG much larger than needed (``images.load_image``'s ``short_side``), turned as its
     EXIF orientation says, its short side resized to ``side``: a (3, h, w) uint8."""
 
     shape = None  # many sizes
@@ -196,13 +199,13 @@ class ShortSide:
 
 
 class _PhotoLoader:
-    """``data.load_image`` with a short side (picklable, for decoding workers)."""
+    """``images.load_image`` with a short side (picklable, for decoding workers)."""
 
     def __init__(self, side, interpolation):
         self.side, self.interpolation = side, interpolation
 
     def __call__(self, path):
-        return data.load_image(path, short_side=self.side, interpolation=self.interpolation)
+        return images.load_image(path, short_side=self.side, interpolation=self.interpolation)
 
 
 # ---------------------------------------------------------- pretrained torchvision weights
@@ -327,11 +330,11 @@ def check_weights_hash(path, weights):
 def preset(config):
     """What the photos of a run get: ``{"mean", "std", "interpolation", "crop", "resize"}``
     from the pretrained torchvision weights' own transforms where ``--pretrained
-    torchvision`` is used, else ImageNet's statistics (data.STATS) and bilinear."""
+    torchvision`` is used, else ImageNet's statistics (sample_transforms.STATS) and bilinear."""
     weights = torchvision_weights(config["network"], config["pretrained"]) \
         if config.get("pretrained") else None
     if weights is None:
-        mean, std = data.STATS["imagefolder"]
+        mean, std = sample_transforms.STATS["imagefolder"]
         return {"mean": tuple(mean), "std": tuple(std),
                 "interpolation": v2.InterpolationMode.BILINEAR, "crop": None, "resize": None}
     t = weights.transforms()
@@ -342,9 +345,9 @@ def preset(config):
 def transforms(config, policy=((), ())):
     """The photo training and evaluation transforms of a run (of cached uint8 images)."""
     p, size = preset(config), config["image_size"]
-    normalise = data.Normalise(p["mean"], p["std"])
+    normalise = sample_transforms.Normalise(p["mean"], p["std"])
     train = [RandomResizedCrop(size, config["crop_min_scale"], p["interpolation"]),
-             data.SampleFlip(), *policy[0], normalise, *policy[1]]
+             sample_transforms.SampleFlip(), *policy[0], normalise, *policy[1]]
     if not config["augment"]:
         train = [CenterCrop(size), normalise]
     return v2.Compose(train), v2.Compose([CenterCrop(size), normalise])

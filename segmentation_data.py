@@ -8,13 +8,13 @@ downloaded when missing). A sample is a normalised float32 (C, H, W) image and a
 
 Geometry: every step moves the image and its mask together, the mask by nearest neighbour
 (never interpolated), padded with ``IGNORE`` where the image is padded with 0. Each random
-draw is a hash of (seed, epoch, index) (``data.sample_hash``), like the classifier's crop
-and flip, so a sample is the same with any number of workers or processes and after a
-resume.
+draw is a hash of (seed, epoch, index) (``sample_transforms.sample_hash``), like the
+classifier's crop and flip, so a sample is the same with any number of workers or
+processes and after a resume.
 
-* Small sizes (``--image-size`` below ``data.PHOTO_SIDE``, the synthetic set): the
-  classifier's crop with ``image_size // 8`` padding and flip (``data.crop_offsets``,
-  ``data.flip_draw``); files are resized to a square once, when decoded.
+* Small sizes (``--image-size`` below ``sample_transforms.PHOTO_SIDE``, the synthetic set): the
+  classifier's crop with ``image_size // 8`` padding and flip (``sample_transforms.crop_offsets``,
+  ``sample_transforms.flip_draw``); files are resized to a square once, when decoded.
 * Photo sizes: torchvision's segmentation reference (references/segmentation/presets.py):
   training resizes the short side to a random size in ``[0.5, 2] x base``, flips half the
   samples, then crops ``--image-size`` (padding right and bottom where the image is
@@ -44,6 +44,8 @@ from torchvision.transforms.v2 import functional as TF
 import data
 import decoded_cache
 import device_data
+import images
+import sample_transforms
 from ops import UserError
 from runtime import say
 
@@ -57,7 +59,7 @@ RESIZE_RANGE = (0.5, 2.0)    # the reference's random resize of the short side, 
 EVAL_ASPECT = 4 / 3          # evaluation: the long side at most this x base (the canvas)
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 MASK_MODES = ("P", "L", "1", "I;16", "I;16L", "I;16B", "I")  # palette or grayscale indices
-# Streams of data.sample_hash (data.py uses 1-3, presets.py 100-139).
+# Streams of sample_transforms.sample_hash (data.py uses 1-3, presets.py 100-139).
 STREAM_SIZE, STREAM_TOP, STREAM_LEFT = 200, 201, 202
 
 
@@ -126,14 +128,16 @@ def _pad_pair(image, mask, pads):
 
 
 class PadCrop:
-    """Small sizes: the classifier's crop (``data.SampleCrop``: zero padding, offsets from
-    ``data.crop_offsets``) of the image and the same crop of the mask, padded with 255."""
+    """Small sizes: the classifier's crop (``sample_transforms.SampleCrop``: zero padding,
+    offsets from ``sample_transforms.crop_offsets``) of the image and the same crop of the
+    mask, padded with 255."""
 
     def __init__(self, padding):
         self.padding = padding
 
     def __call__(self, image, mask):
-        top, left = data.crop_offsets(*data.current_sample(), self.padding)
+        top, left = sample_transforms.crop_offsets(*sample_transforms.current_sample(),
+                                                   self.padding)
         h, w = image.shape[-2:]
         image, mask = _pad_pair(image, mask, [self.padding] * 4)
         return (image[..., top:top + h, left:left + w], mask[top:top + h, left:left + w])
@@ -143,10 +147,10 @@ class PadCrop:
 
 
 class Flip:
-    """Flips image and mask horizontally for half the samples (``data.flip_draw``)."""
+    """Flips image and mask horizontally for half the samples (``sample_transforms.flip_draw``)."""
 
     def __call__(self, image, mask):
-        if not data.flip_draw(*data.current_sample()):
+        if not sample_transforms.flip_draw(*sample_transforms.current_sample()):
             return image, mask
         return image.flip(-1), mask.flip(-1)
 
@@ -162,8 +166,8 @@ class RandomResize:
         self.low, self.high = low, high
 
     def __call__(self, image, mask):
-        seed, epoch, index = data.current_sample()
-        size = self.low + data.sample_hash(seed, epoch, index, STREAM_SIZE) % (
+        seed, epoch, index = sample_transforms.current_sample()
+        size = self.low + sample_transforms.sample_hash(seed, epoch, index, STREAM_SIZE) % (
             self.high - self.low + 1)
         return _resize_pair(image, mask, size)
 
@@ -180,13 +184,13 @@ class RandomCrop:
         self.size = size
 
     def __call__(self, image, mask):
-        seed, epoch, index = data.current_sample()
+        seed, epoch, index = sample_transforms.current_sample()
         h, w = image.shape[-2:]
         image, mask = _pad_pair(image, mask, [0, max(self.size - w, 0), 0,
                                               max(self.size - h, 0)])
         h, w = image.shape[-2:]
-        top = data.sample_hash(seed, epoch, index, STREAM_TOP) % (h - self.size + 1)
-        left = data.sample_hash(seed, epoch, index, STREAM_LEFT) % (w - self.size + 1)
+        top = sample_transforms.sample_hash(seed, epoch, index, STREAM_TOP) % (h - self.size + 1)
+        left = sample_transforms.sample_hash(seed, epoch, index, STREAM_LEFT) % (w - self.size + 1)
         return (image[..., top:top + self.size, left:left + self.size],
                 mask[top:top + self.size, left:left + self.size])
 
@@ -211,8 +215,8 @@ class EvalResize:
 
 
 class PairCompose:
-    """Joint steps on ``(image, mask)``, then the image normalised (``data.normalise``;
-    ``mean`` None: kept as it is) and the mask as int64.
+    """Joint steps on ``(image, mask)``, then the image normalised
+    (``sample_transforms.normalise``; ``mean`` None: kept as it is) and the mask as int64.
 
     Attributes:
         transforms: the joint steps, in order.
@@ -227,7 +231,7 @@ class PairCompose:
         for step in self.transforms:
             image, mask = step(image, mask)
         if self.mean is not None:
-            image = data.normalise(image, self.mean, self.std)
+            image = sample_transforms.normalise(image, self.mean, self.std)
         return image.contiguous(), mask.to(torch.long)
 
     def __repr__(self):
@@ -247,7 +251,7 @@ def pair_transforms(image_size, augment, stats=None):
         ``(train, evaluation)``.
     """
     mean, std = stats if stats is not None else (None, None)
-    if image_size < data.PHOTO_SIDE:
+    if image_size < sample_transforms.PHOTO_SIDE:
         train = [PadCrop(max(image_size // 8, 1)), Flip()] if augment else []
         return PairCompose(train, mean, std), PairCompose([], mean, std)
     base = base_size(image_size)
@@ -279,12 +283,12 @@ class SegmentationSet(data.SeededDataset):
         # still seeded per sample as the classifier's (a user's extra step may).
         generator = torch.default_generator
         state = generator.get_state()
-        generator.manual_seed(data.sample_seed(self.seed, epoch, index))
-        data._SAMPLE.key = (self.seed, epoch, index)
+        generator.manual_seed(sample_transforms.sample_seed(self.seed, epoch, index))
+        sample_transforms._SAMPLE.key = (self.seed, epoch, index)
         try:
             return self.transform(image, mask)
         finally:
-            data._SAMPLE.key = None
+            sample_transforms._SAMPLE.key = None
             generator.set_state(state)
 
 
@@ -376,11 +380,11 @@ def load_mask(path):
     palette PNG, the values of a grayscale one), its EXIF orientation applied.
 
     Raises:
-        data.UnreadableImage: the file cannot be read, is not a palette or grayscale
+        images.UnreadableImage: the file cannot be read, is not a palette or grayscale
             image, or holds a value above 255.
     """
     try:
-        with Image.open(path, formats=data.IMAGE_FORMATS) as mask:
+        with Image.open(path, formats=images.IMAGE_FORMATS) as mask:
             mask.load()
             mode = mask.mode
             if mask.format != "PNG":  # a JPEG's values are not the indices it was saved with
@@ -390,9 +394,9 @@ def load_mask(path):
             values = np.asarray(ImageOps.exif_transpose(mask))
     except Exception as e:
         reason = str(e).splitlines()[0] if str(e) else "no message"
-        raise data.UnreadableImage(f"{type(e).__name__}: {reason}") from e
+        raise images.UnreadableImage(f"{type(e).__name__}: {reason}") from e
     if values.size and int(values.max()) > IGNORE:
-        raise data.UnreadableImage(f"it holds the value {int(values.max())}; class indices "
+        raise images.UnreadableImage(f"it holds the value {int(values.max())}; class indices "
                                    f"are 0..254 and 255 is ignored")
     return torch.from_numpy(np.array(values, dtype=np.uint8))  # (a writable copy)
 
@@ -443,15 +447,15 @@ class MaskPairs(torch.utils.data.Dataset):
             image_path, mask_path = self.pairs[i]
             path = image_path
             try:
-                image = TF.pil_to_tensor(data.load_image(image_path))
+                image = TF.pil_to_tensor(images.load_image(image_path))
                 path = mask_path
                 mask = load_mask(mask_path)
                 if tuple(mask.shape) != tuple(image.shape[-2:]):
-                    raise data.UnreadableImage(
+                    raise images.UnreadableImage(
                         f"the mask is {mask.shape[1]}x{mask.shape[0]}, its image "
                         f"{image.shape[2]}x{image.shape[1]}")
                 return image, mask
-            except data.UnreadableImage as e:
+            except images.UnreadableImage as e:
                 self.unreadable[i] = 1
                 say(f"warning: skipping unreadable pair {path} ({e}); the next readable "
                     f"pair of the set stands in for it", file=sys.stderr)
@@ -566,9 +570,9 @@ def _check_pairs(pairs):
     to the decoding (skipped there with a warning)."""
     for image_path, mask_path in pairs:
         try:
-            with Image.open(image_path, formats=data.IMAGE_FORMATS) as image:
+            with Image.open(image_path, formats=images.IMAGE_FORMATS) as image:
                 size = _oriented_size(image)
-            with Image.open(mask_path, formats=data.IMAGE_FORMATS) as mask:
+            with Image.open(mask_path, formats=images.IMAGE_FORMATS) as mask:
                 kind, mode, mask_size = mask.format, mask.mode, _oriented_size(mask)
         except Exception:
             continue
@@ -622,16 +626,16 @@ def _voc_split(data_dir, image_set):
 
 def _decode(pairs, split, config, log, stop):
     """A split's pairs decoded once into the decoded cache: a ``CachedPairs``."""
-    side = config["image_size"] if config["image_size"] < data.PHOTO_SIDE else None
+    side = config["image_size"] if config["image_size"] < sample_transforms.PHOTO_SIDE else None
     decoder = PairDecoder(side, split, pairs.mask_facts())
     cache_dir = config.get("cache_dir") or decoded_cache.default_cache_dir(config["data_dir"])
     masks = dict(pairs.pairs)
 
     def reason(path):
-        for p, load in ((path, data.load_image), (masks[path], load_mask)):
+        for p, load in ((path, images.load_image), (masks[path], load_mask)):
             try:
                 load(p)
-            except data.UnreadableImage as e:
+            except images.UnreadableImage as e:
                 return f"{p}: {e}"
         return "its mask and image differ in size"
 
@@ -711,7 +715,7 @@ def build_datasets(config, log=say, stop=None):
     else:
         train, val, names = _file_sets(config, log, stop)
         channels = 3
-        t_train, t_eval = pair_transforms(side, augment, data.STATS["imagefolder"])
+        t_train, t_eval = pair_transforms(side, augment, sample_transforms.STATS["imagefolder"])
     return (SegmentationSet(train, t_train, seed, augment, names, channels, side),
             SegmentationSet(val, t_eval, seed, False, names, channels, side))
 
@@ -746,7 +750,8 @@ class DeviceLoader(device_data.DeviceLoader):
     and the same gather for the masks, padded with 255 (the gather of ``255 - mask``
     padded with 0, turned back: the very offsets and flips of the images). Photo sizes:
     each sample through the set's own joint steps on the device (images of many sizes),
-    the batch then normalised at once (``data.normalise``, elementwise: the same bits).
+    the batch then normalised at once (``sample_transforms.normalise``, elementwise: the
+    same bits).
 
     Iterating yields ``(x, y)`` on ``device``: ``x`` float32 (N, C, H, W) in
     ``memory_format``, ``y`` int64 (N, H, W).
@@ -775,7 +780,7 @@ class DeviceLoader(device_data.DeviceLoader):
             for s in (transform.mean, transform.std))
         self.padding = next((s.padding for s in self.steps if isinstance(s, PadCrop)), 0)
         self.flip = any(isinstance(s, Flip) for s in self.steps)
-        self.photo = dataset.image_size >= data.PHOTO_SIDE
+        self.photo = dataset.image_size >= sample_transforms.PHOTO_SIDE
         self.shapes = None
         if isinstance(base, SyntheticMasks):
             self.images, self.masks = base.images, base.masks
@@ -812,7 +817,7 @@ class DeviceLoader(device_data.DeviceLoader):
             x, y = self._photos(part, epoch, random) if self.photo else self._gather(part)
             x = x.contiguous(memory_format=self.memory_format)
             if self.stats is not None:
-                x = data.normalise(x, *self.stats)
+                x = sample_transforms.normalise(x, *self.stats)
             yield x, y.to(torch.long)
 
     def _columns(self, batches, epoch, random):
@@ -822,9 +827,10 @@ class DeviceLoader(device_data.DeviceLoader):
         zero = torch.zeros_like(index)
         top = left = flip = zero
         if random and self.padding:
-            top, left = data.crop_offsets(self.dataset.seed, epoch, index, self.padding)
+            top, left = sample_transforms.crop_offsets(self.dataset.seed, epoch, index,
+                                                       self.padding)
         if random and self.flip:
-            flip = data.flip_draw(self.dataset.seed, epoch, index)
+            flip = sample_transforms.flip_draw(self.dataset.seed, epoch, index)
         packed = torch.stack([index, top, left, flip])
         if self.device.type == "cuda":
             packed = packed.pin_memory()
@@ -847,12 +853,12 @@ class DeviceLoader(device_data.DeviceLoader):
             c, h, w = self.shapes[i]
             both = self.images[self.offsets[i]:self.offsets[i] + c * h * w].view(c, h, w)
             image, mask = both[:3], both[3]
-            data._SAMPLE.key = (self.dataset.seed, epoch, i) if random else None
+            sample_transforms._SAMPLE.key = (self.dataset.seed, epoch, i) if random else None
             try:
                 for step in self.steps:
                     image, mask = step(image, mask)
             finally:
-                data._SAMPLE.key = None
+                sample_transforms._SAMPLE.key = None
             images.append(image)
             masks.append(mask)
         return torch.stack(images), torch.stack(masks)

@@ -45,6 +45,7 @@ from PIL import Image
 import data  # noqa: E402
 import decoded_cache  # noqa: E402
 import device_data  # noqa: E402
+import images  # noqa: E402
 import presets  # noqa: E402
 from config import with_defaults  # noqa: E402
 
@@ -96,7 +97,7 @@ def plain_pass(folder, side):
     for path, _ in folder.samples:
         with Image.open(path) as image:
             image = image.convert("RGB")
-            image.resize(data.stored_size(*image.size, side), Image.BILINEAR)
+            image.resize(images.stored_size(*image.size, side), Image.BILINEAR)
     return len(folder.samples) / (time.perf_counter() - start)
 
 

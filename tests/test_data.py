@@ -11,6 +11,7 @@ from conftest import assert_states_equal, tiny_args, write_image_folder
 from PIL import Image
 
 import data
+import images
 import train
 from config import with_defaults
 from ops import UserError
@@ -81,8 +82,8 @@ def test_load_image_says_why_a_file_is_unreadable(tmp_path, monkeypatch, kind):
     write(tmp_path / name)
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100 if kind == "over_pixel_limit"
                         else Image.MAX_IMAGE_PIXELS)
-    with pytest.raises(data.UnreadableImage, match=reason):
-        data.load_image(tmp_path / name)
+    with pytest.raises(images.UnreadableImage, match=reason):
+        images.load_image(tmp_path / name)
 
 
 @pytest.mark.parametrize("kind", sorted(BAD))
@@ -159,7 +160,7 @@ def test_images_of_any_depth_load_as_8_bit_rgb_keeping_their_contents(tmp_path, 
     path = tmp_path / f"image.{suffix}"
     original = make()
     original.save(path)
-    image = data.load_image(path)
+    image = images.load_image(path)
     assert image.mode == "RGB" and image.size == (16, 16)
     pixels = np.asarray(image, dtype=np.float64)
     assert abs(pixels.mean() - 127.5) < 2, (original.mode, pixels.mean())  # not all white

@@ -35,6 +35,7 @@ import decoded_cache
 import device_data
 import engine
 import networks
+import sample_transforms
 import tasks
 from config import with_defaults
 from ops import UserError
@@ -58,9 +59,9 @@ SOURCES = ["synthetic", "cifar10", "cifar100", "mnist", "fashion_mnist", "imagef
 def test_draws_are_the_same_for_ints_and_tensors():
     index = torch.tensor([0, 1, 2, 7, 1000, 49_999, 2**31 - 1, 2**32 - 1, 2**32 + 5])
     for seed, epoch, padding in [(0, 0, 4), (7, 3, 3), (2**31 - 1, 10**6, 1), (1, 1, 0)]:
-        batched = data.crop_flip_draws(seed, epoch, index, padding)
+        batched = sample_transforms.crop_flip_draws(seed, epoch, index, padding)
         for k, i in enumerate(index.tolist()):
-            one = data.crop_flip_draws(seed, epoch, i, padding)
+            one = sample_transforms.crop_flip_draws(seed, epoch, i, padding)
             assert one == tuple(int(d[k]) for d in batched), (seed, epoch, i)
         top, left, flip = batched
         assert top.dtype == torch.long and int(top.max()) <= 2 * padding
@@ -69,18 +70,18 @@ def test_draws_are_the_same_for_ints_and_tensors():
 
 def test_the_hash_is_a_bijection_of_the_index():
     index = torch.arange(100_000)
-    h = data.sample_hash(3, 2, index, data.STREAM_TOP)
+    h = sample_transforms.sample_hash(3, 2, index, sample_transforms.STREAM_TOP)
     assert len(torch.unique(h)) == len(index)
     assert int(h.min()) >= 0 and int(h.max()) < 2**32
     x = torch.arange(0, 2**32, 2**32 // 65536 + 7)  # mix32 on its own, over the whole range
-    assert len(torch.unique(data.mix32(x))) == len(x)
+    assert len(torch.unique(sample_transforms.mix32(x))) == len(x)
 
 
 @pytest.mark.parametrize("padding", [1, 3, 4])
 def test_crop_offsets_and_flips_are_uniform(padding):
     span, n = 2 * padding + 1, 900
     for seed, epoch in [(0, 0), (0, 1), (12345, 7)]:
-        top, left, flip = data.crop_flip_draws(seed, epoch, torch.arange(n), padding)
+        top, left, flip = sample_transforms.crop_flip_draws(seed, epoch, torch.arange(n), padding)
         for draw in (top, left):
             counts = torch.bincount(draw, minlength=span)
             assert len(counts) == span and int(counts.min()) > 0  # every offset appears
@@ -92,9 +93,9 @@ def test_crop_offsets_and_flips_are_uniform(padding):
         assert (pairs > 0).float().mean() > 0.9  # top and left are not tied together
         for a, b in [(top, left), (top, flip), (left, flip)]:  # nor to the flip
             assert abs(float(torch.corrcoef(torch.stack([a.float(), b.float()]))[0, 1])) < 0.1
-    a = data.crop_flip_draws(0, 0, torch.arange(n), padding)
-    b = data.crop_flip_draws(0, 1, torch.arange(n), padding)
-    c = data.crop_flip_draws(1, 0, torch.arange(n), padding)
+    a = sample_transforms.crop_flip_draws(0, 0, torch.arange(n), padding)
+    b = sample_transforms.crop_flip_draws(0, 1, torch.arange(n), padding)
+    c = sample_transforms.crop_flip_draws(1, 0, torch.arange(n), padding)
     for other in (b, c):  # another epoch or seed: other draws
         same = (a[0] == other[0]) & (a[1] == other[1]) & (a[2] == other[2])
         assert same.float().mean() < 0.1
@@ -102,7 +103,7 @@ def test_crop_offsets_and_flips_are_uniform(padding):
 
 def test_sample_crop_needs_the_key_of_a_seeded_dataset():
     with pytest.raises(RuntimeError, match="through SeededDataset"):
-        data.SampleCrop(4)(torch.zeros(3, 8, 8))
+        sample_transforms.SampleCrop(4)(torch.zeros(3, 8, 8))
 
 
 def test_per_sample_crop_and_flip_follow_the_hash():
@@ -112,7 +113,7 @@ def test_per_sample_crop_and_flip_follow_the_hash():
     train_set, _ = data.build_datasets(cfg)
     rng = torch.get_rng_state()
     for index in range(32):
-        top, left, flip = data.crop_flip_draws(9, 4, index, 1)
+        top, left, flip = sample_transforms.crop_flip_draws(9, 4, index, 1)
         image = train_set.base.images[index]
         expected = torch.nn.functional.pad(image, [1] * 4)[:, top:top + 8, left:left + 8]
         if flip:
@@ -134,11 +135,11 @@ def test_the_per_sample_transforms_keep_their_shape():
 
 def test_normalise_matches_torchvision():
     x = torch.randint(0, 256, (3, 5, 7), dtype=torch.uint8)
-    stats = data.STATS["cifar10"]
+    stats = sample_transforms.STATS["cifar10"]
     reference = v2.Normalize(*stats)(v2.ToDtype(torch.float32, scale=True)(x))
-    assert torch.equal(data.normalise(x, *stats), reference)
+    assert torch.equal(sample_transforms.normalise(x, *stats), reference)
     batch = torch.stack([x, x.flip(-1)])
-    assert torch.equal(data.normalise(batch, *stats)[0], reference)
+    assert torch.equal(sample_transforms.normalise(batch, *stats)[0], reference)
 
 
 # ------------------------------------------------------ both paths, the same samples

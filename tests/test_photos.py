@@ -16,6 +16,7 @@ from torchvision.transforms import v2
 
 import data
 import device_data
+import images as image_files
 import presets
 import train
 from config import parse_config, with_defaults
@@ -161,10 +162,10 @@ def test_a_large_jpeg_is_decoded_at_reduced_size(tmp_path, monkeypatch):
         return real_draft(self, mode, size)
 
     monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "draft", draft)
-    image = data.load_image(path, short_side=256)
+    image = image_files.load_image(path, short_side=256)
     assert image.size == (341, 256)  # the long side truncated, as Resize(256)
     assert asked == [(342, 256)]  # no smaller than needed: 1/4 scale (600 x 450) decoded
-    assert data.load_image(path).size == (2400, 1800)  # without a short side: all of it
+    assert image_files.load_image(path).size == (2400, 1800)  # without a short side: all of it
 
 
 def test_an_epoch_after_the_first_decodes_no_image(tmp_path, monkeypatch):
@@ -172,8 +173,9 @@ def test_an_epoch_after_the_first_decodes_no_image(tmp_path, monkeypatch):
     args = photo_args(tmp_path / "run", images, "--data-on-device", "off", epochs=1)
     assert train.main(args) == 0
     calls = []
-    real = data.load_image
-    monkeypatch.setattr(data, "load_image", lambda *a, **k: calls.append(a) or real(*a, **k))
+    real = image_files.load_image  # the photos' decoder (presets.ShortSide) reads with it
+    monkeypatch.setattr(image_files, "load_image",
+                        lambda *a, **k: calls.append(a) or real(*a, **k))
     args = photo_args(tmp_path / "again", images, "--data-on-device", "off", epochs=2)
     assert train.main(args) == 0
     assert calls == []  # every image came from the cache

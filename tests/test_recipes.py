@@ -15,6 +15,7 @@ from torchvision.transforms import v2
 
 import data
 import recipes
+import sample_transforms
 from checkpoint import CheckpointError
 from ops import UserError
 
@@ -461,7 +462,7 @@ def seeded(name, policy, erase, channels, size, seed=0):
     if name not in recipes.DIGITS:
         aug.append(v2.RandomHorizontalFlip())
     transform = v2.Compose([v2.ToImage(), *aug, *before, v2.ToDtype(torch.float32, scale=True),
-                            v2.Normalize(*data.STATS[name]), *after])
+                            v2.Normalize(*sample_transforms.STATS[name]), *after])
     return data.SeededDataset(PilImages(6, channels, size), transform, seed, True,
                               ["a", "b", "c"], channels, size)
 

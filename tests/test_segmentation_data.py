@@ -14,6 +14,7 @@ from PIL import Image
 import data
 import device_data
 import runtime
+import sample_transforms
 import segmentation_data as seg
 from config import with_defaults
 from ops import UserError
@@ -164,9 +165,9 @@ def test_photo_resize_flip_and_crop_move_the_mask_with_the_image():
         image, mask = dataset[(index, 1)]
         assert image.shape == (3, crop, crop) and mask.shape == (crop, crop)
         padded += check_blocks_follow(image, mask) > 0
-        data._SAMPLE.key = (0, 1, index)
+        sample_transforms._SAMPLE.key = (0, 1, index)
         sizes.add(seg.RandomResize(34, 138)(*sources[0])[0].shape[-2])
-        data._SAMPLE.key = None
+        sample_transforms._SAMPLE.key = None
     assert padded > 3 and len(sizes) > 10  # small draws are padded; sizes vary
     # Evaluation: the short side at the base (69), the long side at most the canvas (92),
     # padded to the canvas.
