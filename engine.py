@@ -568,6 +568,8 @@ def evaluate(model, loader, loop, task, tta=False):
     if loop.world_size > 1:
         for tensor in sums.sums():
             dist.all_reduce(tensor)
+        if hasattr(sums, "gather"):  # what is not a sum (a classifier's many classes)
+            sums.gather(loop.world_size)
     return sums.result()
 
 

@@ -27,7 +27,6 @@ What a task provides (``Classification`` is the reference; ``build_task`` picks 
 A micro-batch weighs its number of samples (the sampler's plan), for every task.
 """
 
-import math
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +41,10 @@ from ops import UserError
 
 TASKS = ("classification", "segmentation")
 TOP_K = 5  # acc5: counted where there are more classes than this
+DENSE_CLASSES = 2048  # up to this many classes a C x C confusion matrix (32 MiB at most);
+#                       beyond, each sample's (label, prediction): memory grows with the set
+PICTURED_CLASSES = 100  # the confusion image up to this many; beyond, the top confused pairs
+TOP_CONFUSED = 20  # pairs (true class, predicted class) listed where there is no picture
 
 
 def build_task(config, train_set):
@@ -156,11 +159,21 @@ class Classification:
         return ClassificationEvaluation(self.num_classes, device)
 
     def extra_figures(self, result, names, suffix=""):
-        """Each class's accuracy by name (``val_class_acc``)."""
-        return {f"val_class_acc{suffix}": class_accuracy(result["confusion"], names)}
+        """Each class's accuracy by name (``val_class_acc``); with more classes than a
+        picture can show, the most confused pairs (``val_top_confused``: true, predicted,
+        count)."""
+        figures = {f"val_class_acc{suffix}": class_accuracy(result, names)}
+        if self.num_classes > PICTURED_CLASSES or result["confusion"] is None:
+            figures[f"val_top_confused{suffix}"] = [
+                [names[t], names[p], n] for t, p, n in result["top_confused"]]
+        return figures
 
     def images(self, result, names, title):
-        """The confusion matrix, rows normalised (matplotlib; drawn where it is read)."""
+        """The confusion matrix, rows normalised (matplotlib; drawn where it is read), up
+        to ``PICTURED_CLASSES`` classes: beyond, no person reads it (``extra_figures``
+        lists the most confused pairs instead)."""
+        if self.num_classes > PICTURED_CLASSES or result["confusion"] is None:
+            return []
         import plots
 
         return [("confusion", plots.confusion_image(result["confusion"], names, title))]
@@ -181,15 +194,20 @@ class ClassificationEvaluation:
     def __init__(self, num_classes, device):
         self.num_classes = num_classes
         self.loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-        self.confusion = torch.zeros(num_classes * num_classes, device=device,
-                                     dtype=torch.long)
+        self.dense = num_classes <= DENSE_CLASSES
+        self.confusion = torch.zeros(num_classes * num_classes if self.dense else 1,
+                                     device=device, dtype=torch.long)
+        self.pairs = []  # beyond DENSE_CLASSES: each batch's label * C + prediction
         self.in_top = torch.zeros((), device=device, dtype=torch.long)
 
     def update(self, logits, y, x=None):
         c = self.num_classes
         self.loss_sum += F.cross_entropy(logits.float(), y, reduction="sum")
         pred = logits.argmax(dim=1)  # counted on the device (bincount reads back its size)
-        self.confusion.index_add_(0, y * c + pred, torch.ones_like(pred))
+        if self.dense:
+            self.confusion.index_add_(0, y * c + pred, torch.ones_like(pred))
+        else:
+            self.pairs.append(y * c + pred)
         if c > TOP_K:
             top = logits.topk(TOP_K, dim=1).indices  # (N, 5)
             self.in_top += (top == y[:, None]).any(dim=1).sum()
@@ -198,33 +216,56 @@ class ClassificationEvaluation:
         """The tensors to sum over processes."""
         return [self.loss_sum, self.confusion, self.in_top]
 
+    def gather(self, world_size):
+        """Beyond ``DENSE_CLASSES``: every process's pairs, gathered (they are not sums)."""
+        if self.dense:
+            return
+        import torch.distributed as dist
+
+        mine = torch.cat(self.pairs).cpu() if self.pairs else torch.zeros(0, dtype=torch.long)
+        every = [None] * world_size
+        dist.all_gather_object(every, mine)
+        self.pairs = every
+
     def result(self):
-        """``loss`` (mean cross-entropy), ``acc`` (0..1), ``count``, ``confusion`` (rows:
-        true classes) and, with more than ``TOP_K`` classes, ``acc5``."""
+        """``loss`` (mean cross-entropy), ``acc`` (0..1), ``count``, ``class_total`` and
+        ``class_correct`` (per class), and ``confusion`` (rows: true classes; up to
+        ``DENSE_CLASSES`` classes, else None) or ``top_confused`` (``TOP_CONFUSED`` pairs
+        ``(true, predicted, count)``, most first); with more than ``TOP_K`` classes,
+        ``acc5``."""
         c = self.num_classes
-        confusion = self.confusion.view(c, c).cpu()
-        count = int(confusion.sum())
+        if self.dense:
+            confusion = self.confusion.view(c, c).cpu()
+            total, correct = confusion.sum(dim=1), confusion.diag()
+            wrong = confusion.flatten() * (1 - torch.eye(c, dtype=torch.long).flatten())
+            pairs, counts = wrong.nonzero().flatten(), wrong[wrong > 0]
+        else:
+            confusion = None
+            flat = torch.cat([p.cpu() for p in self.pairs]) if self.pairs else \
+                torch.zeros(0, dtype=torch.long)
+            label, pred = flat // c, flat % c
+            total = torch.bincount(label, minlength=c)
+            correct = torch.bincount(label[label == pred], minlength=c)
+            pairs, counts = flat[label != pred].unique(return_counts=True)
+        order = counts.argsort(descending=True, stable=True)[:TOP_CONFUSED]
+        count = int(total.sum())
         result = {"loss": float(self.loss_sum) / max(count, 1),
-                  "acc": float(confusion.diag().sum()) / max(count, 1),
-                  "count": count, "confusion": confusion}
+                  "acc": float(correct.sum()) / max(count, 1), "count": count,
+                  "confusion": confusion, "class_total": total, "class_correct": correct,
+                  "top_confused": [(int(pairs[i]) // c, int(pairs[i]) % c, int(counts[i]))
+                                   for i in order]}
         if c > TOP_K:
             result["acc5"] = float(self.in_top) / max(count, 1)
         return result
 
 
-def per_class_accuracy(confusion):
-    """Accuracy of each true class from a confusion matrix (nan for absent classes)."""
-    totals = confusion.sum(dim=1)
-    return [float(c) / float(t) if t > 0 else math.nan
-            for c, t in zip(confusion.diag(), totals)]
-
-
-def class_accuracy(confusion, classes):
-    """Each class's accuracy from a confusion matrix (rows: true classes), by class name;
-    None for a class with no sample. train.py's validations (``val_class_acc``) and
-    test.py's report (``per_class``) both use it."""
-    return {name: None if math.isnan(acc) else acc
-            for name, acc in zip(classes, per_class_accuracy(confusion))}
+def class_accuracy(result, classes):
+    """Each class's accuracy from an evaluation's per-class counts (``class_total``,
+    ``class_correct``), by class name; None for a class with no sample. train.py's
+    validations (``val_class_acc``) and test.py's report (``per_class``) both use it."""
+    return {name: float(c) / float(t) if t > 0 else None
+            for name, c, t in zip(classes, result["class_correct"].tolist(),
+                                  result["class_total"].tolist())}
 
 
 class Segmentation:

@@ -394,9 +394,17 @@ def make_report(path, result, classes, key="checkpoint"):
                 "per_class_iou": dict(zip(classes, result["class_iou"].values())),
                 "confusion": result["confusion"].tolist(), "count": result["count"]}
     top5 = {"accuracy_top5": result["acc5"]} if "acc5" in result else {}
-    return {key: path, "loss": result["loss"], "accuracy": result["acc"], **top5,
-            "per_class": tasks.class_accuracy(result["confusion"], classes),
-            "confusion": result["confusion"].tolist(), "count": result["count"]}
+    report = {key: path, "loss": result["loss"], "accuracy": result["acc"], **top5,
+              "per_class": tasks.class_accuracy(result, classes),
+              "per_class_counts": [result["class_correct"].tolist(),
+                                   result["class_total"].tolist()],
+              "count": result["count"]}
+    if len(classes) <= tasks.PICTURED_CLASSES and result["confusion"] is not None:
+        report["confusion"] = result["confusion"].tolist()
+    else:  # C x C would be gigabytes of JSON at ImageNet-21k's size: the worst pairs
+        report["top_confused"] = [[classes[t], classes[p], n]
+                                  for t, p, n in result["top_confused"]]
+    return report
 
 
 def format_report(report, state, config, title=None):
@@ -406,9 +414,9 @@ def format_report(report, state, config, title=None):
     """
     if "miou" in report:
         return format_segmentation_report(report, state, config, title)
-    confusion = report["confusion"]
     names = list(report["per_class"])
-    correct = sum(row[i] for i, row in enumerate(confusion))
+    hits, totals = report["per_class_counts"]
+    correct = sum(hits)
     title = title or _title(report, state, config)
     top5 = f"  top-5 accuracy {report['accuracy_top5']:.4f}" if "accuracy_top5" in report \
         else ""
@@ -419,7 +427,13 @@ def format_report(report, state, config, title=None):
     for i, name in enumerate(names):
         acc = report["per_class"][name]
         text = "-" if acc is None else f"{acc:.4f}"
-        lines.append(f"  {name:<{width}}  {text:>6}  ({confusion[i][i]}/{sum(confusion[i])})")
+        lines.append(f"  {name:<{width}}  {text:>6}  ({hits[i]}/{totals[i]})")
+    if "confusion" not in report:
+        lines.append(f"most confused (true class -> predicted class: samples), of "
+                     f"{len(names)} classes:")
+        lines += [f"  {t} -> {p}: {n}" for t, p, n in report["top_confused"]]
+        return "\n".join(lines)
+    confusion = report["confusion"]
     lines.append("confusion matrix (rows: true class, columns: predicted class):")
     cell = max(len(str(max(max(row) for row in confusion))), len(str(len(names) - 1)))
     lines.append(f"  {'':<{width}}  " + " ".join(f"{j:>{cell}}" for j in range(len(names))))
@@ -522,7 +536,8 @@ def measured(report, size, speed, reference=None, file=None):
     """A row of the comparison: the report's metrics, the file and its size, samples/s and
     the accuracy delta against ``reference`` (the eager row)."""
     row = {"file": file, "bytes": size, "samples_per_sec": speed,
-           **{k: report[k] for k in ("loss", "accuracy", "per_class", "confusion", "count")}}
+           **{k: report[k] for k in ("loss", "accuracy", "per_class", "confusion", "count")
+              if k in report}}
     row["accuracy_delta"] = 0.0 if reference is None else \
         report["accuracy"] - reference["accuracy"]
     return row

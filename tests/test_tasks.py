@@ -1,0 +1,78 @@
+"""The task seam's classification sums: the same figures with a dense confusion matrix
+and, beyond tasks.DENSE_CLASSES, with each sample's (label, prediction)."""
+
+import pytest
+import torch
+from conftest import read_metrics, tiny_args
+
+import engine
+import tasks
+import train
+
+
+def _evaluate(monkeypatch, dense_limit, logits, labels, classes):
+    monkeypatch.setattr(tasks, "DENSE_CLASSES", dense_limit)
+    loop = engine.LoopSettings(device=torch.device("cpu"), show_progress=False)
+    batches = list(zip(logits.split(7), labels.split(7)))
+    return engine.evaluate(torch.nn.Identity(), batches, loop, tasks.Classification(classes))
+
+
+def test_many_classes_count_the_same_without_a_square_matrix(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    classes = 40
+    labels = torch.randint(0, classes, (300,), generator=g)
+    logits = torch.randn(300, classes, generator=g)
+    logits[torch.arange(150), labels[:150]] += 3  # half of them right
+    logits[150:200, 7] += 10  # a confused column: many predicted as class 7
+    dense = _evaluate(monkeypatch, 2048, logits, labels, classes)
+    sparse = _evaluate(monkeypatch, 8, logits, labels, classes)
+    assert dense["confusion"].shape == (classes, classes) and sparse["confusion"] is None
+    for key in ("loss", "acc", "acc5", "count", "top_confused"):
+        assert dense[key] == sparse[key], key
+    assert torch.equal(dense["class_total"], sparse["class_total"])
+    assert torch.equal(dense["class_correct"], sparse["class_correct"])
+    true, pred, count = dense["top_confused"][0]
+    assert pred == 7 and count >= 2
+    hand = {}
+    for y, p in zip(labels.tolist(), logits.argmax(1).tolist()):
+        if y != p:
+            hand[(y, p)] = hand.get((y, p), 0) + 1
+    assert count == max(hand.values()) and hand[(true, pred)] == count
+
+
+@pytest.mark.parametrize("classes", [12])
+def test_a_run_with_more_classes_than_a_picture_lists_the_confused_pairs(
+        tmp_path, monkeypatch, classes):
+    monkeypatch.setattr(tasks, "PICTURED_CLASSES", 10)  # (100: a person's limit)
+    monkeypatch.setattr(tasks, "DENSE_CLASSES", 10)     # (2048: 32 MiB of counts)
+    assert train.main(tiny_args(tmp_path, "--num-classes", str(classes), size=96)) == 0
+    record = read_metrics(tmp_path)[-1]
+    assert len(record["val_class_acc"]) == classes
+    pairs = record["val_top_confused"]
+    assert pairs and all(t != p and n >= 1 for t, p, n in pairs)
+    assert [n for _, _, n in pairs] == sorted((n for _, _, n in pairs), reverse=True)
+    from conftest import events
+
+    assert "val/confusion" not in events(tmp_path).Tags()["images"]
+
+
+def test_under_torchrun_the_pairs_of_every_process_are_counted(tmp_path):
+    """Beyond DENSE_CLASSES each process keeps its shard's pairs; they are gathered, so
+    two processes report the class accuracies and pairs of one process."""
+    from helpers import FLAGS, finish, start_torchrun, write_launcher
+
+    args = lambda run: tiny_args(run, *FLAGS, "--num-classes", "12", size=96, batch=8)  # noqa: E731
+    launcher = write_launcher(tmp_path / "launch.py", "import tasks\ntasks.DENSE_CLASSES = 4")
+    rc, out = finish(start_torchrun(args(tmp_path / "two"), script=launcher))
+    assert rc == 0, out[-3000:]
+    import tasks as here
+
+    here_limit, here.DENSE_CLASSES = here.DENSE_CLASSES, 4
+    try:
+        assert train.main(tiny_args(tmp_path / "one", *FLAGS, "--num-classes", "12",
+                                    size=96, batch=16)) == 0
+    finally:
+        here.DENSE_CLASSES = here_limit
+    one, two = read_metrics(tmp_path / "one")[-1], read_metrics(tmp_path / "two")[-1]
+    assert one["val_class_acc"] == pytest.approx(two["val_class_acc"])
+    assert one["val_acc"] == pytest.approx(two["val_acc"])
