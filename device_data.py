@@ -246,12 +246,15 @@ class DeviceLoader:
         """Bytes the set takes where it is held."""
         return self.images.numel() * self.images.element_size()
 
-    def __iter__(self):
+    def epoch_batches(self):
+        """``(batches, epoch)``: this epoch's index batches from where the sampler stands
+        (training), or the shard in order (validation, epoch 0)."""
         if self.batch_sampler is not None:
-            batches = list(self.batch_sampler.index_batches())
-            epoch = self.batch_sampler.epoch
-        else:
-            batches, epoch = list(self.indices.split(self.batch_size)), 0
+            return list(self.batch_sampler.index_batches()), self.batch_sampler.epoch
+        return list(self.indices.split(self.batch_size)), 0
+
+    def __iter__(self):
+        batches, epoch = self.epoch_batches()
         if not batches:
             return
         index = torch.cat(batches)

@@ -804,11 +804,7 @@ class DeviceLoader(device_data.DeviceLoader):
         return held + (0 if self.masks is None else self.masks.numel())
 
     def __iter__(self):
-        if self.batch_sampler is not None:
-            batches = list(self.batch_sampler.index_batches())
-            epoch = self.batch_sampler.epoch
-        else:
-            batches, epoch = list(self.indices.split(self.batch_size)), 0
+        batches, epoch = self.epoch_batches()  # (device_data.DeviceLoader's)
         if not batches:
             return
         random = self.dataset.random

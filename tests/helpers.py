@@ -308,3 +308,16 @@ def closed_port():
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     return sock
+
+
+SLOW_DECODING = """
+import sys, time
+sys.path.insert(0, {root!r})
+import decoded_cache, train
+original = decoded_cache._Decoding.__getitem__
+def slow(self, index):
+    time.sleep(0.1)
+    return original(self, index)
+decoded_cache._Decoding.__getitem__ = slow
+sys.exit(train.main({args!r}))
+"""  # train.main in a subprocess whose cache build decodes an image a tenth of a second

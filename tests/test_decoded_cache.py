@@ -12,7 +12,7 @@ import time
 import pytest
 from conftest import ROOT, tiny_args, write_image_folder
 from helpers import KILLED_BUILD as SLOW_BUILD
-from helpers import check_against_per_sample, make_config
+from helpers import SLOW_DECODING, check_against_per_sample, make_config
 from PIL import Image
 
 import decoded_cache
@@ -209,17 +209,6 @@ def test_an_image_replaced_with_its_old_size_and_time_rebuilds(tmp_path, how):
 
 # ------------------------------------------------------- a stop signal in a build
 
-SLOW_RUN = """
-import sys, time
-sys.path.insert(0, {root!r})
-import decoded_cache, train
-original = decoded_cache._Decoding.__getitem__
-def slow(self, index):
-    time.sleep(0.1)
-    return original(self, index)
-decoded_cache._Decoding.__getitem__ = slow
-sys.exit(train.main({args!r}))
-"""
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
@@ -228,7 +217,7 @@ def test_a_stop_signal_during_a_build_stops_at_once_and_cleanly(tmp_path, signum
     run = tmp_path / "run"
     args = tiny_args(run, "--dataset", "imagefolder", "--data-dir", str(images),
                      "--data-on-device", "on", network="simple_cnn", image=16, batch=6)
-    process = subprocess.Popen([sys.executable, "-c", SLOW_RUN.format(root=ROOT, args=args)],
+    process = subprocess.Popen([sys.executable, "-c", SLOW_DECODING.format(root=ROOT, args=args)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     cache = images / ".cache"
     deadline = time.monotonic() + 60

@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 from conftest import ROOT, final_state, load_test_py, tiny_args, write_image_folder
+from helpers import SLOW_DECODING
 from PIL import Image
 
 import data
@@ -201,23 +202,12 @@ def test_a_damaged_copy_of_the_weights_is_refused_with_one_line(
 
 # ------------------------------------------------- a stop signal in a photo cache build
 
-SLOW_BUILD = """
-import sys, time
-sys.path.insert(0, {root!r})
-import decoded_cache, train
-original = decoded_cache._Decoding.__getitem__
-def slow(self, index):
-    time.sleep(0.1)
-    return original(self, index)
-decoded_cache._Decoding.__getitem__ = slow
-sys.exit(train.main({args!r}))
-"""
 
 
 def signal_during_the_build(images, args, signum):
     """Starts train.py with a slow decoded-cache build (0.1 s an image), sends ``signum``
     1 s into the training split's build; ``(returncode, stdout, stderr)``."""
-    process = subprocess.Popen([sys.executable, "-c", SLOW_BUILD.format(root=ROOT, args=args)],
+    process = subprocess.Popen([sys.executable, "-c", SLOW_DECODING.format(root=ROOT, args=args)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     cache = images / ".cache"
     deadline = time.monotonic() + 120

@@ -12,7 +12,15 @@ import urllib.request
 import pytest
 import torch
 import yaml
-from conftest import ROOT, final_state, load_test_py, tiny_args, write_image_folder
+from conftest import (
+    ROOT,
+    events,
+    final_state,
+    load_test_py,
+    read_metrics,
+    tiny_args,
+    write_image_folder,
+)
 from helpers import write_idx
 
 import data
@@ -24,19 +32,6 @@ from config import build_parser, check_config, parse_config
 
 METRIC_KEYS = {"epoch", "step", "train_loss", "lr", "compute_efficiency", "data_time",
                "compute_time", "epoch_time", "samples_per_sec"}
-
-
-def read_metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def scalars(run_dir):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 0})
-    acc.Reload()
-    return acc
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +75,7 @@ def test_metrics_jsonl_has_every_contract_key(synthetic_run):
 
 
 def test_tensorboard_scalars_read_back(synthetic_run):
-    acc = scalars(synthetic_run)
+    acc = events(synthetic_run)
     tags = set(acc.Tags()["scalars"])
     assert {"train/loss", "train/lr", "val/loss", "val/acc", "z_perf/compute_efficiency",
             "z_perf/samples_per_sec", "z_perf/tflops"} <= tags
@@ -96,7 +91,7 @@ def test_tensorboard_scalars_read_back(synthetic_run):
 def test_hparams_written_with_final_metrics(synthetic_run):
     from tensorboard.plugins.hparams import plugin_data_pb2
 
-    acc = scalars(synthetic_run)
+    acc = events(synthetic_run)
     contents = [plugin_data_pb2.HParamsPluginData.FromString(c)
                 for c in acc.PluginTagToContent("hparams").values()]
     experiment = next(c.experiment for c in contents if c.HasField("experiment"))
@@ -111,7 +106,7 @@ def test_hparams_written_with_final_metrics(synthetic_run):
 
 def test_time_series_opens_on_the_loss_and_accuracy_curves(synthetic_run):
     """TensorBoard's Time Series page sorts its groups by name and opens the first two."""
-    acc = scalars(synthetic_run)
+    acc = events(synthetic_run)
     tags = acc.Tags()["scalars"] + acc.Tags()["images"]
     groups = sorted({t.split("/", 1)[0] for t in tags})
     assert groups[:2] == ["train", "val"], groups
@@ -341,7 +336,7 @@ def test_eval_every_validates_every_nth_epoch_and_the_last(tmp_path):
 def test_lr_schedule_is_stepped_per_optimizer_step(tmp_path):
     assert train.main(tiny_args(tmp_path, "--scheduler", "cosine", "--warmup-epochs", "1",
                                 epochs=4)) == 0
-    acc = scalars(tmp_path)
+    acc = events(tmp_path)
     lrs = [e.value for e in acc.Scalars("train/lr")]
     assert lrs[0] == pytest.approx(0.05 * 2 / 4)      # warmup: 4 steps an epoch, after step 1
     assert max(lrs) == pytest.approx(0.05, rel=1e-6)
@@ -578,7 +573,7 @@ def test_top5_accuracy_is_logged_where_there_are_more_than_five_classes(tmp_path
     records = read_metrics(run)
     assert all(r["val_acc5"] >= r["val_acc"] and 0 <= r["val_acc5"] <= 1 for r in records)
     assert all(r["val_acc5_ema"] >= r["val_acc_ema"] for r in records)
-    logged = scalars(run)
+    logged = events(run)
     assert [e.value for e in logged.Scalars("val/acc5")] == pytest.approx(
         [r["val_acc5"] for r in records])
     assert "val_ema/acc5" in logged.Tags()["scalars"]
@@ -590,7 +585,7 @@ def test_top5_accuracy_is_logged_where_there_are_more_than_five_classes(tmp_path
     few = tmp_path / "five"  # exactly five: every class is in the top five, nothing to say
     assert train.main(tiny_args(few, "--num-classes", "5", "--ema-decay", "0.9")) == 0
     assert not [k for k in read_metrics(few)[-1] if "acc5" in k]
-    assert not [t for t in scalars(few).Tags()["scalars"] if "acc5" in t]
+    assert not [t for t in events(few).Tags()["scalars"] if "acc5" in t]
 
 
 def test_top5_counts_a_class_among_the_five_largest_logits():
