@@ -84,6 +84,17 @@ def put_in_torch_hub(weights, state, tmp_path, monkeypatch):
     blob.rename(hub / name)
 
 
+def snapshot(directory):
+    """Every file under ``directory``: relative name -> bytes (to check nothing changed)."""
+    out = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, directory)] = f.read()
+    return out
+
+
 def load_test_py():
     """Imports the project's test.py by path (``import test`` would find the stdlib's)."""
     spec = importlib.util.spec_from_file_location("project_test", os.path.join(ROOT, "test.py"))

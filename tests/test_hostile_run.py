@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, load_test_py, tiny_args
+from conftest import ROOT, load_test_py, snapshot, tiny_args
 
 import checkpoint
 import runtime
@@ -30,15 +30,6 @@ def one_error_line(err):
     return lines[0]
 
 
-def snapshot(directory):
-    """Every file under ``directory``: relative name -> bytes."""
-    out = {}
-    for root, _, names in os.walk(directory):
-        for name in names:
-            path = os.path.join(root, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, directory)] = f.read()
-    return out
 
 
 def as_newer_version(path):

@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from conftest import tiny_args, write_image_folder
+from conftest import snapshot, tiny_args, write_image_folder
 from helpers import finish, start_torchrun, write_launcher
 from torch import nn
 
@@ -78,15 +78,6 @@ def mark_sample(monkeypatch, index, epoch):
     monkeypatch.setattr(data.SeededDataset, "__getitem__", getitem)
 
 
-def files_of(run_dir):
-    """Every file under ``run_dir`` with its bytes."""
-    found = {}
-    for root, _, names in os.walk(run_dir):
-        for name in names:
-            path = os.path.join(root, name)
-            with open(path, "rb") as f:
-                found[os.path.relpath(path, run_dir)] = f.read()
-    return found
 
 
 @pytest.fixture
@@ -112,14 +103,14 @@ def test_a_nonfinite_loss_is_recorded_and_the_replay_names_module_and_sample(
     assert record["checkpoint"] == str(run_dir / "checkpoints" / "last.pt")  # step 4's
     assert record["config"]["network"] == "overflow_mlp"
 
-    before = files_of(run_dir)
+    before = snapshot(run_dir)
     assert train.main(["--replay", str(record_path)]) == 0
     out = capsys.readouterr().out
     assert "reproduced the non-finite loss" in out and "(step 4)" in out
     assert "first non-finite output: module '0' (Blowup)" in out  # Sequential's first child
     assert "its inputs were finite" in out
     assert f"samples: {index}\n" in out + "\n"  # that sample only
-    assert files_of(run_dir) == before  # the recorded run is only read
+    assert snapshot(run_dir) == before  # the recorded run is only read
 
     monkeypatch.undo()  # the sample unmarked: the step is finite now
     monkeypatch.setitem(networks.NETWORKS, "overflow_mlp", overflow_mlp)
@@ -127,7 +118,7 @@ def test_a_nonfinite_loss_is_recorded_and_the_replay_names_module_and_sample(
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
     assert "Traceback" not in err and lines[-1].startswith("error: not reproduced: step 7")
-    assert files_of(run_dir) == before
+    assert snapshot(run_dir) == before
 
 
 def test_the_record_names_the_micro_batch_of_a_step(tmp_path, capsys, monkeypatch, overflow):
