@@ -471,6 +471,39 @@ def peak_tflops(device_name, precision):
     return None
 
 
+def build_optimizer(net, config, device):
+    """The optimizer over the trainable parameters; each group keeps its ``base_lr``.
+
+    On CUDA, and wherever fp16's GradScaler runs, the fused implementation: with any
+    other, ``GradScaler.step`` reads whether the gradients were finite back to the host at
+    every step (a device sync); a fused optimizer takes that flag on the device.
+    """
+    params = [p for p in net.parameters() if p.requires_grad]
+    if not params:
+        raise UserError("every parameter is frozen: nothing to train")
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam,
+           "adamw": torch.optim.AdamW}[config["optimizer"]]
+    fused = {"fused": True} if device.type == "cuda" or config["amp"] == "fp16" else {}
+    optimizer = cls([{"params": params}], lr=config["lr"], **fused)
+    set_hyperparameters(optimizer, config)
+    return optimizer
+
+
+def set_hyperparameters(optimizer, config):
+    """Puts the config's hyper-parameters into every param group (also after a resume:
+    the config may override the checkpoint's). A second group holds the parameters
+    unfrozen by --unfreeze-at; its learning rate is scaled by --unfreeze-lr-scale."""
+    for i, group in enumerate(optimizer.param_groups):
+        group["base_lr"] = config["lr"] * (config["unfreeze_lr_scale"] if i else 1.0)
+        group["fused"] = optimizer.defaults["fused"]  # as built here, not as saved
+        group["weight_decay"] = config["weight_decay"]
+        if config["optimizer"] == "sgd":
+            group["momentum"] = config["momentum"]
+            group["nesterov"] = config["nesterov"] and config["momentum"] > 0
+    if config["optimizer"] == "sgd":
+        zero_momentum_buffers(optimizer)
+
+
 def zero_momentum_buffers(optimizer):
     """Gives each SGD parameter with momentum that has no momentum buffer yet a zero one.
 

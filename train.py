@@ -1,4 +1,4 @@
-"""Train an image classifier.
+"""Train an image model: a classifier, or a segmentation network (--task segmentation).
 
     python train.py                                    # CIFAR-10, the default recipe
     python train.py --dataset synthetic --epochs 2     # no download, seconds on a CPU
@@ -11,8 +11,10 @@ processes, data, network, optimizer, resume; then the epoch loop (``run_epochs``
 step loop (``run_epoch``), where logging, checkpoints and stopping are decided in plain
 sight. Everything else is one hop away:
 
+    what is trained: a batch, its loss, its figures          tasks.py
     the training step (forward, backward, optimizer step)    engine.steps
     validation                                               engine.evaluate
+    the optimizer and its hyper-parameters                   ops.build_optimizer
     a flag: its definition, default and checks               config.py
     checkpoint writes                                        checkpoint.Saver
     the resume point, and restoring it                       train / restore below
@@ -24,6 +26,7 @@ sight. Everything else is one hop away:
     datasets, the seeded sampler, per-sample loaders         data.py
     data held and augmented on the device                    device_data.py
     the LR range test (--find-lr)                            lr_finder.run
+    a hung step (--hang-timeout); a non-finite one (--replay) watchdog.py, replay.py
 """
 
 import signal
@@ -270,7 +273,7 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
     net, model = build_model(config, train_set, procs.device, procs.world_size, log,
                              resuming=saved is not None)
     task = tasks.build_task(config, train_set)  # what a batch is, its loss, its figures
-    optimizer = build_optimizer(net, config, procs.device)
+    optimizer = ops.build_optimizer(net, config, procs.device)
     ema = recipes.build_ema(config, net)  # --ema-decay: None when off
     prefetch = config["prefetch"]
     if prefetch and isinstance(train_loader, device_data.DeviceLoader):
@@ -589,39 +592,6 @@ def wrap_model(net, config, device, world_size):
 
 # ------------------------------------------------------------------------ optimiser
 
-def build_optimizer(net, config, device):
-    """The optimizer over the trainable parameters; each group keeps its ``base_lr``.
-
-    On CUDA, and wherever fp16's GradScaler runs, the fused implementation: with any
-    other, ``GradScaler.step`` reads whether the gradients were finite back to the host at
-    every step (a device sync); a fused optimizer takes that flag on the device.
-    """
-    params = [p for p in net.parameters() if p.requires_grad]
-    if not params:
-        raise UserError("every parameter is frozen: nothing to train")
-    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam,
-           "adamw": torch.optim.AdamW}[config["optimizer"]]
-    fused = {"fused": True} if device.type == "cuda" or config["amp"] == "fp16" else {}
-    optimizer = cls([{"params": params}], lr=config["lr"], **fused)
-    set_hyperparameters(optimizer, config)
-    return optimizer
-
-
-def set_hyperparameters(optimizer, config):
-    """Puts the config's hyper-parameters into every param group (also after a resume:
-    the config may override the checkpoint's). A second group holds the parameters
-    unfrozen by --unfreeze-at; its learning rate is scaled by --unfreeze-lr-scale."""
-    for i, group in enumerate(optimizer.param_groups):
-        group["base_lr"] = config["lr"] * (config["unfreeze_lr_scale"] if i else 1.0)
-        group["fused"] = optimizer.defaults["fused"]  # as built here, not as saved
-        group["weight_decay"] = config["weight_decay"]
-        if config["optimizer"] == "sgd":
-            group["momentum"] = config["momentum"]
-            group["nesterov"] = config["nesterov"] and config["momentum"] > 0
-    if config["optimizer"] == "sgd":
-        ops.zero_momentum_buffers(optimizer)
-
-
 def unfreeze_point(config):
     """The position ``(epoch index, samples into it)`` at which --unfreeze-at unfreezes,
     or None."""
@@ -653,7 +623,7 @@ def unfreeze_into(net, optimizer, config):
     names = ops.unfreeze(net, config["freeze"])
     params = dict(net.named_parameters())
     optimizer.add_param_group({"params": [params[n] for n in names]})
-    set_hyperparameters(optimizer, config)
+    ops.set_hyperparameters(optimizer, config)
     return names
 
 
@@ -680,7 +650,7 @@ def restore(saved, path, net, ema, optimizer, scaler, state, config, procs):
     except (ValueError, KeyError) as e:
         raise UserError(f"the optimizer state in {path!r} does not fit "
                         f"(--optimizer or --freeze changed?): {e}") from None
-    set_hyperparameters(optimizer, config)  # the config's, maybe overridden, not the saved
+    ops.set_hyperparameters(optimizer, config)  # the config's, maybe overridden, not the saved
     ops.place_fused_steps(optimizer)  # fused now, maybe not when saved
     if saved.get("scaler"):
         scaler.load_state_dict(saved["scaler"])

@@ -13,7 +13,7 @@ loading tells them apart:
   flags (as bench/overhead.py's engine rows): autocast, the step, the gradient norm, the
   loss counters, the CUDA-event timer, the log every --log-every steps.
 * Lightning: a LightningModule whose ``training_step`` is the forward pass and train.py's
-  criterion, with train.py's optimizer (``train.build_optimizer``: SGD, fused on CUDA),
+  criterion, with train.py's optimizer (``ops.build_optimizer``: SGD, fused on CUDA),
   fitted by ``Trainer(barebones=True)`` (no logger, checkpoint, progress bar or summary)
   at the same precision (``bf16-mixed`` or ``32-true``) on the same loader.
 
@@ -40,6 +40,7 @@ import time
 import torch
 from common import setup_device, sync  # (puts the repository on the path)
 
+import ops  # noqa: E402
 import runtime  # noqa: E402
 import train  # noqa: E402
 
@@ -147,7 +148,7 @@ def time_lightning(pl, net, config, loader, criterion, epochs, device):
             return criterion(self.net(x), y)
 
         def configure_optimizers(self):
-            return train.build_optimizer(self.net, config, device)
+            return ops.build_optimizer(self.net, config, device)
 
     class EpochTimes(pl.Callback):
         def __init__(self):

@@ -11,7 +11,7 @@ avoids threads waiting for each other.
 
 Each configuration trains a freshly seeded network on random images already on the
 device (no data loading), with the engine's step: autocast, GradScaler for fp16,
-``engine._optimizer_step``, and train.py's SGD (``train.build_optimizer``: fused on CUDA
+``engine._optimizer_step``, and train.py's SGD (``ops.build_optimizer``: fused on CUDA
 and under fp16, as in a run). samples/s is the mean over the repeats (spread: the
 standard deviation), after warmup steps that also absorb torch.compile's compilation. A
 configuration the device or this torch cannot run (bf16 on a GPU without native bf16,
@@ -38,7 +38,6 @@ from common import setup_device, sync, train_defaults  # noqa: E402  (the reposi
 import engine  # noqa: E402
 import ops  # noqa: E402
 import runtime  # noqa: E402
-import train  # noqa: E402
 from networks import build_network  # noqa: E402
 from ops import UserError  # noqa: E402
 
@@ -93,7 +92,7 @@ def make_loop(device, amp, net):
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     config = {**train_defaults(), "amp": AMP_FLAG[amp], "optimizer": "sgd", "lr": 0.01,
               "momentum": 0.9, "nesterov": False, "weight_decay": 0.0}
-    optimizer = train.build_optimizer(net, config, device)
+    optimizer = ops.build_optimizer(net, config, device)
     loop = engine.LoopSettings(device=device, amp_dtype=dtype, scaler=scaler,
                                counters=engine.Counters(device), show_progress=False)
     return loop, optimizer

@@ -72,7 +72,7 @@ def test_the_group_unfreezing_adds_gets_zero_momentum_buffers():
                             "amp": "fp16"})
     net = build_network("mlp", 10, 3, 8)
     frozen = ops.freeze(net, config["freeze"])
-    optimizer = train.build_optimizer(net, config, torch.device("cpu"))
+    optimizer = ops.build_optimizer(net, config, torch.device("cpu"))
     assert optimizer.defaults["fused"]
     names = train.unfreeze_into(net, optimizer, config)
     assert names and sorted(names) == sorted(frozen)
