@@ -195,7 +195,8 @@ def test_torchvision_segmentation_networks_train_with_their_aux_head(tmp_path, m
     def loss(self, model, x, y):
         value = real(self, model, x, y)
         out = model(x)
-        seen.append((set(out), float(value), float(self.criterion(out["out"], y))))
+        seen.append((set(out), float(value.detach()),
+                     float(self.criterion(out["out"], y).detach())))
         return value
 
     monkeypatch.setattr(tasks.Segmentation, "loss", loss)
