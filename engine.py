@@ -568,8 +568,7 @@ def evaluate(model, loader, loop, task, tta=False):
     if loop.world_size > 1:
         for tensor in sums.sums():
             dist.all_reduce(tensor)
-        if hasattr(sums, "gather"):  # what is not a sum (a classifier's many classes)
-            sums.gather(loop.world_size)
+        sums.gather(loop.world_size)  # what is not a sum (a classifier's many classes)
     return sums.result()
 
 

@@ -27,7 +27,6 @@ import engine
 # TensorBoard tags
 TRAIN_LOSS, TRAIN_LR, SCALER_SKIPS = "train/loss", "train/lr", "train/scaler_skips"
 GRAD_NORM, GRAD_CLIPPED = "train/grad_norm", "train/grad_clipped"
-CONFUSION, CONFUSION_EMA = "val/confusion", "val_ema/confusion"  # classification's images
 FIRST_BATCH = "z_data/first_batch"  # the first training batch as the network sees it
 # --find-lr (x: the sweep's step); after train and val when a real run shares the directory
 LR_FIND_LOSS, LR_FIND_LR = "z_lr_find/loss", "z_lr_find/lr"

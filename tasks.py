@@ -19,7 +19,9 @@ What a task provides (``Classification`` is the reference; ``build_task`` picks 
     prepare(inputs, targets, epoch, batch)  -> (inputs, targets)   before the step's clock
     loss(model, inputs, targets)            -> the mean loss of the micro-batch
     predict(model, inputs, tta)             -> outputs for evaluation (--tta flip)
-    evaluation(device)                      -> an accumulator: update / sums / result
+    evaluation(device)                      -> an accumulator: update / sums / gather /
+                                               result (sums are all-reduced; gather
+                                               collects what is not a sum)
     extra_figures(result, names, suffix)    -> metrics.jsonl figures beyond the scalars
     images(result, names, title)            -> [(tag, HxWx3 uint8)] for TensorBoard
     example(dataset)                        -> one input sample's shape (FLOPs, summary)
@@ -407,6 +409,9 @@ class SegmentationEvaluation:
 
     def sums(self):
         return [self.loss_sum, self.confusion, self.invalid]
+
+    def gather(self, world_size):
+        """Nothing beyond the sums."""
 
     def result(self):
         """``loss`` (mean per counted pixel), ``miou``, ``pixel_acc``, ``class_iou`` (by
