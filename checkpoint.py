@@ -36,7 +36,11 @@ from ops import RunFailed, UserError
 
 ROTATING = re.compile(r"^(epoch-\d{4,}|step-\d{8,})\.pt$")
 
-FORMAT_VERSION = 2       # of the training checkpoint dict; 1: files without "format"
+FORMAT_VERSION = 3  # the newest training checkpoint format this code reads; 1: files
+#                    without "format"; 2: one network ("model", "optimizer"); 3: several,
+#                    by name ("networks", "optimizers": a GAN's). A single network's
+#                    checkpoint is still written in format 2, its keys unchanged.
+SINGLE_FORMAT = 2
 PROJECT_VERSION = "0.2.0"  # pyproject.toml's (a test keeps them equal)
 CHECKSUM_KEY = "checksum"
 CHECKSUM_ALGORITHM = "crc32-v1"  # the encoding of state_checksum; change the name with it
@@ -58,9 +62,10 @@ class MissingKeyError(CheckpointError):
 
 
 # What resuming a training run reads from its checkpoint; a tuple is a choice of keys.
-RESUME_KEYS = ("model", "optimizer", "epoch", "step", "progress", "config",
-               ("rng_per_rank", "rng"))
+RESUME_KEYS = (("model", "networks"), ("optimizer", "optimizers"), "epoch", "step",
+               "progress", "config", ("rng_per_rank", "rng"))
 KEY_MEANINGS = {"model": "the weights", "optimizer": "the optimizer's state",
+                "networks": "the weights", "optimizers": "the optimizers' state",
                 "epoch": "the finished epochs", "step": "the optimizer steps",
                 "progress": "the position in the run", "config": "the run's settings",
                 "rng_per_rank": "the random number generators' states",
@@ -432,7 +437,8 @@ def upgrade(state, path):
             f"project to continue or evaluate it")
     if found == 1:  # format 1 -> 2: only the two version entries were added
         state = {**state, "format": 2, "version": state.get("version", "before 0.2.0")}
-    require(state, path, ("model",), "every use of a training checkpoint needs its weights")
+    require(state, path, (("model", "networks"),),
+            "every use of a training checkpoint needs its weights")
     return state
 
 
@@ -564,7 +570,7 @@ def find_latest(run_dir, map_location="cpu", warn=print):
         except CheckpointError as e:
             warn(f"warning: skipping {e}")
             continue
-        if "model" not in state:  # a plain state_dict put there
+        if "model" not in state and "networks" not in state:  # a plain state_dict put there
             warn(f"warning: skipping {path!r}: not a training checkpoint")
             continue
         require(state, path, ("step",), "the resume point needs it")
@@ -625,6 +631,32 @@ def unwrap_state_dict(state_dict):
             key = key.split(".", 1)[1]
         out[key] = value
     return out
+
+
+def saved_networks(saved, net):
+    """``(module, weights)`` for each network of ``net`` in a training checkpoint: the one
+    (``model``), or each of an ``nn.ModuleDict`` by name (``networks``, format 3).
+
+    Raises:
+        UserError: the checkpoint holds one network and ``net`` is several, or the other
+            way round, or lacks one of ``net``'s by name (one line naming them).
+    """
+    if isinstance(net, torch.nn.ModuleDict):
+        stored = saved.get("networks")
+        if not isinstance(stored, Mapping) or set(stored) != set(net.keys()):
+            raise UserError(f"the checkpoint holds {sorted(stored) if stored else 'one network'}"
+                            f"; this run trains {', '.join(net.keys())} (another --task?)")
+        return [(module, unwrap_state_dict(stored[name])) for name, module in net.items()]
+    if "model" not in saved:
+        raise UserError(f"the checkpoint holds the networks {', '.join(saved['networks'])} "
+                        f"(a --task {saved.get('config', {}).get('task', '?')} run); this run "
+                        f"trains one network")
+    return [(net, unwrap_state_dict(saved["model"]))]
+
+
+def saved_ema(saved):
+    """The moving average's weights in a training checkpoint (by name: the generator's)."""
+    return saved["ema"]["generator"] if "networks" in saved else saved["ema"]
 
 
 def check_compatible(model, state_dict, source):
@@ -719,8 +751,9 @@ def training_state(net, optimizer, scaler, progress, rngs, config, ema=None, dat
     """The checkpoint dict of a training run: what exact resumption needs.
 
     Args:
-        net: the plain network (no DDP/DataParallel/compile wrapper).
-        optimizer: its optimizer.
+        net: the plain network (no DDP/DataParallel/compile wrapper), or several in an
+            ``nn.ModuleDict`` (a GAN's), saved by name (``networks``, format 3).
+        optimizer: its optimizer (by name: an ``ops.Optimizers``).
         scaler: the GradScaler (enabled or not).
         progress: ``TrainState.state_dict()``, loss sums summed over processes.
         rngs: ``rng_state()`` of every process, by rank.
@@ -732,12 +765,16 @@ def training_state(net, optimizer, scaler, progress, rngs, config, ema=None, dat
     Returns:
         A dict of tensors and plain values (``weights_only``-loadable once saved).
     """
+    by_name = isinstance(net, torch.nn.ModuleDict)  # several networks (a GAN's): format 3
     state = {
-        "format": FORMAT_VERSION,
+        "format": FORMAT_VERSION if by_name else SINGLE_FORMAT,
         "version": PROJECT_VERSION,
         "threads": torch.get_num_threads(),  # CPU kernels reduce in an order of their own
-        "model": unwrap_state_dict(net.state_dict()),
-        "optimizer": optimizer.state_dict(),
+        **({"networks": {name: unwrap_state_dict(module.state_dict())
+                         for name, module in net.items()},
+            "optimizers": optimizer.state_dict()} if by_name else
+           {"model": unwrap_state_dict(net.state_dict()),
+            "optimizer": optimizer.state_dict()}),
         "scaler": scaler.state_dict(),
         "scheduler": {"step": progress["step"]},  # the LR is a function of the step
         "epoch": progress["epoch"],
@@ -747,8 +784,8 @@ def training_state(net, optimizer, scaler, progress, rngs, config, ema=None, dat
         "rng_per_rank": rngs,
         "config": {k: v for k, v in config.items() if k not in ("resume",)},
     }
-    if ema is not None:
-        state["ema"] = ema.state_dict()  # the model's keys
+    if ema is not None:  # the model's keys; by name, the averaged network's (a generator)
+        state["ema"] = {"generator": ema.state_dict()} if by_name else ema.state_dict()
     if data is not None:
         state["data"] = data
     return state
@@ -806,6 +843,13 @@ class Saver:
                 [progress["loss_sum"], progress["loss_count"]], self.procs.device,
                 self.procs.world_size)
             progress.update(loss_sum=loss_sum, loss_count=int(loss_count))
+            if "figures" in progress:  # a GAN's loss_d, ...: (sum, count) each
+                names = sorted(progress["figures"])
+                flat = ops.sum_over_processes(
+                    [v for name in names for v in progress["figures"][name]],
+                    self.procs.device, self.procs.world_size)
+                progress["figures"] = {name: (flat[2 * i], flat[2 * i + 1])
+                                       for i, name in enumerate(names)}
             rngs = [None] * self.procs.world_size
             dist.all_gather_object(rngs, rng_state())
         path = os.path.join(self.dir, "last.pt")
@@ -861,7 +905,7 @@ def resume_file(resume):
     if resume in (None, "auto"):
         return None, None
     state = load_checkpoint(resume)
-    if "model" not in state:  # a plain state_dict
+    if "model" not in state and "networks" not in state:  # a plain state_dict
         raise UserError(f"{resume!r} is not a training checkpoint of this project "
                         f"(use --pretrained for plain weights)")
     require(state, resume)  # one line naming what it lacks

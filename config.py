@@ -52,6 +52,7 @@ def build_parser():
     _run_flags(p.add_argument_group("run directory, checkpoints and logging"))
     _inspection_flags(p.add_argument_group("looking into a run: early stopping, profiler, "
                                            "LR range test"))
+    _gan_flags(p.add_argument_group("GANs (--task gan)"))
     return p
 
 
@@ -103,6 +104,41 @@ def _data_flags(g):
                    help="probability that a batch is mixed (MixUp/CutMix)")
 
 
+def _gan_flags(g):
+    """A GAN's networks, losses, phases and figures (--task gan; tasks.GAN, dcgan.py)."""
+    g.add_argument("--gan-loss", default="vanilla", choices=["vanilla", "lsgan", "hinge",
+                                                            "wgan-gp"],
+                   help="losses.GANLoss: vanilla (BCE, the generator's non-saturating "
+                   "-log D(G(z))), lsgan, hinge, or wgan-gp (Wasserstein with the gradient "
+                   "penalty; a critic without BatchNorm)")
+    g.add_argument("--gp-weight", type=float, default=10.0,
+                   help="the gradient penalty's weight (--gan-loss wgan-gp)")
+    g.add_argument("--gan-spectral-norm", action="store_true",
+                   help="spectral normalisation of every discriminator layer (no BatchNorm)")
+    g.add_argument("--gan-attention", action="store_true",
+                   help="a SAGAN self-attention block in each network (layers.SelfAttention)")
+    g.add_argument("--gan-width", type=int, default=64,
+                   help="channels of the generator's last and the discriminator's first "
+                   "hidden map (the DCGAN paper's ngf = ndf)")
+    g.add_argument("--gan-batch-norm", action=argparse.BooleanOptionalAction, default=True,
+                   help="BatchNorm in the hidden layers of both networks (the paper's); "
+                   "without it a micro-batch's images are independent, so accumulation "
+                   "and any number of processes give the large batch's steps")
+    g.add_argument("--latent-dim", type=int, default=100, help="length of the latent z")
+    g.add_argument("--d-steps", type=int, default=1,
+                   help="discriminator steps per generator step (each on the same real "
+                   "batch with new latents); one global step per batch")
+    g.add_argument("--lr-d", type=float, default=None,
+                   help="the discriminator's peak learning rate (default: --lr)")
+    g.add_argument("--fid-samples", type=int, default=10000,
+                   help="generated images (from fixed seeded latents) and as many real "
+                   "validation images for FID and KID at each validation")
+    g.add_argument("--fid-features", default=None, metavar="CHECKPOINT",
+                   help="FID and KID on the penultimate features of this project's "
+                   "classifier checkpoint (keys *_classifier) instead of Inception-v3 "
+                   "(whose weights must be under TORCH_HOME)")
+
+
 def _network_flags(g):
     """The network, its starting weights and freezing."""
     g.add_argument("--network", default=None, help="simple_cnn, resnet18, resnet9, mlp, or "
@@ -139,6 +175,8 @@ def _optimisation_flags(g):
                    help="optimizer")
     g.add_argument("--lr", type=float, default=0.1, help="peak learning rate")
     g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    g.add_argument("--betas", type=float, nargs=2, default=[0.9, 0.999],
+                   metavar=("BETA1", "BETA2"), help="Adam's and AdamW's betas")
     g.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=True,
                    help="Nesterov momentum for SGD")
     g.add_argument("--weight-decay", type=float, default=5e-4, help="weight decay")
@@ -273,11 +311,13 @@ def _kind(action):
         return bool
     if action.nargs in ("+", "*"):
         return list
+    if isinstance(action.nargs, int) and action.nargs > 1:  # --betas: a fixed count of numbers
+        return tuple
     return action.type or str
 
 
 _KIND_NAMES = {bool: "true or false", list: "a list of strings", int: "int", float: "float",
-               str: "a string"}
+               str: "a string", tuple: "two numbers"}
 
 
 def _typed(key, value, action, from_yaml=False):
@@ -300,6 +340,10 @@ def _typed(key, value, action, from_yaml=False):
             return [value]  # one pattern, not a list of its characters
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return value
+    elif kind is tuple:
+        if isinstance(value, (list, tuple)) and len(value) == action.nargs and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            return [float(v) for v in value]
     elif isinstance(value, bool):
         pass  # true is no number, though bool is an int subclass
     elif kind is int:
@@ -432,6 +476,8 @@ def parse_config(argv):
     if config["network"] is None:
         config["network"] = default_network(config["dataset"], config["image_size"],
                                             config["pretrained"], config["task"])
+    if config["task"] == "gan":
+        tasks.gan_defaults(config, explicit)
     return apply_pretrained_preset(config, explicit), explicit - {"config"}
 
 
@@ -444,6 +490,8 @@ def default_network(dataset, image_size=32, pretrained=None, task="classificatio
     resnet18 would cost 15x its FLOPs at 224 px)."""
     if task == "segmentation":
         return "unet"
+    if task == "gan":
+        return "dcgan"
     if pretrained and presets.torchvision_weights("torchvision/resnet18", pretrained):
         return "torchvision/resnet18"
     if dataset == "synthetic":
@@ -541,6 +589,13 @@ RANGES = {  # every numeric flag's allowed values
     "find_lr_min": ((lambda v: v > 0), "must be above 0"),
     "find_lr_max": ((lambda v: v > 0), "must be above 0"),
     "hang_timeout": ((lambda v: v is None or v >= 0), "must not be negative"),
+    "gp_weight": _at_least(0),
+    "gan_width": _within(1, 4096),
+    "latent_dim": _within(1, 100_000),
+    "d_steps": _within(1, 100),
+    "lr_d": ((lambda v: v is None or v >= 0), "must not be negative"),
+    "fid_samples": _at_least(2),
+    "betas": ((lambda v: all(0 <= b < 1 for b in v)), "must each be in [0, 1)"),
 }
 
 _warned = set()  # warnings already shown for this run (check_config runs twice on resume)
@@ -563,11 +618,15 @@ def check_config(c):
     if c["task"] == "classification" and c["dataset"] not in data.DATASETS:
         raise UserError(f"unknown dataset {c['dataset']!r}; choose one of: "
                         f"{', '.join(data.DATASETS)}")
-    if c["network"] not in NETWORKS and not str(c["network"]).startswith("torchvision/"):
+    if c["task"] == "gan" or c["network"] == "dcgan":
+        pass  # tasks.check_config: dcgan, and only for --task gan
+    elif c["network"] not in NETWORKS and not str(c["network"]).startswith("torchvision/"):
         raise UserError(f"unknown network {c['network']!r}; choose one of: "
                         f"{', '.join(sorted(NETWORKS))}, or torchvision/<name>")
     for key, action in actions.items():
-        if action.type is float and c[key] is not None and not math.isfinite(c[key]):
+        values = c[key] if _kind(action) is tuple else [c[key]]
+        if action.type is float and c[key] is not None and \
+                not all(math.isfinite(v) for v in values):
             raise UserError(f"{_flag(key)} must be a finite number (got {c[key]!r})")
     for key, (valid, rule) in RANGES.items():
         if not valid(c[key]):
@@ -609,6 +668,8 @@ def check_config(c):
 
 def _check_network_task(c):
     """A segmentation network for --task segmentation, a classifier otherwise."""
+    if c["task"] == "gan" or c["network"] == "dcgan":
+        return  # tasks.check_config
     segmenting = c["task"] == "segmentation"
     if is_segmentation(c["network"]) == segmenting:
         return

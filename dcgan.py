@@ -55,21 +55,25 @@ class Generator(nn.Module):
         attention: a ``layers.SelfAttention`` block after the map of side
             ``image_size // 4`` (SAGAN; 7, 8 or 16).
         width: the paper's ngf, channels of the last hidden map.
+        batch_norm: BatchNorm after each hidden layer (the paper's); without it the
+            layers have biases and each image is made on its own.
 
     Returns:
         A module mapping z of shape ``(N, latent_dim)`` (or ``(N, latent_dim, 1, 1)``) to
         images ``(N, channels, image_size, image_size)`` in [-1, 1].
     """
 
-    def __init__(self, latent_dim, channels, image_size, attention=False, width=64):
+    def __init__(self, latent_dim, channels, image_size, attention=False, width=64,
+                 batch_norm=True):
         super().__init__()
         first, doublings = _plan(image_size)
+        norm = nn.BatchNorm2d if batch_norm else (lambda c: nn.Identity())
         self.latent_dim, self.channels, self.image_size = latent_dim, channels, image_size
         c = width * 2 ** (doublings - 1)
         # The paper's "project and reshape": a transposed conv over the 1x1 latent map is
         # a linear layer to (c, first, first).
-        layers = [nn.ConvTranspose2d(latent_dim, c, first, 1, 0, bias=False),
-                  nn.BatchNorm2d(c), nn.ReLU(True)]
+        layers = [nn.ConvTranspose2d(latent_dim, c, first, 1, 0, bias=not batch_norm),
+                  norm(c), nn.ReLU(True)]
         side = first
         for i in range(doublings):
             if attention and side == image_size // 4:
@@ -77,8 +81,9 @@ class Generator(nn.Module):
             last = i == doublings - 1
             out = channels if last else c // 2
             # 5x5, stride 2, padding 2, output padding 1: the side exactly doubles
-            layers.append(nn.ConvTranspose2d(c, out, 5, 2, 2, output_padding=1, bias=last))
-            layers += [nn.Tanh()] if last else [nn.BatchNorm2d(out), nn.ReLU(True)]
+            layers.append(nn.ConvTranspose2d(c, out, 5, 2, 2, output_padding=1,
+                                             bias=last or not batch_norm))
+            layers += [nn.Tanh()] if last else [norm(out), nn.ReLU(True)]
             c, side = out, side * 2
         self.main = nn.Sequential(*layers)
         init_weights(self, "normal", 0.02)
@@ -140,8 +145,8 @@ def build(config, channels):
     Args:
         config: a dict with ``latent_dim`` (--latent-dim), ``image_size`` (--image-size),
             ``gan_loss`` (--gan-loss), and optionally ``gan_spectral_norm``
-            (--gan-spectral-norm), ``gan_attention`` (--gan-attention) and ``gan_width``
-            (64 when absent).
+            (--gan-spectral-norm), ``gan_attention`` (--gan-attention), ``gan_width``
+            (64 when absent) and ``gan_batch_norm`` (--gan-batch-norm, on when absent).
         channels: channels of the dataset's images.
 
     Returns:
@@ -152,12 +157,39 @@ def build(config, channels):
     width = config.get("gan_width") or 64
     attention = bool(config.get("gan_attention", False))
     spectral = bool(config.get("gan_spectral_norm", False))
+    batch_norm = bool(config.get("gan_batch_norm", True))
     generator = Generator(config["latent_dim"], channels, config["image_size"], attention,
-                          width)
-    discriminator = Discriminator(channels, config["image_size"], spectral, attention,
-                                  batch_norm=config.get("gan_loss", "vanilla") != "wgan-gp",
-                                  width=width)
+                          width, batch_norm)
+    discriminator = Discriminator(
+        channels, config["image_size"], spectral, attention,
+        batch_norm=batch_norm and config.get("gan_loss", "vanilla") != "wgan-gp", width=width)
     return generator, discriminator
+
+
+def networks(config, channels):
+    """``build``'s pair as one model of named networks (``nn.ModuleDict``): what train.py
+    trains, saves by name (``generator``, ``discriminator``) and wraps network by network."""
+    generator, discriminator = build(config, channels)
+    return nn.ModuleDict({"generator": generator, "discriminator": discriminator})
+
+
+class StepFlops(nn.Module):
+    """The work of one training step per sample, as a forward pass whose backward counts
+    (``ops.train_flops_per_sample``): ``d_steps`` times the generator's images (no
+    gradient) and the discriminator on them and on as many real ones, then the generator
+    and the discriminator on its images, both back-propagated."""
+
+    def __init__(self, generator, discriminator, d_steps=1):
+        super().__init__()
+        self.generator, self.discriminator, self.d_steps = generator, discriminator, d_steps
+
+    def forward(self, z):
+        total = 0
+        for _ in range(self.d_steps):
+            with torch.no_grad():
+                fake = self.generator(z)
+            total = total + self.discriminator(fake).sum() + self.discriminator(fake).sum()
+        return total + self.discriminator(self.generator(z)).sum()
 
 
 def _criterion(kind):

@@ -139,14 +139,20 @@ class TrainState:
     best_epoch: int = 0         # the epoch of best.pt (0: none yet)
     early_stop_best: float = -1.0  # --early-stop-*: the best figure so far ...
     early_stop_waited: int = 0     # ... and validations since it improved
+    figures: dict = dataclasses.field(default_factory=dict)  # the epoch's task figures
+    #                                 (a GAN's loss_d, ...): name -> [finite sum, count]
 
     def state_dict(self):
-        return dataclasses.asdict(self)
+        saved = dataclasses.asdict(self)
+        if not saved["figures"]:  # a classifier's checkpoint keeps the keys it always had
+            del saved["figures"]
+        return saved
 
     def load_state_dict(self, saved):
         for field in dataclasses.fields(self):
             if field.name in saved:
                 setattr(self, field.name, field.type(saved[field.name]))
+        self.figures = {name: tuple(value) for name, value in self.figures.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +259,18 @@ class Counters:
         self.folded = torch.tensor([0.0, 0.0, 0.0, NONE_YET, NONE_YET], device=self.device,
                                    dtype=torch.float64)
         self.steps = self.micro_batches = 0  # since the last read
+        self.figures = {}  # a task's own figures (a GAN's loss_d, ...): name -> (sum, count)
+
+    def add_figures(self, figures, count):
+        """Adds a micro-batch's figures (0-d tensors, means over its ``count`` samples; a
+        GAN's ``loss_d``, ``d_real``, ...) to their sums, on the device; a non-finite one
+        adds nothing (its mean is that of the finite ones)."""
+        for name, value in figures.items():
+            value = value.detach().double()
+            finite = torch.isfinite(value)
+            total, n = self.figures.get(name, (0.0, 0))
+            self.figures[name] = (total + torch.where(finite, value * count, 0.0),
+                                  n + finite * count)
 
     def add_loss(self, loss, count):
         """Adds a batch's mean loss for ``count`` samples; tracks non-finite streaks.
@@ -317,13 +335,17 @@ class Counters:
             above the clip (--grad-clip). Where the first non-finite value was (replay.py):
             ``micro_batches`` and ``steps`` since the last read, ``first_nonfinite_loss``
             (a micro-batch's index among them) and ``first_nonfinite_grad_norm`` (an
-            optimizer step's), each None when all were finite.
+            optimizer step's), each None when all were finite. ``figures``: the task's own
+            figures (``add_figures``), name -> (finite sum, count).
         """
         self._fold()
+        names = sorted(self.figures)
+        figures = [torch.as_tensor(v, device=self.device, dtype=torch.float64).reshape(1)
+                   for name in names for v in self.figures[name]]
         (loss_sum, loss_count, worst, streak, skips, grad_sum, grad_count, clipped,
-         first_grad, first_loss) = torch.cat([torch.stack([t.double() for t in (
+         first_grad, first_loss, *figure_values) = torch.cat([torch.stack([t.double() for t in (
              self.loss_sum, self.loss_count, self.worst, self.streak, self.skips)]),
-             self.folded]).tolist()
+             self.folded, *figures]).tolist()
         values = {"loss_sum": loss_sum, "loss_count": int(loss_count),
                   "samples": self.samples, "worst_streak": int(worst),
                   "streak": int(streak), "scaler_skips": int(skips),
@@ -332,7 +354,9 @@ class Counters:
                   "steps": self.steps,
                   "first_nonfinite_grad_norm": None if first_grad == NONE_YET
                   else int(first_grad),
-                  "first_nonfinite_loss": None if first_loss == NONE_YET else int(first_loss)}
+                  "first_nonfinite_loss": None if first_loss == NONE_YET else int(first_loss),
+                  "figures": {name: (figure_values[2 * i], figure_values[2 * i + 1])
+                              for i, name in enumerate(names)}}
         self.reset()
         return values
 
@@ -367,6 +391,7 @@ class LossMeter:
         """Begins a new window after optimizer step ``step``."""
         self.loss_sum, self.loss_count, self.samples = 0.0, 0, 0
         self.grad_norm_sum, self.grad_norm_count, self.grad_clipped = 0.0, 0, 0
+        self.figure_sums = {}  # the task's own figures (a GAN's loss_d, ...): (sum, count)
         self.since, self.step = time.perf_counter(), step
 
     def collect(self, state):
@@ -402,7 +427,17 @@ class LossMeter:
         self.loss_sum += values["loss_sum"]
         self.loss_count += values["loss_count"]
         self.samples += values["samples"]
+        for name, (total, count) in values["figures"].items():
+            for sums in (self.figure_sums, state.figures):
+                before = sums.get(name, (0.0, 0))
+                sums[name] = (before[0] + total, before[1] + int(count))
         return streaks
+
+    def figures(self):
+        """The means of the task's own figures since the window began (this process's),
+        by name."""
+        return {name: total / count if count else math.nan
+                for name, (total, count) in self.figure_sums.items()}
 
     def pending(self, state):
         """Whether optimizer steps were taken since the window began (the same answer on
@@ -432,13 +467,20 @@ def steps(model, loader, optimizer, task, loop, state, bar):
     that of one batch of all of them. Under DDP, the micro-batches before the last skip
     the gradient all-reduce (``no_sync``).
 
+    A task with ``phases`` (a GAN: the discriminator's, then the generator's) trains
+    each phase's network with its own optimizer in turn, over all of the step's
+    micro-batches (``_phase_steps``); one global step per batch all the same.
+
     Args:
-        model: the (possibly wrapped) network.
+        model: the (possibly wrapped) network; a task with phases: an ``nn.ModuleDict``
+            of them, by name, each wrapped on its own.
         loader: a DataLoader whose batch_sampler is an EpochBatchSampler already set to
             this epoch and position.
-        optimizer: the optimizer; its param groups carry ``base_lr``.
+        optimizer: the optimizer; its param groups carry ``base_lr``. A task with phases:
+            an ``ops.Optimizers``, by network name.
         task: what a batch is and its loss (tasks.py): ``to_device``, ``prepare``
-            (MixUp/CutMix, before the step's clock) and ``loss`` (mean over the batch).
+            (MixUp/CutMix, before the step's clock) and ``loss`` (mean over the batch), or
+            ``phases`` and ``phase_loss``.
         loop: the LoopSettings.
         state: the TrainState; ``step`` and ``epoch_samples`` advance here.
         bar: a progress display with ``update(n)`` (one per micro-batch).
@@ -450,6 +492,8 @@ def steps(model, loader, optimizer, task, loop, state, bar):
     sampler = loader.batch_sampler
     plan = sampler.plan()  # (global, local) sample counts of each batch
     first_batch = sampler.start // (sampler.batch_size * sampler.world_size)  # of the epoch
+    phases = getattr(task, "phases", None)  # None: one network, one optimizer
+    held = []  # with phases: the step's micro-batches, each (x, y, local_n, where)
     model.train()
     keep_frozen_norms_eval(model)
     batches = _Prefetcher(loader, loop.prefetch)
@@ -464,20 +508,29 @@ def steps(model, loader, optimizer, task, loop, state, bar):
             x, y = task.to_device(batch, device, loop.memory_format)
             x, y = task.prepare(x, y, state.epoch, first_batch + k)  # (seed, epoch, batch)
             timer.start_compute()
-            no_sync = world > 1 and not last_micro_batch
-            phase, batch_size = "the forward pass", local_n
-            with model.no_sync() if no_sync else contextlib.nullcontext():
-                with loop.autocast():
-                    loss = task.loss(model, x, y)
-                # DDP averages gradients over processes: scale so that the sum over the
-                # accumulation is the mean over all of its samples, however they were split.
-                weight = local_n * world / accum_n
-                phase = "the backward pass"
-                loop.scaler.scale(loss * weight if weight != 1.0 else loss).backward()
-            loop.counters.add_loss(loss, local_n)
+            if phases is not None:
+                held.append((x, y, local_n, _where(sampler, plan, state.epoch, first, accum, k)))
+                if last_micro_batch:
+                    phase, batch_size = "a training phase", local_n
+                    _phase_steps(model, optimizer, task, loop, held)
+                    held = []
+            else:
+                no_sync = world > 1 and not last_micro_batch
+                phase, batch_size = "the forward pass", local_n
+                with model.no_sync() if no_sync else contextlib.nullcontext():
+                    with loop.autocast():
+                        loss = task.loss(model, x, y)
+                    # DDP averages gradients over processes: scale so that the sum over the
+                    # accumulation is the mean over all of its samples, however they were
+                    # split.
+                    weight = local_n * world / accum_n
+                    phase = "the backward pass"
+                    loop.scaler.scale(loss * weight if weight != 1.0 else loss).backward()
+                loop.counters.add_loss(loss, local_n)
+                if last_micro_batch:
+                    phase = "the optimizer step"
+                    _optimizer_step(model.parameters(), optimizer, loop)
             if last_micro_batch:
-                phase = "the optimizer step"
-                _optimizer_step(model, optimizer, loop)
                 state.step += 1
                 set_lr(optimizer, loop.lr_factor(state.step))
             timer.end_compute()
@@ -498,6 +551,80 @@ def steps(model, loader, optimizer, task, loop, state, bar):
         raise OutOfMemory(phase, batch_size, detail)
 
 
+@dataclasses.dataclass(frozen=True)
+class Where:
+    """Where a micro-batch's samples stand in their optimizer step, for draws that must
+    not depend on how the step was split (a GAN's latents): this process's samples are
+    ``offset`` to ``offset + count`` of the step's ``step_samples`` (all processes, all
+    micro-batches), and the step starts at sample ``first`` of epoch ``epoch``'s order.
+    ``repeat`` is set by ``_phase_steps`` (a phase trained several times per step)."""
+
+    epoch: int
+    first: int
+    offset: int
+    count: int
+    step_samples: int
+    repeat: int = 0
+
+
+def _where(sampler, plan, epoch, first, accum, k):
+    """The ``Where`` of micro-batch ``k``, whose step's first micro-batch is ``first``:
+    the sampler gives each process a contiguous share of every global batch (the last
+    one's split as ``tensor_split`` splits it)."""
+    global_n, local_n = plan[k]
+    before = sum(g for g, _ in plan[:first])  # the samples of the earlier steps
+    in_step = sum(g for g, _ in plan[first:k])
+    step_samples = sum(g for g, _ in plan[first:first + accum])
+    rank, world = sampler.rank, sampler.world_size
+    mine = rank * (global_n // world) + min(rank, global_n % world)
+    return Where(epoch, sampler.start + before, in_step + mine, local_n, step_samples)
+
+
+def _phase_steps(model, optimizer, task, loop, held):
+    """One optimizer step of each of the task's phases, in order, over the step's held
+    micro-batches: each phase accumulates its loss, weighted by sample, over all of them
+    (``no_sync`` but for the last), then clips and steps its own optimizer; a phase with
+    ``repeats`` does so that many times. Only the phase's network has gradients: the
+    others' parameters are set not to require them meanwhile (each network is called
+    through its own DDP wrapper when it trains, bare otherwise). One GradScaler scales
+    every phase and is updated once, after the last (PyTorch's AMP recipe for several
+    models and optimizers).
+
+    The training loss (``Counters.add_loss``) of a micro-batch is the sum of its phases'
+    losses (a repeated phase's: their mean); each phase's own figures
+    (``task.phase_loss``'s) and its network's gradient norm (``grad_norm_<network>``) are
+    kept as figures.
+    """
+    world, scaler = loop.world_size, loop.scaler
+    total = sum(n for _, _, n, _ in held) * world  # the step's samples, all processes
+    plain = {name: bare(m) for name, m in model.items()}
+    totals = [0.0] * len(held)
+    for phase in task.phases:
+        for name, net in plain.items():  # the other networks get no gradient
+            net.requires_grad_(name == phase.network)
+        wrapped = model[phase.network]
+        for repeat in range(phase.repeats):
+            for i, (x, y, local_n, where) in enumerate(held):
+                where = dataclasses.replace(where, repeat=repeat)
+                no_sync = world > 1 and i + 1 < len(held)
+                with wrapped.no_sync() if no_sync else contextlib.nullcontext():
+                    with loop.autocast():
+                        loss, figures = task.phase_loss(phase.network, model, plain, x, y,
+                                                        where)
+                    weight = local_n * world / total
+                    scaler.scale(loss * weight if weight != 1.0 else loss).backward()
+                totals[i] = totals[i] + loss.detach().float() / phase.repeats
+                loop.counters.add_figures(figures, local_n)
+            norm = _optimizer_step(plain[phase.network].parameters(), optimizer[phase.network],
+                                   loop, update=False)
+            loop.counters.add_figures({f"grad_norm_{phase.network}": norm}, 1)
+    for net in plain.values():
+        net.requires_grad_(True)
+    scaler.update()
+    for (_, _, local_n, _), loss in zip(held, totals):
+        loop.counters.add_loss(loss, local_n)
+
+
 def train_one_epoch(model, loader, optimizer, task, loop, state):
     """``steps`` run to the end of the epoch, for scripts and tests that want a plain call;
     ``state`` (a ``TrainState``) advances in place."""
@@ -512,13 +639,30 @@ def train_one_epoch(model, loader, optimizer, task, loop, state):
         bar.close()
 
 
-def _optimizer_step(model, optimizer, loop):
+def bare(module):
+    """The network inside its wrappers: torch.compile's, DDP's, DataParallel's."""
+    while True:
+        if hasattr(module, "_orig_mod"):  # torch.compile
+            module = module._orig_mod
+        elif isinstance(module, (torch.nn.parallel.DistributedDataParallel,
+                                 torch.nn.DataParallel)):
+            module = module.module
+        else:
+            return module
+
+
+def _optimizer_step(params, optimizer, loop, update=True):
+    """Clips (--grad-clip) and keeps the gradient norm of ``params``, steps ``optimizer``
+    through the GradScaler, updates the scaler (unless ``update`` is off: the caller does,
+    once for several optimizers) and clears the gradients; returns the norm (0-d, on the
+    device, before clipping)."""
     scaler = loop.scaler
+    params = list(params)
     if loop.grad_clip > 0:
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), loop.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(params, loop.grad_clip)
     else:  # the norm of the scaled gradients, unscaled: the optimizer's path is unchanged
-        norm = total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        norm = total_norm([p.grad for p in params if p.grad is not None])
         if scaler.is_enabled():
             norm = norm / scaler._scale  # (get_scale() would read it back: a sync)
     loop.counters.add_grad_norm(norm)
@@ -529,8 +673,10 @@ def _optimizer_step(model, optimizer, loop):
         found = scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device")
         if found:
             loop.counters.skips += sum(found.values())
-    scaler.update()
+    if update:
+        scaler.update()
     optimizer.zero_grad(set_to_none=True)
+    return norm
 
 
 def total_norm(grads):
@@ -561,7 +707,7 @@ def evaluate(model, loader, loop, task, tta=False):
     """
     model.eval()
     device = loop.device
-    sums = task.evaluation(device)
+    sums = task.evaluation(device, model)
     for batch in loader:
         x, y = task.to_device(batch, device, loop.memory_format)
         sums.update(_forward_or_out_of_memory(task, model, x, loop, tta), y, x)

@@ -8,6 +8,11 @@ TensorBoard scalars (``scalars`` dicts: tag -> value):
 
     train/loss, train/lr, train/scaler_skips (fp16)      every --log-every steps
     train/grad_norm, train/grad_clipped (--grad-clip)    (the means/counts since the last)
+    train/loss_d, train/loss_g, train/d_real,            a GAN's (--task gan), the same
+    train/d_fake, train/gradient_penalty (wgan-gp),      way
+    train/grad_norm_discriminator, _generator
+    val/fid, val/kid (val/fid_classifier, ...);          a GAN's, at each validation
+    val/samples (image); val_ema/* (EMA generator)
     val/loss, val/acc, val/acc5 (over 5 classes);       at each validation
     val_ema/loss, val_ema/acc, val_ema/acc5 (EMA)
     val/confusion, val_ema/confusion (images)
@@ -20,9 +25,11 @@ TensorBoard scalars (``scalars`` dicts: tag -> value):
 metrics.jsonl: one ``epoch_record`` per finished epoch (docs/design.md lists its keys).
 """
 
+import math
 import os
 
 import engine
+import ops
 
 # TensorBoard tags
 TRAIN_LOSS, TRAIN_LR, SCALER_SKIPS = "train/loss", "train/lr", "train/scaler_skips"
@@ -98,8 +105,38 @@ def best_key(task, ema=False):
 
 
 def best_metric(task, figures):
-    """The value of ``best_key`` in a validation's figures."""
-    return figures[best_key(task, f"val_{task.best}_ema" in figures)]
+    """The value of ``best_key`` in a validation's figures, as a number that is higher
+    when better (best.pt and --early-stop-* compare it so): a figure where lower is
+    better (a GAN's FID) negated, NaN then never the best."""
+    value = figures[best_key(task, f"val_{task.best}_ema" in figures)]
+    if getattr(task, "lower_is_better", False):
+        return -math.inf if value != value else -value
+    return value
+
+
+def epoch_figures(figures, device, world_size=1):
+    """The epoch's means of a task's own training figures (``TrainState.figures``: name ->
+    (finite sum, count), this process's), over all processes, as metrics.jsonl keys
+    ``train_<figure>`` (a GAN's ``train_loss_d``, ...); every process takes part."""
+    names = sorted(figures)
+    if not names:
+        return {}
+    flat = ops.sum_over_processes([v for name in names for v in figures[name]], device,
+                                  world_size)
+    return {f"train_{name}": flat[2 * i] / flat[2 * i + 1] if flat[2 * i + 1] else math.nan
+            for i, name in enumerate(names)}
+
+
+def shown_best(task, value):
+    """``best_metric``'s number as the figure it came from (an FID again)."""
+    return -value if getattr(task, "lower_is_better", False) else value
+
+
+def task_scalars(figures):
+    """A task's own training figures since the last log (a GAN's ``loss_d``, ``loss_g``,
+    ``d_real``, ``d_fake``, ``gradient_penalty``, ``grad_norm_<network>``) as
+    ``train/<figure>`` scalars; NaN ones (none counted) are left out."""
+    return {f"train/{name}": value for name, value in figures.items() if value == value}
 
 
 def epoch_record(epoch, step, loss_sum, loss_count, lr, times, samples, flops_per_sample,
@@ -208,4 +245,4 @@ def early_stop_line(config, state, task, ema=False):
     return (f"early stop at epoch {state.epoch}: {name} did not improve by more than "
             f"{config['early_stop_min_delta']:g} in {state.early_stop_waited} validation(s) "
             f"(--early-stop-patience {config['early_stop_patience']}); the best was epoch "
-            f"{state.best_epoch} ({name} {state.best_val_acc:.4f}): {best}")
+            f"{state.best_epoch} ({name} {shown_best(task, state.best_val_acc):.4f}): {best}")

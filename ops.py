@@ -471,13 +471,70 @@ def peak_tflops(device_name, precision):
     return None
 
 
+NETWORK_LR = {"discriminator": "lr_d"}  # a network's own learning-rate flag (None: --lr)
+
+
+class Optimizers:
+    """Named optimizers, one per network of a model with several (a GAN's generator and
+    discriminator), each stepped by its own phase (``engine._phase_steps``). What every
+    optimizer of a run gets, the schedule (``param_groups``), its state and its
+    hyper-parameters, reaches each; ``state_dict`` is by name.
+
+    Args:
+        named: ``{network name: optimizer}``.
+    """
+
+    def __init__(self, named):
+        self.named = dict(named)
+
+    def __getitem__(self, name):
+        return self.named[name]
+
+    def items(self):
+        return self.named.items()
+
+    @property
+    def param_groups(self):
+        """Every optimizer's param groups, in order (the first is the first network's)."""
+        return [g for optimizer in self.named.values() for g in optimizer.param_groups]
+
+    def state_dict(self):
+        return {name: optimizer.state_dict() for name, optimizer in self.named.items()}
+
+    def load_state_dict(self, saved):
+        """Loads each optimizer's state by name (a name missing: ``KeyError``)."""
+        for name, optimizer in self.named.items():
+            optimizer.load_state_dict(saved[name])
+
+    def zero_grad(self, set_to_none=True):
+        for optimizer in self.named.values():
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def each_optimizer(optimizer, config):
+    """``(optimizer, config)`` for each optimizer of a run: the one, or each of an
+    ``Optimizers`` with its network's learning rate (``NETWORK_LR``) as ``lr``."""
+    if not isinstance(optimizer, Optimizers):
+        return [(optimizer, config)]
+    return [(o, {**config, "lr": config[NETWORK_LR[name]]}
+             if config.get(NETWORK_LR.get(name)) is not None else config)
+            for name, o in optimizer.items()]
+
+
 def build_optimizer(net, config, device):
     """The optimizer over the trainable parameters; each group keeps its ``base_lr``.
+    A model of several networks (an ``nn.ModuleDict``: a GAN's) gets an ``Optimizers``,
+    one optimizer per network, with its own learning rate (``NETWORK_LR``).
 
     On CUDA, and wherever fp16's GradScaler runs, the fused implementation: with any
     other, ``GradScaler.step`` reads whether the gradients were finite back to the host at
     every step (a device sync); a fused optimizer takes that flag on the device.
     """
+    if isinstance(net, torch.nn.ModuleDict):
+        optimizers = Optimizers({name: build_optimizer(module, config, device)
+                                 for name, module in net.items()})
+        set_hyperparameters(optimizers, config)
+        return optimizers
     params = [p for p in net.parameters() if p.requires_grad]
     if not params:
         raise UserError("every parameter is frozen: nothing to train")
@@ -492,7 +549,12 @@ def build_optimizer(net, config, device):
 def set_hyperparameters(optimizer, config):
     """Puts the config's hyper-parameters into every param group (also after a resume:
     the config may override the checkpoint's). A second group holds the parameters
-    unfrozen by --unfreeze-at; its learning rate is scaled by --unfreeze-lr-scale."""
+    unfrozen by --unfreeze-at; its learning rate is scaled by --unfreeze-lr-scale. Each
+    of an ``Optimizers`` gets its network's own learning rate."""
+    if isinstance(optimizer, Optimizers):
+        for one, its_config in each_optimizer(optimizer, config):
+            set_hyperparameters(one, its_config)
+        return
     for i, group in enumerate(optimizer.param_groups):
         group["base_lr"] = config["lr"] * (config["unfreeze_lr_scale"] if i else 1.0)
         group["fused"] = optimizer.defaults["fused"]  # as built here, not as saved
@@ -500,6 +562,8 @@ def set_hyperparameters(optimizer, config):
         if config["optimizer"] == "sgd":
             group["momentum"] = config["momentum"]
             group["nesterov"] = config["nesterov"] and config["momentum"] > 0
+        else:
+            group["betas"] = tuple(config["betas"])  # --betas
     if config["optimizer"] == "sgd":
         zero_momentum_buffers(optimizer)
 
@@ -538,8 +602,13 @@ def place_fused_steps(optimizer):
     on the same device ... state_steps").
 
     Args:
-        optimizer: any ``torch.optim.Optimizer``, after ``load_state_dict``.
+        optimizer: any ``torch.optim.Optimizer`` (or an ``Optimizers``), after
+            ``load_state_dict``.
     """
+    if isinstance(optimizer, Optimizers):
+        for _, one in optimizer.items():
+            place_fused_steps(one)
+        return
     for group in optimizer.param_groups:
         if not group.get("fused"):
             continue

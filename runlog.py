@@ -444,7 +444,9 @@ class RunLog:
                 self.tracker.epoch(record)
 
     def summary(self, net, train_set, device):
-        """Prints the torchinfo summary and writes it to summary.txt with parameter counts.
+        """Prints the torchinfo summary and writes it to summary.txt with parameter counts;
+        a model of named networks (a GAN's ``nn.ModuleDict``) gets one summary each, on
+        its own input (``input_shape``).
 
         torchinfo runs the network on a random input: the global RNG is forked around
         it, so a resumed run's RNG stays as the checkpoint left it.
@@ -460,11 +462,15 @@ class RunLog:
                 self.tracker.artifacts()  # config.yaml still
             return
         trainable, frozen = ops.count_parameters(net)
-        shape = (1, train_set.in_channels, train_set.image_size, train_set.image_size)
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            text = str(torchinfo.summary(net, input_size=shape, device=device, mode="eval",
-                                         verbose=0, col_names=("output_size", "num_params",
-                                                               "trainable")))
+        named = net.items() if isinstance(net, torch.nn.ModuleDict) else [(None, net)]
+        text = ""
+        for name, module in named:
+            shape = (1, *input_shape(module, train_set))
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                text += (f"{name}\n" if name else "") + str(torchinfo.summary(
+                    module, input_size=shape, device=device, mode="eval", verbose=0,
+                    col_names=("output_size", "num_params", "trainable"))) + "\n"
+        text = text[:-1]
         text += f"\nTrainable parameters: {trainable:,}\nFrozen parameters: {frozen:,}\n"
         files.atomic_write(os.path.join(self.run_dir, "summary.txt"),
                                 lambda f: f.write(text))
@@ -609,3 +615,11 @@ def choose_run_dir(config, resume_path, saved):
 
 def _quiet(message):
     """Drops a message."""
+
+
+def input_shape(module, train_set):
+    """One input sample's shape for ``module``: a latent vector for a generator (its
+    ``latent_dim``), else an image of the training set."""
+    if hasattr(module, "latent_dim"):
+        return (module.latent_dim,)
+    return (train_set.in_channels, train_set.image_size, train_set.image_size)

@@ -19,21 +19,31 @@ What a task provides (``Classification`` is the reference; ``build_task`` picks 
     prepare(inputs, targets, epoch, batch)  -> (inputs, targets)   before the step's clock
     loss(model, inputs, targets)            -> the mean loss of the micro-batch
     predict(model, inputs, tta)             -> outputs for evaluation (--tta flip)
-    evaluation(device)                      -> an accumulator: update / sums / gather /
+    evaluation(device, model)               -> an accumulator: update / sums / gather /
                                                result (sums are all-reduced; gather
                                                collects what is not a sum)
     extra_figures(result, names, suffix)    -> metrics.jsonl figures beyond the scalars
     images(result, names, title)            -> [(tag, HxWx3 uint8)] for TensorBoard
     example(dataset)                        -> one input sample's shape (FLOPs, summary)
+    averaged(net), counted(net)             -> what --ema-decay averages, what a step's
+                                               FLOPs are counted on
+
+A task with several networks (``GAN``) declares ``phases`` (``Phase``: the network each
+trains, with the optimizer of the same name, and how often per step) and a
+``phase_loss`` instead of ``loss``; the engine runs them (``engine._phase_steps``).
 
 A micro-batch weighs its number of samples (the sampler's plan), for every task.
 """
 
 
+import dataclasses
+import math
+
 import torch
 import torch.nn.functional as F
 
 import data
+import dcgan
 import device_data
 import losses
 import recipes
@@ -41,7 +51,7 @@ import seg_metrics
 import segmentation_data
 from ops import UserError
 
-TASKS = ("classification", "segmentation")
+TASKS = ("classification", "segmentation", "gan")
 TOP_K = 5  # acc5: counted where there are more classes than this
 DENSE_CLASSES = 2048  # up to this many classes a C x C confusion matrix (32 MiB at most);
 #                       beyond, each sample's (label, prediction): memory grows with the set
@@ -49,8 +59,9 @@ PICTURED_CLASSES = 100  # the confusion image up to this many; beyond, the top c
 TOP_CONFUSED = 20  # pairs (true class, predicted class) listed where there is no picture
 
 
-def build_task(config, train_set):
-    """The task ``config["task"]`` names, for the training set ``train_set``."""
+def build_task(config, train_set, val_set=None):
+    """The task ``config["task"]`` names, for the training set ``train_set`` (a GAN
+    checks that ``val_set`` has --fid-samples images)."""
     name = config.get("task", "classification")
     if name == "classification":
         return Classification(train_set.num_classes, train_set.classes,
@@ -62,6 +73,11 @@ def build_task(config, train_set):
                             config["label_smoothing"],
                             stats=(getattr(transform, "mean", None),
                                    getattr(transform, "std", None)))
+    if name == "gan":
+        if val_set is not None and len(val_set) < config["fid_samples"]:
+            raise UserError(f"--fid-samples {config['fid_samples']}: the validation set has "
+                            f"{len(val_set)} images; lower --fid-samples")
+        return GAN(config, train_set)
     raise UserError(f"unknown task {name!r}; choose one of: {', '.join(TASKS)}")
 
 
@@ -102,6 +118,8 @@ def _segmenting(config):
 
 def check_config(config):
     """Refuses, in one line each, the flags that make no sense for the task."""
+    if config["task"] == "gan" or config["network"] == "dcgan":
+        _check_gan(config)
     if not _segmenting(config):
         return
     mixing = [f for f, on in (("--mixup-alpha", config["mixup_alpha"]),
@@ -157,7 +175,7 @@ class Classification:
             logits = (logits + model(x.flip(-1))) / 2
         return logits
 
-    def evaluation(self, device):
+    def evaluation(self, device, model=None):
         return ClassificationEvaluation(self.num_classes, device)
 
     def extra_figures(self, result, names, suffix=""):
@@ -183,6 +201,16 @@ class Classification:
     @staticmethod
     def example(dataset):
         return (dataset.in_channels, dataset.image_size, dataset.image_size)
+
+    @staticmethod
+    def averaged(net):
+        """The network --ema-decay averages: all of it."""
+        return net
+
+    @staticmethod
+    def counted(net):
+        """What a step's FLOPs are counted on: the network's forward and backward."""
+        return net
 
 
 class ClassificationEvaluation:
@@ -337,7 +365,7 @@ class Segmentation:
             logits = (logits + _out(model(x.flip(-1))).flip(-1)) / 2
         return logits
 
-    def evaluation(self, device):
+    def evaluation(self, device, model=None):
         return SegmentationEvaluation(self.num_classes, device, self.examples)
 
     @staticmethod
@@ -352,9 +380,9 @@ class Segmentation:
                                      self.std)
         return [("masks", grid.permute(1, 2, 0).numpy())]  # (H, W, 3), as runlog.image takes
 
-    @staticmethod
-    def example(dataset):
-        return (dataset.in_channels, dataset.image_size, dataset.image_size)
+    example = staticmethod(Classification.example)
+    averaged = staticmethod(Classification.averaged)
+    counted = staticmethod(Classification.counted)
 
 
 class _Logits(torch.nn.Module):
@@ -429,3 +457,257 @@ class SegmentationEvaluation:
                 "count": pixels, "confusion": self.confusion.cpu(),
                 "examples": tuple(t.cpu() for t in self.kept) if self.kept is not None
                 else (empty, empty, empty)}
+
+
+# ---------------------------------------------------------------------------- GANs
+
+GAN_DATASETS = ("mnist", "fashion_mnist", "cifar10", "imagefolder", "synthetic")
+NATIVE_SIDE = {"mnist": 28, "fashion_mnist": 28, "cifar10": 32}
+
+
+def gan_defaults(config, explicit):
+    """--task gan's own defaults where the user set none: the DCGAN network, no
+    augmentation (a padded crop would teach the generator black borders), and the
+    dataset's own image side (MNIST's 28, CIFAR-10's 32)."""
+    if "network" not in explicit:
+        config["network"] = "dcgan"
+    if "augment" not in explicit:
+        config["augment"] = False
+    if "image_size" not in explicit and config["dataset"] in NATIVE_SIDE:
+        config["image_size"] = NATIVE_SIDE[config["dataset"]]
+
+
+def _check_gan(config):
+    """What --task gan takes, and the flags that make no sense for it: one line each."""
+    if config["task"] != "gan":
+        raise UserError("--network dcgan is a GAN's pair of networks: train it with "
+                        "--task gan")
+    if config["network"] != "dcgan":
+        raise UserError(f"--task gan trains --network dcgan (dcgan.py), not "
+                        f"{config['network']}")
+    if config["dataset"] not in GAN_DATASETS:
+        raise UserError(f"--task gan: --dataset must be one of {', '.join(GAN_DATASETS)} "
+                        f"(got {config['dataset']!r})")
+    side, native = config["image_size"], NATIVE_SIDE.get(config["dataset"])
+    if native is not None and side != native:
+        raise UserError(f"--image-size {side}: {config['dataset']}'s images are {native} px "
+                        f"(--image-size {native}, or leave it out)")
+    if side not in dcgan.IMAGE_SIZES:
+        raise UserError(f"--task gan: --image-size must be one of "
+                        f"{', '.join(map(str, dcgan.IMAGE_SIZES))} (got {side})")
+    refused = [(config["mixup_alpha"] or config["cutmix_alpha"], "--mixup-alpha/--cutmix-alpha",
+                "mix images and labels; a GAN has no labels"),
+               (config["tta"] != "none", "--tta", "averages a classifier's predictions"),
+               (config["freeze"], "--freeze", "is not for a GAN's two networks"),
+               (config["pretrained"], "--pretrained", "loads one network's weights"),
+               (config["grad_checkpointing"], "--grad-checkpointing",
+                "has no DCGAN implementation"),
+               (config["find_lr"], "--find-lr", "sweeps one optimizer's learning rate"),
+               (config["gpus"] and "," in str(config["gpus"]), "--gpus with several GPUs",
+                "(DataParallel) is not for a GAN: use torchrun")]
+    for on, flag, why in refused:
+        if on:
+            raise UserError(f"{flag} {why}: not for --task gan")
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One part of a training step (``engine._phase_steps``): the network it trains, whose
+    optimizer has the same name, and how many times per step."""
+
+    network: str
+    repeats: int = 1
+
+
+class GAN:
+    """A GAN (dcgan.py's generator and discriminator): per step the discriminator's phase
+    (``--d-steps`` times, each with new latents on the same real batch), then the
+    generator's; FID and KID of the generator's images from fixed latents at each
+    validation (gan_metrics.py), the lowest FID picking best.pt.
+
+    Latents are drawn from (seed, epoch, the step's first sample, phase, repeat) for all
+    of a step's samples at once, and each micro-batch of each process takes its own
+    slice (``engine.Where``): accumulation and any number of processes draw what one
+    large batch draws. Real images are brought to [-1, 1] (the generator's tanh range):
+    the dataset's normalisation is undone; the synthetic set (about N(0, 1)) is divided
+    by 3 and clamped. Labels are ignored.
+
+    Args:
+        config: the run's (``gan_loss``, ``gp_weight``, ``latent_dim``, ``seed``,
+            ``fid_samples``, ``fid_features``, ``d_steps``, ``dataset``).
+        train_set: the training set (its normalisation).
+    """
+
+    name = "gan"
+    lower_is_better = True  # best.pt: the lowest FID
+    grid = 64  # fixed latents shown as a grid in TensorBoard at each validation
+
+    def __init__(self, config, train_set):
+        import gan_metrics
+
+        self.kind, self.gp_weight = config["gan_loss"], config["gp_weight"]
+        self.latent_dim, self.seed = config["latent_dim"], config["seed"]
+        self.fid_samples = config["fid_samples"]
+        self.phases = (Phase("discriminator", config["d_steps"]), Phase("generator"))
+        self.features = gan_metrics.build_features(config["fid_features"])  # fails early
+        suffix = "" if self.features.name == "inception" else f"_{self.features.name}"
+        self.figures = (f"fid{suffix}", f"kid{suffix}")
+        self.best = f"fid{suffix}"
+        self.train_figures = ("loss_d", "loss_g", "d_real", "d_fake", "gradient_penalty",
+                              "grad_norm_discriminator", "grad_norm_generator")
+        self.synthetic = config["dataset"] == "synthetic"
+        self.mean, self.std = _normalisation(train_set)
+
+    def to_device(self, batch, device, memory_format):
+        """The real images on ``device`` in [-1, 1], and the labels (unused)."""
+        x, y = to_device(batch, device, memory_format)
+        if self.synthetic:
+            return (x / 3).clamp_(-1, 1), y
+        if self.mean is not None:
+            shape = (1, -1, 1, 1)
+            mean = torch.tensor(self.mean, device=device).view(shape)
+            std = torch.tensor(self.std, device=device).view(shape)
+            x = x * std + mean  # back to [0, 1]
+        return x * 2 - 1, y
+
+    @staticmethod
+    def prepare(x, y, epoch, batch):
+        return x, y
+
+    def latents(self, network, where, device):
+        """This micro-batch's latents for ``network``'s phase: the slice ``where`` names
+        of the step's draw, made on the CPU from (seed, epoch, step, phase, repeat)."""
+        phase = 0 if network == "discriminator" else 1
+        key = (((self.seed * 1_000_003 + where.epoch) * 1_000_003 + where.first) * 7 + phase) \
+            * 101 + where.repeat
+        g = torch.Generator().manual_seed(key % (2**63 - 1))
+        z = torch.randn(where.step_samples, self.latent_dim, generator=g)
+        return z[where.offset:where.offset + where.count].to(device, non_blocking=True)
+
+    def phase_loss(self, network, model, plain, x, y, where):
+        """The loss of ``network``'s phase for one micro-batch and its figures (detached).
+
+        The discriminator's: ``dcgan.discriminator_loss`` on the real images and the bare
+        generator's images (its parameters do not require gradients in this phase, so
+        nothing reaches it); the generator's: ``dcgan.generator_loss`` through the bare
+        discriminator. ``model`` holds the wrapped networks (DDP), ``plain`` the bare ones.
+        """
+        z = self.latents(network, where, x.device)
+        if network == "discriminator":
+            fake = plain["generator"](z)
+            return dcgan.discriminator_loss(model["discriminator"], x, fake, self.kind,
+                                            self.gp_weight)
+        return dcgan.generator_loss(plain["discriminator"], model["generator"](z), self.kind)
+
+    @staticmethod
+    def averaged(net):
+        """The network --ema-decay averages: the generator."""
+        return net["generator"]
+
+    def counted(self, net):
+        """What a step's FLOPs are counted on (``ops.train_flops_per_sample``)."""
+        return dcgan.StepFlops(net["generator"], net["discriminator"], self.phases[0].repeats)
+
+    @staticmethod
+    def predict(model, x, tta=False):
+        """Evaluation reads the real images; the generator is asked in ``result``."""
+        return x
+
+    def evaluation(self, device, model=None):
+        return GANEvaluation(self, model)
+
+    @staticmethod
+    def extra_figures(result, names, suffix=""):
+        """KID's standard deviation over its subsets (``val_kid_std<...>``)."""
+        return {f"val_{k}{suffix}": v for k, v in result.items() if k.startswith("kid_std")}
+
+    @staticmethod
+    def images(result, names, title):
+        """The fixed latents' samples, as a grid."""
+        return [("samples", result["grid"])]
+
+    def example(self, dataset):
+        return (self.latent_dim,)
+
+
+def _normalisation(dataset):
+    """``(mean, std)`` of the normalisation a dataset's transform ends with, or Nones."""
+    transform = dataset.transform
+    for step in getattr(transform, "transforms", [transform]):
+        if hasattr(step, "mean") and hasattr(step, "std"):
+            return tuple(step.mean), tuple(step.std)
+    return None, None
+
+
+class GANEvaluation:
+    """One GAN evaluation: the first ``fid_samples`` real validation images, then (in
+    ``result``) as many of the generator's images from the fixed latents, their FID and
+    KID (gan_metrics.measure) and a grid of the first ``GAN.grid``. Under DDP the real
+    images are gathered (the shards are contiguous: in rank order they are the set's
+    order), process 0 measures and the others take its figures: every process decides
+    alike and the figures are those of the generator process 0 saves.
+
+    Args:
+        task: the ``GAN``.
+        model: what is evaluated: the run's networks (``nn.ModuleDict``) or the moving
+            average of the generator.
+    """
+
+    def __init__(self, task, model):
+        self.task, self.real, self.have = task, [], 0
+        generator = model["generator"] if isinstance(model, torch.nn.ModuleDict) else model
+        import engine
+
+        self.generator = engine.bare(generator)
+        self.world, self.rank = 1, 0
+
+    def update(self, real, y, x=None):
+        want = self.task.fid_samples - self.have
+        if want > 0:
+            self.real.append(real[:want].float().cpu())
+            self.have += len(self.real[-1])
+
+    def sums(self):
+        return []
+
+    def gather(self, world_size):
+        """Every process's real images, in rank order."""
+        import torch.distributed as dist
+
+        every = [None] * world_size
+        dist.all_gather_object(every, torch.cat(self.real) if self.real else torch.zeros(0))
+        self.real = [t for t in every if len(t)]
+        self.world, self.rank = world_size, dist.get_rank()
+
+    def result(self):
+        """``fid``/``kid``/``kid_std`` (``_classifier`` with --fid-features), ``count``
+        (images on each side) and ``grid`` (an (H, W, 3) uint8 array)."""
+        import gan_metrics
+
+        task = self.task
+        real = torch.cat(self.real)[:task.fid_samples] if self.real else torch.zeros(0)
+        if len(real) < task.fid_samples:
+            raise UserError(f"--fid-samples {task.fid_samples}: the validation set has "
+                            f"{len(real)} images; lower --fid-samples")
+        result = None
+        if self.rank == 0:
+            device = next(self.generator.parameters()).device
+            task.features.to(device)
+            latents = dcgan.fixed_latents(task.fid_samples, task.latent_dim, task.seed)
+            fake = dcgan.generate(self.generator, latents)
+            result = gan_metrics.measure(task.features, real, fake, task.seed)
+            result["count"] = len(real)
+            result["grid"] = dcgan.sample_grid(self.generator, latents[:task.grid])
+        if self.world > 1:
+            import torch.distributed as dist
+
+            shared = [result]
+            dist.broadcast_object_list(shared, src=0)
+            result = shared[0]
+        return result
+
+
+def lower_better_value(value):
+    """A figure where lower is better (FID) as the higher-is-better number best.pt and
+    --early-stop-* compare: its negative; NaN (a diverged generator) never the best."""
+    return -math.inf if value != value else -value

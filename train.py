@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import math
 import shlex
 
 import torch
@@ -46,6 +47,7 @@ import torch.distributed as dist
 
 import checkpoint
 import data
+import dcgan
 import device_data
 import engine
 import layers
@@ -270,11 +272,13 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
                                      rank=procs.rank, world_size=procs.world_size)
     train_loader, val_loader = tasks.build_loaders(config, procs, train_set, val_set, sampler,
                                                    stop)
+    if config["task"] == "gan":  # test.py and export build the networks from the config
+        config = {**config, "in_channels": train_set.in_channels}
+    task = tasks.build_task(config, train_set, val_set)  # a batch, its loss, its figures
     net, model = build_model(config, train_set, procs.device, procs.world_size, log,
                              resuming=saved is not None)
-    task = tasks.build_task(config, train_set)  # what a batch is, its loss, its figures
-    optimizer = ops.build_optimizer(net, config, procs.device)
-    ema = recipes.build_ema(config, net)  # --ema-decay: None when off
+    optimizer = ops.build_optimizer(net, config, procs.device)  # a GAN: one per network
+    ema = recipes.build_ema(config, task.averaged(net))  # --ema-decay: None when off
     prefetch = config["prefetch"]
     if prefetch and isinstance(train_loader, device_data.DeviceLoader):
         log("note: --prefetch does nothing on the device path: its batches are made on the "
@@ -283,8 +287,8 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
         prefetch = 0
     dtype = runtime.amp_dtype(config["amp"], procs.device)  # None: full precision
     loop = engine.build_loop(config, procs, sampler, dtype, prefetch)
-    flops, peak = runtime.count_flops(net, task.example(train_set), config, procs,  # RNG untouched
-                              loop.amp_dtype)
+    flops, peak = runtime.count_flops(task.counted(net), task.example(train_set), config,
+                                      procs, loop.amp_dtype)  # the RNG untouched
     if presets.is_photo(config) and not config["network"].startswith("torchvision/"):
         size = config["image_size"]
         log(f"note: {config['network']} keeps the full resolution of its {size} px input: "
@@ -294,6 +298,8 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
 
     identity = {"train": tasks.set_identity(config, train_set)}  # a resume sees other data
     state = engine.TrainState()
+    if getattr(task, "lower_is_better", False):  # a GAN's FID: any first figure is the best
+        state.best_val_acc = state.early_stop_best = -math.inf
     if saved is not None:  # weights, EMA, optimizer, scaler, position, RNG of the saved step
         restore(saved, resume_path, net, ema, optimizer, loop.scaler, state, config, procs)
         warn = functools.partial(runtime.main_print, file=sys.stderr)
@@ -301,8 +307,8 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
         checkpoint.check_same_threads(saved, resume_path, procs.device, warn)
         if unfrozen_at_resume(config, state):  # wrapped again: DDP must see them
             model = wrap_model(net, config, procs.device, procs.world_size)
-            flops, peak = runtime.count_flops(net, task.example(train_set), config, procs,
-                                      loop.amp_dtype)
+            flops, peak = runtime.count_flops(task.counted(net), task.example(train_set),
+                                              config, procs, loop.amp_dtype)
     engine.set_lr(optimizer, loop.lr_factor(state.step))
     tracker = tracking.open_tracker(config, run_dir, saved, procs.is_main)  # --mlflow
     run_log = runlog.RunLog(run_dir, state.step, state.epoch, procs.is_main, tracker)
@@ -384,7 +390,7 @@ def run_epoch(training, train_loader, epoch, stop):
                 with training.watchdog.paused():  # (its trace's export is not a hang)
                     training.profiler.step()
             if training.ema is not None:
-                training.ema.update(training.net, step)  # the average, after every step
+                training.ema.update(training.task.averaged(training.net), step)  # after each
             training.saver.poll()  # a checkpoint write that failed in the background
             if stop.agreed(training.procs):
                 ended = Ended.SIGNAL
@@ -442,9 +448,9 @@ def log_train(training, bar):
     meter = training.meter
     skips = training.state.scaler_skips if training.loop.scaler.is_enabled() else None
     clipped = meter.grad_clipped if training.config["grad_clip"] > 0 else None
-    training.run_log.scalars(metrics.train_scalars(
+    training.run_log.scalars({**metrics.train_scalars(
         meter.mean(), training.optimizer.param_groups[0]["lr"], skips, meter.grad_norm(),
-        clipped), training.state.step)
+        clipped), **metrics.task_scalars(meter.figures())}, training.state.step)
     training.meter.restart(training.state.step)
 
 
@@ -497,6 +503,8 @@ def finish_epoch(training, epoch):
         times, state.epoch_samples - training.timed_from, training.flops_per_sample,
         training.peak_tflops,
         unreadable, grad_norm, state.grad_clipped if config["grad_clip"] > 0 else None)
+    record.update(metrics.epoch_figures(state.figures, training.loop.device,
+                                        training.procs.world_size))  # a GAN's loss_d, ...
     best = False
     if state.epoch % config["eval_every"] == 0 or state.epoch == config["epochs"]:
         record.update(validate(training))
@@ -507,6 +515,7 @@ def finish_epoch(training, epoch):
         count_early_stop(config, state, value)
     state.epoch_samples, state.loss_sum, state.loss_count = 0, 0.0, 0
     state.grad_norm_sum, state.grad_norm_count, state.grad_clipped = 0.0, 0, 0
+    state.figures = {}
     training.run_log.epoch(record)
     save(training, Kind.EPOCH, best)
     runtime.main_print(metrics.epoch_line(record, config, training.task, training.on_device))
@@ -542,8 +551,9 @@ def build_model(config, train_set, device, world_size, log, resuming=False):
         (wrapped in DDP / DataParallel / torch.compile as asked).
     """
     try:
-        net = build_network(config["network"], train_set.num_classes, train_set.in_channels,
-                            train_set.image_size)
+        net = dcgan.networks(config, train_set.in_channels) if config["task"] == "gan" \
+            else build_network(config["network"], train_set.num_classes,
+                               train_set.in_channels, train_set.image_size)
     except ValueError as e:
         raise UserError(str(e)) from None
     if config["pretrained"] and not resuming:
@@ -569,7 +579,7 @@ def build_model(config, train_set, device, world_size, log, resuming=False):
     return net, wrap_model(net, config, device, world_size)
 
 
-def wrap_model(net, config, device, world_size):
+def wrap_model(net, config, device, world_size, broadcast_buffers=True):
     """The module to call: ``net`` in DistributedDataParallel (torchrun) or DataParallel
     (--gpus), then torch.compile (--compile), as asked.
 
@@ -577,11 +587,23 @@ def wrap_model(net, config, device, world_size):
     gradients then: after --unfreeze-at it is built again (``unfreeze``), or the unfrozen
     layers would train apart on each process. DataParallel's replicas run in threads that
     re-enter autocast without a dtype (float16 on CUDA): each replica sets it again.
+
+    Several networks (an ``nn.ModuleDict``: a GAN's) are wrapped each on its own, and
+    their buffers are not broadcast at each forward: a discriminator with BatchNorm is
+    called twice before one backward (real, then generated images), and a broadcast
+    between the two would change a buffer its backward needs (pytorch #175024). Its
+    running statistics are not read in training mode; process 0's are saved, and its
+    generator makes the validation figures (tasks.GANEvaluation).
     """
+    if isinstance(net, torch.nn.ModuleDict):  # several networks (a GAN's): each its own DDP
+        return torch.nn.ModuleDict({name: wrap_model(module, config, device, world_size,
+                                                     broadcast_buffers=False)
+                                    for name, module in net.items()})
     model = net
     if world_size > 1:
         ids = [device.index] if device.type == "cuda" else None
-        model = torch.nn.parallel.DistributedDataParallel(net, device_ids=ids)
+        model = torch.nn.parallel.DistributedDataParallel(net, device_ids=ids,
+                                                          broadcast_buffers=broadcast_buffers)
     elif config["gpus"] and len(runtime.gpu_ids(config["gpus"])) > 1:
         replica = engine.Autocast(net, device.type, runtime.amp_dtype(config["amp"], device))
         model = torch.nn.DataParallel(replica, device_ids=runtime.gpu_ids(config["gpus"]))
@@ -630,12 +652,13 @@ def unfreeze_into(net, optimizer, config):
 # ---------------------------------------------------------------------- resume
 
 def restore(saved, path, net, ema, optimizer, scaler, state, config, procs):
-    """Loads a checkpoint's state into the freshly built objects."""
-    weights = checkpoint.unwrap_state_dict(saved["model"])
-    checkpoint.check_compatible(net, weights, path)
-    net.load_state_dict(weights)
+    """Loads a checkpoint's state into the freshly built objects (a model of several
+    networks and its optimizers: by name)."""
+    for module, weights in checkpoint.saved_networks(saved, net):  # by name, for several
+        checkpoint.check_compatible(module, weights, path)
+        module.load_state_dict(weights)
     if ema is not None and "ema" in saved:
-        ema.load_state_dict(saved["ema"], path)
+        ema.load_state_dict(checkpoint.saved_ema(saved), path)
     elif ema is not None:  # EMA turned on for a run that had none: start from the weights
         ema.load_state_dict(net.state_dict(), path)
         runtime.main_print(f"note: {path!r} has no moving average; it starts from the "
