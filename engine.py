@@ -588,7 +588,8 @@ def _phase_steps(model, optimizer, task, loop, held):
     others' parameters are set not to require them meanwhile (each network is called
     through its own DDP wrapper when it trains, bare otherwise). One GradScaler scales
     every phase and is updated once, after the last (PyTorch's AMP recipe for several
-    models and optimizers).
+    models and optimizers); a repeated phase (--d-steps 2) updates it between its steps
+    too, as the GradScaler steps each optimizer once between updates.
 
     The training loss (``Counters.add_loss``) of a micro-batch is the sum of its phases'
     losses (a repeated phase's: their mean); each phase's own figures
@@ -599,6 +600,7 @@ def _phase_steps(model, optimizer, task, loop, held):
     total = sum(n for _, _, n, _ in held) * world  # the step's samples, all processes
     plain = {name: bare(m) for name, m in model.items()}
     totals = [0.0] * len(held)
+    stepped = set()  # the optimizers the scaler stepped since its last update
     for phase in task.phases:
         for name, net in plain.items():  # the other networks get no gradient
             net.requires_grad_(name == phase.network)
@@ -615,8 +617,12 @@ def _phase_steps(model, optimizer, task, loop, held):
                     scaler.scale(loss * weight if weight != 1.0 else loss).backward()
                 totals[i] = totals[i] + loss.detach().float() / phase.repeats
                 loop.counters.add_figures(figures, local_n)
+            if phase.network in stepped:  # a repeated phase: the scaler takes one step per
+                scaler.update()             # optimizer between updates
+                stepped.clear()
             norm = _optimizer_step(plain[phase.network].parameters(), optimizer[phase.network],
                                    loop, update=False)
+            stepped.add(phase.network)
             loop.counters.add_figures({f"grad_norm_{phase.network}": norm}, 1)
     for net in plain.values():
         net.requires_grad_(True)

@@ -269,12 +269,16 @@ def measure(features, real, fake, seed=0, batch_size=256):
         raise UserError(f"FID needs at least 2 images on each side, got {len(real)} real and "
                         f"{len(fake)} generated")
     device = next(features.parameters()).device
-    fid = FrechetInceptionDistance(feature=_Given(features.num_features)).to(device)
+    # sync_on_compute off: under torchrun one process measures (tasks.GANEvaluation) and
+    # torchmetrics would otherwise wait in compute() for the others to gather theirs
+    fid = FrechetInceptionDistance(feature=_Given(features.num_features),
+                                   sync_on_compute=False).to(device)
     subset = min(KID_SUBSET_SIZE, len(real), len(fake))
     with warnings.catch_warnings():  # "will save all extracted features": that is KID
         warnings.filterwarnings("ignore", message=".*save all extracted features")
         kid = KernelInceptionDistance(feature=_Given(features.num_features),
-                                      subsets=KID_SUBSETS, subset_size=subset).to(device)
+                                      subsets=KID_SUBSETS, subset_size=subset,
+                                      sync_on_compute=False).to(device)
     finite = True
     for images, is_real in ((real, True), (fake, False)):
         for batch in images.split(batch_size):

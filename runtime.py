@@ -36,6 +36,20 @@ from ops import STOP_SIGNALS, Interrupted, RunFailed, UserError
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
+def _no_buffer_broadcast():
+    """DDP's keyword that stops the buffer broadcast before each forward: torch 2.14
+    renamed ``broadcast_buffers`` to ``forward_sync_buffers`` (which still syncs them once
+    when DDP is built, as the old one did not; they start equal here anyway)."""
+    import inspect
+
+    params = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in params \
+        else {"broadcast_buffers": False}
+
+
+NO_BUFFER_BROADCAST = _no_buffer_broadcast()
+
+
 class Processes(NamedTuple):
     """This process's place: its rank among ``world_size`` processes, and its device.
 

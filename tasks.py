@@ -693,8 +693,9 @@ class GANEvaluation:
         if self.rank == 0:
             device = next(self.generator.parameters()).device
             task.features.to(device)
-            latents = dcgan.fixed_latents(task.fid_samples, task.latent_dim, task.seed)
-            fake = dcgan.generate(self.generator, latents)
+            latents = dcgan.fixed_latents(max(task.fid_samples, task.grid), task.latent_dim,
+                                          task.seed)  # the grid's are the first of them
+            fake = dcgan.generate(self.generator, latents[:task.fid_samples])
             result = gan_metrics.measure(task.features, real, fake, task.seed)
             result["count"] = len(real)
             result["grid"] = dcgan.sample_grid(self.generator, latents[:task.grid])

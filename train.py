@@ -602,8 +602,8 @@ def wrap_model(net, config, device, world_size, broadcast_buffers=True):
     model = net
     if world_size > 1:
         ids = [device.index] if device.type == "cuda" else None
-        model = torch.nn.parallel.DistributedDataParallel(net, device_ids=ids,
-                                                          broadcast_buffers=broadcast_buffers)
+        model = torch.nn.parallel.DistributedDataParallel(
+            net, device_ids=ids, **({} if broadcast_buffers else runtime.NO_BUFFER_BROADCAST))
     elif config["gpus"] and len(runtime.gpu_ids(config["gpus"])) > 1:
         replica = engine.Autocast(net, device.type, runtime.amp_dtype(config["amp"], device))
         model = torch.nn.DataParallel(replica, device_ids=runtime.gpu_ids(config["gpus"]))
@@ -669,7 +669,7 @@ def restore(saved, path, net, ema, optimizer, scaler, state, config, procs):
     if unfrozen_at_resume(config, state):
         unfreeze_into(net, optimizer, config)  # it happened before the save
     try:
-        optimizer.load_state_dict(saved["optimizer"])
+        optimizer.load_state_dict(saved["optimizers" if "networks" in saved else "optimizer"])
     except (ValueError, KeyError) as e:
         raise UserError(f"the optimizer state in {path!r} does not fit "
                         f"(--optimizer or --freeze changed?): {e}") from None

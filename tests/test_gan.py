@@ -1,0 +1,297 @@
+"""--task gan through train.py: phases, checkpoints by name, FID, and the promises a
+classifier keeps (exact resume, N processes == 1, accumulation, AMP)."""
+
+import os
+import signal
+
+import pytest
+import torch
+from conftest import assert_states_equal, events, final_state, read_metrics
+from helpers import stop_at_step, torchrun
+
+import config as config_module
+import dcgan
+import engine
+import tasks
+import train
+
+# What every state of a GAN checkpoint holds that an exact resume restores.
+RESUMED = ("networks", "optimizers", "ema", "scaler", "rng", "progress")
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory):
+    """A small classifier trained on the synthetic set: --fid-features for every run here
+    (Inception's weights cannot be downloaded on this machine)."""
+    run_dir = tmp_path_factory.mktemp("features")
+    assert train.main(["--dataset", "synthetic", "--synthetic-size", "64", "--network", "mlp",
+                       "--epochs", "1", "--batch-size", "16", "--num-workers", "0",
+                       "--run-dir", str(run_dir)]) == 0
+    return str(run_dir / "checkpoints" / "last.pt")
+
+
+def gan_args(run_dir, features, *extra, batch=16, epochs=2, size=64, workers=0):
+    """A tiny DCGAN on the synthetic set: the paper's Adam recipe, FID on 8 images."""
+    return ["--task", "gan", "--dataset", "synthetic", "--synthetic-size", str(size),
+            "--gan-width", "8", "--latent-dim", "16", "--fid-samples", "8",
+            "--fid-features", features, "--batch-size", str(batch), "--epochs", str(epochs),
+            "--optimizer", "adam", "--lr", "0.0002", "--betas", "0.5", "0.999",
+            "--weight-decay", "0", "--scheduler", "none", "--warmup-epochs", "0",
+            "--num-workers", str(workers), "--log-every", "1", "--run-dir", str(run_dir),
+            *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, features):
+    """Three epochs with a moving average of the generator."""
+    run_dir = tmp_path_factory.mktemp("gan")
+    assert train.main(gan_args(run_dir, features, "--ema-decay", "0.9", epochs=3)) == 0
+    return run_dir
+
+
+def test_a_gan_logs_what_users_look_at(trained):
+    record = read_metrics(trained)[-1]
+    for key in ("train_loss_d", "train_loss_g", "train_d_real", "train_d_fake",
+                "train_grad_norm_discriminator", "train_grad_norm_generator",
+                "val_fid_classifier", "val_kid_classifier", "val_fid_classifier_ema",
+                "val_kid_classifier_ema"):
+        assert record[key] == record[key], key  # present and not NaN
+    assert 0 <= record["train_d_real"] <= 1 and 0 <= record["train_d_fake"] <= 1
+    # train_loss: the sum of the phases' losses
+    assert record["train_loss"] == pytest.approx(record["train_loss_d"] + record["train_loss_g"])
+    acc = events(trained)
+    scalars = set(acc.Tags()["scalars"])
+    assert {"train/loss_d", "train/loss_g", "train/d_real", "train/d_fake",
+            "val/fid_classifier", "val_ema/fid_classifier"} <= scalars
+    assert "val/fid" not in scalars  # classifier features are never named as Inception's
+    assert {"val/samples", "val_ema/samples"} <= set(acc.Tags()["images"])
+    image = acc.Images("val/samples")[-1]
+    assert image.width > 8 * 32 and image.height > 8 * 32  # 64 samples, 8 by 8
+
+
+def test_checkpoints_hold_each_network_and_optimizer_by_name(trained):
+    state = final_state(trained)
+    assert state["format"] == 3 and "model" not in state and "optimizer" not in state
+    assert set(state["networks"]) == set(state["optimizers"]) == {"generator",
+                                                                   "discriminator"}
+    assert set(state["ema"]) == {"generator"}
+    assert state["config"]["in_channels"] == 3
+    generator, discriminator = dcgan.build(state["config"], 3)
+    generator.load_state_dict(state["networks"]["generator"])
+    discriminator.load_state_dict(state["networks"]["discriminator"])
+    for name, optimizer in state["optimizers"].items():  # one Adam step per global step
+        steps = {float(s["step"]) for s in optimizer["state"].values()}
+        assert steps == {float(state["step"])}, name
+        assert optimizer["param_groups"][0]["betas"] == (0.5, 0.999)
+
+
+def test_best_pt_follows_the_lowest_fid(trained):
+    records = read_metrics(trained)
+    fids = [r["val_fid_classifier_ema"] for r in records]  # the EMA's: --ema-decay is on
+    best = torch.load(trained / "checkpoints" / "best.pt", weights_only=True)
+    assert best["epoch"] == records[fids.index(min(fids))]["epoch"]
+    assert best["progress"]["best_val_acc"] == -min(fids)
+
+
+def test_a_nan_fid_is_never_the_best():
+    task = type("T", (), {"best": "fid", "lower_is_better": True})()
+    import metrics
+
+    assert metrics.best_metric(task, {"val_fid": float("nan")}) == -float("inf")
+    assert metrics.best_metric(task, {"val_fid": 3.0}) > metrics.best_metric(
+        task, {"val_fid": 4.0})
+
+
+@pytest.mark.parametrize("path", [("--num-workers", "2", "--data-on-device", "off"),
+                                  ("--data-on-device", "on")])
+def test_sigterm_mid_epoch_then_resume_equals_the_run_that_never_stopped(tmp_path, features,
+                                                                        path):
+    flags = ("--ema-decay", "0.9", *path)
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    assert train.main(gan_args(full, features, *flags)) == 0
+    with stop_at_step(5):  # the 5th optimizer step: the discriminator's of global step 3
+        assert train.main(gan_args(stopped, features, *flags)) == 128 + signal.SIGTERM
+    assert final_state(stopped)["step"] == 3  # of 8: inside the first epoch
+    assert train.main(gan_args(stopped, features, *flags, "--resume", "auto")) == 0
+    a, b = final_state(full), final_state(stopped)
+    assert_states_equal({k: a[k] for k in RESUMED}, {k: b[k] for k in RESUMED})
+    assert read_metrics(full)[-1] == {**read_metrics(stopped)[-1],
+                                      **{k: read_metrics(full)[-1][k] for k in TIMES}}
+
+
+TIMES = ("compute_efficiency", "data_time", "compute_time", "epoch_time", "samples_per_sec",
+         "tflops")
+
+
+def test_accumulation_equals_the_large_batch(tmp_path, features):
+    big, accumulated = tmp_path / "big", tmp_path / "acc"
+    assert train.main(gan_args(big, features, "--no-gan-batch-norm", batch=16)) == 0
+    assert train.main(gan_args(accumulated, features, "--no-gan-batch-norm",
+                               "--virtual-batch-size", "16", batch=4)) == 0
+    torch.testing.assert_close(final_state(accumulated)["networks"],
+                               final_state(big)["networks"])
+    assert final_state(accumulated)["step"] == final_state(big)["step"] == 8
+
+
+def test_two_processes_of_8_train_like_one_of_16(tmp_path, features):
+    """SGD: Adam divides each step by the root of its second moment, so where a gradient is
+    only rounding (a bias the loss hardly moves) the two sums' different roundings become
+    whole steps of different sizes."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    flags = ("--no-gan-batch-norm", "--d-steps", "2", "--ema-decay", "0.9", "--optimizer",
+             "sgd", "--lr", "0.01")
+    assert train.main(gan_args(one, features, *flags, batch=16)) == 0
+    torchrun(gan_args(two, features, *flags, batch=8))
+    torch.testing.assert_close(final_state(two)["networks"], final_state(one)["networks"])
+    torch.testing.assert_close(final_state(two)["ema"], final_state(one)["ema"])
+    a, b = read_metrics(one)[-1], read_metrics(two)[-1]
+    for key in ("val_fid_classifier", "train_loss_d", "train_loss_g"):
+        assert a[key] == pytest.approx(b[key], rel=1e-4), key
+
+
+def test_a_batchnorm_discriminator_trains_under_torchrun(tmp_path, features):
+    """Its BatchNorm sees real and generated images in two calls before one backward: a
+    buffer broadcast between them would fail the backward (pytorch #175024)."""
+    torchrun(gan_args(tmp_path, features, epochs=1, batch=8))
+    state = final_state(tmp_path)
+    assert any("running_mean" in k for k in state["networks"]["discriminator"])
+    assert read_metrics(tmp_path)[-1]["val_fid_classifier"] > 0
+
+
+def test_each_network_gets_its_own_ddp_without_buffer_broadcasts(tmp_path, features):
+    """The in-place error of pytorch #175024 comes from cuDNN's BatchNorm backward (CPU
+    BatchNorm does not keep the running statistics for backward, so the torchrun test
+    above passes either way here): what prevents it is each network's DDP built without
+    buffer broadcasts, checked here in a one-process group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        config = config_module.with_defaults({"task": "gan", "latent_dim": 8, "gan_width": 4})
+        net = dcgan.networks(config, 3)
+        model = train.wrap_model(net, config, torch.device("cpu"), world_size=2)
+        for name, wrapped in model.items():
+            assert isinstance(wrapped, torch.nn.parallel.DistributedDataParallel), name
+            assert wrapped.module is net[name], name
+            assert not getattr(wrapped, "forward_sync_buffers", wrapped.broadcast_buffers)
+        single = train.wrap_model(torch.nn.Linear(2, 2), config, torch.device("cpu"), 2)
+        assert getattr(single, "forward_sync_buffers", single.broadcast_buffers)  # as ever
+    finally:
+        dist.destroy_process_group()
+
+
+def test_wgan_gp_and_spectral_norm_train_and_log_the_penalty(tmp_path, features):
+    assert train.main(gan_args(tmp_path, features, "--gan-loss", "wgan-gp", "--d-steps", "2",
+                               "--gan-attention", epochs=1)) == 0
+    record = read_metrics(tmp_path)[-1]
+    assert record["train_gradient_penalty"] > 0
+    assert "train/gradient_penalty" in events(tmp_path).Tags()["scalars"]
+    spectral = tmp_path / "sn"
+    assert train.main(gan_args(spectral, features, "--gan-loss", "hinge",
+                               "--gan-spectral-norm", epochs=1)) == 0
+    assert any("parametrizations" in k
+               for k in final_state(spectral)["networks"]["discriminator"])
+
+
+def test_bf16_on_the_cpu_trains(tmp_path, features):
+    assert train.main(gan_args(tmp_path, features, "--amp", "bf16", epochs=1)) == 0
+    record = read_metrics(tmp_path)[-1]
+    assert record["train_loss_d"] == record["train_loss_d"]
+    assert record["val_fid_classifier"] == record["val_fid_classifier"]
+
+
+def test_fp16_updates_the_one_scaler_once_per_step(tmp_path, features, monkeypatch):
+    updates = []
+    update = torch.amp.GradScaler.update
+    monkeypatch.setattr(torch.amp.GradScaler, "update",
+                        lambda self, *a, **k: (updates.append(1), update(self, *a, **k)))
+    assert train.main(gan_args(tmp_path, features, "--amp", "fp16", "--max-steps", "3")) == 0
+    state = final_state(tmp_path)
+    assert state["step"] == 3 and len(updates) == 3  # --max-steps is not halved
+    assert state["scaler"]["scale"] > 0
+    # --d-steps 2: the discriminator's optimizer steps twice a step, so the scaler is
+    # updated between its two steps too (it steps each optimizer once between updates)
+    updates.clear()
+    assert train.main(gan_args(tmp_path / "d2", features, "--amp", "fp16", "--max-steps", "3",
+                               "--d-steps", "2")) == 0
+    assert final_state(tmp_path / "d2")["step"] == 3 and len(updates) == 6
+
+
+def test_each_phase_gives_gradients_to_its_own_network_only(features):
+    config = config_module.with_defaults({"task": "gan", "dataset": "synthetic",
+                                          "latent_dim": 8, "gan_width": 4, "fid_samples": 2,
+                                          "fid_features": features, "d_steps": 2})
+    config["network"] = "dcgan"
+    train_set = type("S", (), {"transform": None})()
+    task = tasks.GAN(config, train_set)
+    net = dcgan.networks(config, 3)
+    calls = {name: 0 for name in net}
+    for name, module in net.items():
+        for p in module.parameters():
+            p.register_hook(lambda g, name=name: calls.__setitem__(name, calls[name] + 1))
+    optimizer = train.ops.build_optimizer(net, config, torch.device("cpu"))
+    loop = engine.LoopSettings(device=torch.device("cpu"), scaler=torch.amp.GradScaler(
+        "cpu", enabled=False), counters=engine.Counters(torch.device("cpu")))
+    x = torch.rand(4, 3, 32, 32) * 2 - 1
+    where = engine.Where(epoch=0, first=0, offset=0, count=4, step_samples=4)
+    engine._phase_steps(net, optimizer, task, loop, [(x, None, 4, where)])
+    n = {name: len(list(module.parameters())) for name, module in net.items()}
+    assert calls == {"discriminator": 2 * n["discriminator"], "generator": n["generator"]}
+    assert all(p.requires_grad for p in net.parameters())  # given back after the step
+
+
+def test_the_latents_do_not_depend_on_how_a_step_is_split(features):
+    config = config_module.with_defaults({"task": "gan", "latent_dim": 5,
+                                          "fid_features": features})
+    task = tasks.GAN(config, type("S", (), {"transform": None})())
+    whole = task.latents("generator", engine.Where(1, 32, 0, 16, 16), "cpu")
+    parts = [task.latents("generator", engine.Where(1, 32, o, 4, 16), "cpu")
+             for o in (0, 4, 8, 12)]
+    assert torch.equal(torch.cat(parts), whole)
+    other = task.latents("discriminator", engine.Where(1, 32, 0, 16, 16), "cpu")
+    again = task.latents("generator", engine.Where(1, 32, 0, 16, 16, repeat=1), "cpu")
+    assert not torch.equal(other, whole) and not torch.equal(again, whole)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (("--mixup-alpha", "0.2"), "--mixup-alpha/--cutmix-alpha mix images and labels"),
+    (("--tta", "flip"), "--tta averages a classifier's predictions"),
+    (("--freeze", "generator.*"), "--freeze is not for a GAN's two networks"),
+    (("--find-lr",), "--find-lr sweeps one optimizer's learning rate"),
+    (("--network", "resnet18"), "--task gan trains --network dcgan"),
+    (("--image-size", "48"), "--image-size must be one of 28, 32, 64"),
+    (("--fid-samples", "50"), "--fid-samples 50: the validation set has 12 images"),
+    (("--dataset", "cifar100"), "--dataset must be one of"),
+])
+def test_what_makes_no_sense_for_a_gan_is_one_line(tmp_path, features, capsys, flags, words):
+    assert train.main(gan_args(tmp_path, features, *flags)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and words in err[-1], err
+    assert "Traceback" not in "\n".join(err)
+
+
+def test_dcgan_without_the_task_is_one_line(tmp_path, capsys):
+    assert train.main(["--dataset", "synthetic", "--network", "dcgan", "--run-dir",
+                       str(tmp_path)]) == 2
+    assert "error: --network dcgan is a GAN's pair of networks: train it with --task gan" \
+        in capsys.readouterr().err
+
+
+def test_inception_fid_without_its_weights_names_the_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch-home"))
+    args = gan_args(tmp_path / "run", "x")
+    args = args[:args.index("--fid-features")] + args[args.index("--fid-features") + 2:]
+    assert train.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "weights-inception-2015-12-05-6726825d.pth" \
+        in err[-1] and str(tmp_path / "torch-home") in err[-1]
+
+
+@pytest.mark.parametrize("name", ["dcgan_mnist.yaml", "dcgan_cifar10.yaml"])
+def test_the_dcgan_recipes_are_the_papers(name):
+    config, _ = config_module.parse_config(["--config", os.path.join("configs", name)])
+    config_module.check_config(config)
+    assert (config["task"], config["network"], config["optimizer"]) == ("gan", "dcgan", "adam")
+    assert config["lr"] == config["lr_d"] == 2e-4 and config["betas"] == [0.5, 0.999]
+    assert config["batch_size"] == 128 and config["augment"] is False
