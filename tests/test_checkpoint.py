@@ -486,7 +486,8 @@ def test_a_checkpoint_records_its_format_and_version(tmp_path):
 
     assert train.main(tiny_args(tmp_path, size=32, image=4, batch=16)) == 0
     state = final_state(tmp_path)
-    assert state["format"] == checkpoint.FORMAT_VERSION == 2
+    assert state["format"] == checkpoint.SINGLE_FORMAT == 2  # one network: format 2, as ever
+    assert checkpoint.FORMAT_VERSION == 3  # several, by name (tests/test_gan.py)
     assert state["version"] == checkpoint.PROJECT_VERSION and state["threads"] >= 1
 
 
@@ -517,13 +518,13 @@ def test_a_checkpoint_of_a_newer_format_is_refused_in_one_line(tmp_path, capsys)
     state.update(format=checkpoint.FORMAT_VERSION + 1, version="9.9.9")
     newer = tmp_path / "newer.pt"
     checkpoint.save_checkpoint(state, newer)
-    with pytest.raises(checkpoint.CheckpointError, match=r"is of format 3 \(written by "
+    with pytest.raises(checkpoint.CheckpointError, match=r"is of format 4 \(written by "
                        r"version 9\.9\.9 of this project\); this is version 0\.2\.0, which "
-                       r"reads formats up to 2"):
+                       r"reads formats up to 3"):
         checkpoint.load_checkpoint(newer)
     assert train.main(tiny_args(tmp_path / "run", "--resume", str(newer))) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "format 3" in err[0] and "version 0.2.0" in err[0]
+    assert len(err) == 1 and "format 4" in err[0] and "version 0.2.0" in err[0]
 
 
 def test_a_resume_with_another_thread_count_says_how_to_restore_it(tmp_path, capsys):
