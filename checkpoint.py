@@ -37,6 +37,7 @@ from ops import RunFailed, UserError
 ROTATING = re.compile(r"^(epoch-\d{4,}|step-\d{8,})\.pt$")
 
 FORMAT_VERSION = 2       # of the training checkpoint dict; 1: files without "format"
+GAN_FORMAT = 3           # a GAN's (issue 27): "networks" and "optimizers" by name, no "model"
 PROJECT_VERSION = "0.2.0"  # pyproject.toml's (a test keeps them equal)
 CHECKSUM_KEY = "checksum"
 CHECKSUM_ALGORITHM = "crc32-v1"  # the encoding of state_checksum; change the name with it
@@ -61,6 +62,7 @@ class MissingKeyError(CheckpointError):
 RESUME_KEYS = ("model", "optimizer", "epoch", "step", "progress", "config",
                ("rng_per_rank", "rng"))
 KEY_MEANINGS = {"model": "the weights", "optimizer": "the optimizer's state",
+                "networks": "the networks' weights",
                 "epoch": "the finished epochs", "step": "the optimizer steps",
                 "progress": "the position in the run", "config": "the run's settings",
                 "rng_per_rank": "the random number generators' states",
@@ -424,6 +426,8 @@ def upgrade(state, path):
     if not isinstance(found, int) or isinstance(found, bool) or found < 1:
         raise CheckpointError(f"checkpoint {path!r} has a malformed format entry "
                               f"{str(found)[:40]!r}")
+    if found == GAN_FORMAT and "networks" in state:
+        return state  # a GAN's: its networks by name (test.py checks the generator)
     if found > FORMAT_VERSION:
         raise NewerFormatError(
             f"checkpoint {path!r} is of format {found} (written by version "
