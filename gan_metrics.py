@@ -184,13 +184,13 @@ def classifier_features(path):
     except checkpoint.CheckpointError as e:
         raise UserError(f"--fid-features: {e}") from None
     config = state.get("config")
-    if not isinstance(config, dict) or not isinstance(state.get("model"), dict):
-        raise UserError(f"--fid-features: {path!r} is not a training checkpoint of this "
-                        f"project (no model and config)")
-    task = config.get("task", "classification")
-    if task != "classification":
+    task = config.get("task", "classification") if isinstance(config, dict) else None
+    if task not in (None, "classification"):  # a GAN's has networks, not a model: say so
         raise UserError(f"--fid-features needs a classifier's checkpoint; {path!r} was "
                         f"trained with --task {task}")
+    if task is None or not isinstance(state.get("model"), dict):
+        raise UserError(f"--fid-features: {path!r} is not a training checkpoint of this "
+                        f"project (no model and config)")
     weights = checkpoint.unwrap_state_dict(state["ema"] if isinstance(state.get("ema"), dict)
                                            else state["model"])
     matrices = [v for v in weights.values() if v.dim() == 2]
