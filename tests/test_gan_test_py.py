@@ -55,9 +55,11 @@ def _generator(state, which):
 
 
 def _expected(state, which, n, seed):
-    """The uint8 images ``(n, C, H, W)`` of that generator for the fixed latents of seed."""
+    """The uint8 images ``(n, C, H, W)`` of that generator, in eval mode, for the fixed
+    latents of ``seed``."""
     latents = dcgan.fixed_latents(n, state["config"]["latent_dim"], seed)
-    return dcgan.to_uint8(dcgan.generate(_generator(state, which), latents))
+    with torch.no_grad():
+        return dcgan.to_uint8(_generator(state, which)(latents))
 
 
 def _pngs(directory):
