@@ -33,6 +33,7 @@ import copy
 import io
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -822,6 +823,16 @@ def real_images(config, n, batch_size, num_workers):
         data.shutdown_loader(loader)
 
 
+def sample_latents(n, latent_dim, seed):
+    """dcgan.fixed_latents for --samples, refused in one line where they alone would take
+    more than half the memory available (a mistyped N)."""
+    need, free = n * latent_dim * 4, runtime.available_memory()
+    if free and need > free // 2:
+        raise UserError(f"--samples {n}: the latents alone need {need / 2**30:.1f} GiB, more "
+                        f"than half the {free / 2**30:.1f} GiB of memory available")
+    return dcgan.fixed_latents(n, latent_dim, seed)
+
+
 def write_samples(generator, latents, out_dir, batch_size):
     """The generator's image of each latent as a PNG, ``out_dir/000000.png`` on (grey for
     one channel, RGB for three), each written atomically; returns the file names.
@@ -839,6 +850,11 @@ def write_samples(generator, latents, out_dir, batch_size):
                 _write_png(image, names[-1])
     except OSError as e:
         raise export.output_failed("--out", names[-1] if names else out_dir, e) from None
+    older = sorted(f for f in os.listdir(out_dir)
+                   if re.fullmatch(r"\d{6,}\.png", f) and int(f[:-4]) >= len(names))
+    if older:  # kept (never deleted), but not of this run: say so
+        say(f"warning: {out_dir} also holds {len(older)} numbered PNGs that this run did "
+            f"not write ({older[0]} on)", file=sys.stderr)
     return names
 
 
@@ -869,7 +885,9 @@ def evaluate_gan(args, suffix, state, config, device, batch_size):
     weights = choose_weights(state, args.weights, path)
     generator = load_generator(state, config, path, weights)
     seed = config["seed"] if args.seed is None else args.seed
-    features = real = None
+    latents = features = real = None
+    if args.samples:
+        latents = sample_latents(args.samples, config["latent_dim"], seed)
     if args.fid_samples:
         features = gan_metrics.build_features(args.fid_features).to(device)
         real = real_images(config, args.fid_samples, batch_size, args.num_workers)
@@ -881,7 +899,6 @@ def evaluate_gan(args, suffix, state, config, device, batch_size):
     report = {"checkpoint": path, "task": "gan", "weights": weights, "seed": seed}
     on_device = copy.deepcopy(generator).to(device)
     if args.samples:
-        latents = dcgan.fixed_latents(args.samples, config["latent_dim"], seed)
         names = write_samples(on_device, latents, args.out, batch_size)
         report["samples"] = {"count": len(names), "dir": args.out}
         say(f"wrote {len(names)} samples to {args.out} ({os.path.basename(names[0])} to "

@@ -140,6 +140,25 @@ def test_the_same_command_writes_the_same_bytes(tmp_path, test_py):
     assert snapshot(out) == first and len(first) == 6  # rewritten, no .tmp- file left
 
 
+def test_older_samples_are_kept_and_named_in_a_warning(tmp_path, test_py, capsys):
+    ckpt, out = tmp_path / "gan.pt", tmp_path / "samples"
+    write_gan_checkpoint(ckpt)
+    assert _run(test_py, "--checkpoint", ckpt, "--samples", 5, "--out", out) == 0
+    before = snapshot(out)
+    (out / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert _run(test_py, "--checkpoint", ckpt, "--samples", 2, "--out", out,
+                "--seed", 4) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"warning: {out} also holds 3 numbered PNGs that this run did not "
+                   f"write (000002.png on)"]
+    after = snapshot(out)
+    assert after.pop("notes.txt") == b"mine"
+    assert after.keys() == before.keys() and all(after[f] == before[f] for f in
+                                                  ("000002.png", "000003.png", "000004.png"))
+    assert after["000000.png"] != before["000000.png"]  # rewritten: other latents
+
+
 def test_a_full_disk_is_one_line_and_leaves_whole_pngs(test_py, mount_tmpfs, tmp_path,
                                                        capsys):
     ckpt = tmp_path / "gan.pt"
@@ -262,6 +281,8 @@ def test_an_export_that_differs_from_the_generator_is_exit_1_and_not_written(
     (["--export", "{tmp}/g.onnx", "--quantize", "int8"],
      ["--quantize measures a classifier's accuracy cost", "is a gan checkpoint"]),
     (["--samples", "0", "--out", "{tmp}/s"], ["--samples must be at least 1"]),
+    (["--samples", str(10**13), "--out", "{tmp}/s"],
+     [f"--samples {10**13}: the latents alone need", "GiB of memory available"]),
     (["--samples", "2"], ["--samples N needs --out DIR"]),
     (["--out", "{tmp}/s"], ["--out DIR is where --samples N writes"]),
     (["--fid-samples", "1"], ["--fid-samples must be at least 2"]),
