@@ -7,6 +7,8 @@
     python test.py --checkpoint best.pt --export model.onnx   # ONNX (onnxruntime, TensorRT...)
     python test.py --checkpoint best.pt --export model.onnx --quantize int8  # + model.int8.onnx
     python test.py --model model.int8.onnx                    # evaluate a file you ship
+    python test.py --checkpoint gan.pt --samples 64 --out samples/   # a GAN: seeded PNGs
+    python test.py --checkpoint gan.pt --fid-samples 10000 --export generator.onnx
 
 The network is rebuilt from the checkpoint's config and evaluated on the validation (or
 test) split the way training validated it: eval mode, the same transforms, batch size,
@@ -20,9 +22,15 @@ onnxruntime, next to the eager network (``compare_onnx``): loss, accuracy, per-c
 accuracy, file size and CPU samples/s at batch 64 (THROUGHPUT_BATCH); an int8 accuracy
 drop beyond ``--max-accuracy-drop`` is a warning.
 
-Every output (--json, --export and the int8 file) is checked to be writable before anything
-is loaded; a write that fails later (a full disk) is one ``error:`` line, exit code 1, and
-the file that was there before is left as it was.
+A GAN checkpoint (train.py --task gan) holds a generator, not predictions: its images of
+the fixed latents of the run's seed (``dcgan.fixed_latents``) as PNGs, FID and KID
+against the first validation images (gan_metrics.py), and the generator's export
+(latents in, images out) are what test.py gives for it (``evaluate_gan``); the accuracy
+table and --tta are refused in one line.
+
+Every output (--json, --export, the int8 file and --out) is checked to be writable before
+anything is loaded; a write that fails later (a full disk) is one ``error:`` line, exit
+code 1, and the file that was there before is left as it was.
 
 This file is not importable as ``test`` (the standard library owns that name): run it,
 or load it by path as tests/conftest.py does.
