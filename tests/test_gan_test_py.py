@@ -284,6 +284,7 @@ def test_an_export_that_differs_from_the_generator_is_exit_1_and_not_written(
     (["--samples", str(10**13), "--out", "{tmp}/s"],
      [f"--samples {10**13}: the latents alone need", "GiB of memory available"]),
     (["--samples", "2"], ["--samples N needs --out DIR"]),
+    (["--samples", "2", "--out", "{tmp}/s", "--weights", "ema"], ["has no moving average"]),
     (["--out", "{tmp}/s"], ["--out DIR is where --samples N writes"]),
     (["--fid-samples", "1"], ["--fid-samples must be at least 2"]),
     (["--fid-features", "{tmp}/c.pt"], ["--fid-features CHECKPOINT", "--fid-samples N"]),
