@@ -18,6 +18,7 @@ test.py is the command line over this module: it evaluates the checkpoint, calls
 """
 
 import contextlib
+import functools
 import importlib.util
 import json
 import logging
@@ -52,6 +53,9 @@ METADATA_FILE = "metadata.json"  # the extra file of .pt2 and .ts that holds the
 STORED_CONFIG = ("task", "network", "dataset", "data_dir", "seed", "batch_size", "synthetic_size",
                  "crop_pct", "pretrained")  # (the last two: how photos are cropped)
 INPUT_NAME, OUTPUT_NAME = "images", "logits"
+GENERATOR_NAMES = ("latents", "images")  # a GAN generator's input and output (ONNX)
+GAN_CONFIG = ("latent_dim", "image_size", "in_channels", "gan_loss", "gan_width",
+              "gan_attention", "gan_spectral_norm")  # what rebuilds a generator
 
 
 class OutputError(Exception):
@@ -135,9 +139,9 @@ def _load_ts(path, extra_files=None):
         return torch.jit.optimize_for_inference(module)
 
 
-def _save_onnx(net, example, path, metadata):
+def _save_onnx(net, example, path, metadata, names=(INPUT_NAME, OUTPUT_NAME)):
     program = torch.onnx.export(net, (example,), dynamo=True, verbose=False,
-                                input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
+                                input_names=[names[0]], output_names=[names[1]],
                                 dynamic_shapes=({0: _batch_dim()},))
     program.model.metadata_props.update(metadata)
     program.save(path, external_data=False)
@@ -216,7 +220,24 @@ def export_metadata(config, val_set, state, source):
                                   "step": state.get("step")})}
 
 
-def export_network(net, path, suffix, sample_shape, metadata=None):
+def generator_metadata(config, state, source, weights):
+    """What a GAN generator's artifact stores (``export_metadata``'s keys for a
+    generator): ``training_config`` (the run's identity and GAN_CONFIG), ``input``,
+    ``output``, ``weights`` (``ema`` or ``raw``), ``quantization`` and ``source``."""
+    stored = {key: config[key] for key in STORED_CONFIG + GAN_CONFIG if key in config}
+    latents, images = GENERATOR_NAMES
+    side, channels = config["image_size"], config["in_channels"]
+    return {"training_config": json.dumps(stored),
+            "input": f"{latents}: float32 (batch, {config['latent_dim']}) drawn from N(0, 1) "
+                     f"(dcgan.fixed_latents(n, latent_dim, seed) for the run's fixed ones)",
+            "output": f"{images}: float32 (batch, {channels}, {side}, {side}) in [-1, 1]; "
+                      f"(x + 1) * 127.5, rounded, gives 0..255 pixels",
+            "weights": weights, "quantization": "none",
+            "source": json.dumps({"checkpoint": source, "epoch": state.get("epoch"),
+                                  "step": state.get("step")})}
+
+
+def export_network(net, path, suffix, sample_shape, metadata=None, names=None):
     """Writes ``net`` as an inference artifact and checks it against the eager network.
 
     The artifact goes to a temporary file in OUT's directory, is loaded back and run on
@@ -229,8 +250,11 @@ def export_network(net, path, suffix, sample_shape, metadata=None):
         net: the network in eval mode, on the CPU, float32, contiguous.
         path: OUT.
         suffix: ``.pt2``, ``.ts`` or ``.onnx``.
-        sample_shape: shape of one input sample, e.g. ``(3, 32, 32)``.
+        sample_shape: shape of one input sample, e.g. ``(3, 32, 32)`` (a generator's:
+            ``(latent_dim,)``, drawn from N(0, 1) as latents are).
         metadata: strings stored in the artifact (export_metadata), or None.
+        names: an ONNX file's input and output names (default ``images``, ``logits``;
+            a generator's: GENERATOR_NAMES).
 
     Returns:
         ``(ok, max_abs_diff)``.
@@ -239,6 +263,8 @@ def export_network(net, path, suffix, sample_shape, metadata=None):
         OutputError: writing the file failed (a full disk).
     """
     save, load = EXPORTERS[suffix]
+    if suffix == ".onnx" and names is not None:
+        save = functools.partial(_save_onnx, names=names)
     g = torch.Generator().manual_seed(0)
     inputs = [torch.randn(n, *sample_shape, generator=g) for n in EXPORT_BATCHES]
     check = {}

@@ -184,13 +184,13 @@ def classifier_features(path):
     except checkpoint.CheckpointError as e:
         raise UserError(f"--fid-features: {e}") from None
     config = state.get("config")
-    if not isinstance(config, dict) or not isinstance(state.get("model"), dict):
-        raise UserError(f"--fid-features: {path!r} is not a training checkpoint of this "
-                        f"project (no model and config)")
-    task = config.get("task", "classification")
-    if task != "classification":
+    task = config.get("task", "classification") if isinstance(config, dict) else None
+    if task not in (None, "classification"):  # a GAN's has networks, not a model: say so
         raise UserError(f"--fid-features needs a classifier's checkpoint; {path!r} was "
                         f"trained with --task {task}")
+    if task is None or not isinstance(state.get("model"), dict):
+        raise UserError(f"--fid-features: {path!r} is not a training checkpoint of this "
+                        f"project (no model and config)")
     weights = checkpoint.unwrap_state_dict(state["ema"] if isinstance(state.get("ema"), dict)
                                            else state["model"])
     matrices = [v for v in weights.values() if v.dim() == 2]
@@ -214,6 +214,32 @@ def build_features(fid_features=None):
     """The feature extractor a run asks for: ``classifier_features(fid_features)`` with
     --fid-features, else ``InceptionFeatures()`` (the weights file under TORCH_HOME)."""
     return classifier_features(fid_features) if fid_features else InceptionFeatures()
+
+
+def to_generator_range(images, transform):
+    """Real images as a generator makes them, in [-1, 1]: the dataset's normalisation
+    undone to [0, 1] pixels, then mapped to [-1, 1].
+
+    The normalisation is the ``sample_transforms.Normalise`` in the transform that made
+    the images (data.py's and presets.py's evaluation transforms: the dataset's STATS, or
+    a preset's). A transform without one (the synthetic set, not normalised) leaves the
+    images as they are, as ``ClassifierFeatures`` takes them.
+
+    Args:
+        images: a batch ``(N, C, H, W)`` as the dataset gives it.
+        transform: the dataset's transform (a ``v2.Compose``, or one transform).
+
+    Returns:
+        A float32 tensor of the same shape.
+    """
+    steps = getattr(transform, "transforms", [transform])
+    found = [s for s in steps if isinstance(s, sample_transforms.Normalise)]
+    x = images.float()
+    if not found:
+        return x
+    mean = torch.tensor(found[-1].mean, dtype=torch.float32).view(1, -1, 1, 1)
+    std = torch.tensor(found[-1].std, dtype=torch.float32).view(1, -1, 1, 1)
+    return (x * std + mean) * 2 - 1  # (N, C, H, W): pixels / 255 -> [-1, 1]
 
 
 class _Given(nn.Module):

@@ -7,6 +7,8 @@
     python test.py --checkpoint best.pt --export model.onnx   # ONNX (onnxruntime, TensorRT...)
     python test.py --checkpoint best.pt --export model.onnx --quantize int8  # + model.int8.onnx
     python test.py --model model.int8.onnx                    # evaluate a file you ship
+    python test.py --checkpoint gan.pt --samples 64 --out samples/   # a GAN: seeded PNGs
+    python test.py --checkpoint gan.pt --fid-samples 10000 --export generator.onnx
 
 The network is rebuilt from the checkpoint's config and evaluated on the validation (or
 test) split the way training validated it: eval mode, the same transforms, batch size,
@@ -20,9 +22,15 @@ onnxruntime, next to the eager network (``compare_onnx``): loss, accuracy, per-c
 accuracy, file size and CPU samples/s at batch 64 (THROUGHPUT_BATCH); an int8 accuracy
 drop beyond ``--max-accuracy-drop`` is a warning.
 
-Every output (--json, --export and the int8 file) is checked to be writable before anything
-is loaded; a write that fails later (a full disk) is one ``error:`` line, exit code 1, and
-the file that was there before is left as it was.
+A GAN checkpoint (train.py --task gan) holds a generator, not predictions: its images of
+the fixed latents of the run's seed (``dcgan.fixed_latents``) as PNGs, FID and KID
+against the first validation images (gan_metrics.py), and the generator's export
+(latents in, images out) are what test.py gives for it (``evaluate_gan``); the accuracy
+table and --tta are refused in one line.
+
+Every output (--json, --export, the int8 file and --out) is checked to be writable before
+anything is loaded; a write that fails later (a full disk) is one ``error:`` line, exit
+code 1, and the file that was there before is left as it was.
 
 This file is not importable as ``test`` (the standard library owns that name): run it,
 or load it by path as tests/conftest.py does.
@@ -33,18 +41,22 @@ import copy
 import io
 import json
 import os
+import re
 import statistics
 import sys
 import time
 import warnings
 
 import torch
+from PIL import Image
 
 import checkpoint
 import data
+import dcgan
 import engine
 import export
 import files
+import gan_metrics
 import runtime
 import tasks
 from config import OneLineParser, with_defaults
@@ -113,11 +125,28 @@ def build_parser():
         f"int8: calibrate on N training images (default {export.CALIBRATION_SAMPLES}; all of them "
         "when the split is smaller)")
     add("--seed", type=int, default=None, help="--quantize int8: which training images "
-        "calibrate (the same seed gives the same int8 file); default: the training run's "
+        "calibrate (the same seed gives the same int8 file); a GAN: the seed of the "
+        "latents (dcgan.fixed_latents) and of KID's subsets; default: the training run's "
         "seed")
     add("--max-accuracy-drop", type=float, default=0.01, metavar="DELTA", help="warn when "
         "the int8 file's accuracy is more than DELTA (0.01 = 1 point) below the eager "
         "network's")
+    gan = p.add_argument_group("a GAN checkpoint (--task gan)", "the generator (its moving "
+                               "average by default: --weights) from the fixed latents of "
+                               "--seed; --export writes it: latents (N, latent_dim) in, "
+                               "images (N, C, H, W) in [-1, 1] out")
+    gan.add_argument("--samples", type=int, default=None, metavar="N", help="write N "
+                     "images as PNGs into --out (000000.png, ...): the same command writes "
+                     "the same files")
+    gan.add_argument("--out", default=None, metavar="DIR", help="where --samples writes "
+                     "(created if need be)")
+    gan.add_argument("--fid-samples", type=int, default=None, metavar="N", help="FID and "
+                     "KID of N generated images against the first N validation images, "
+                     "on Inception-v3 (its weights file under TORCH_HOME, never downloaded)")
+    gan.add_argument("--fid-features", default=None, metavar="CHECKPOINT", help="with "
+                     "--fid-samples: on the penultimate features of a classifier this "
+                     "project trained instead (fid_classifier, kid_classifier: comparable "
+                     "only with the same checkpoint)")
     return p
 
 
@@ -130,25 +159,32 @@ def check_args(args):
     for flag, value, low in (("--image-size", args.image_size, 1),
                              ("--num-classes", args.num_classes, 2),
                              ("--synthetic-size", args.synthetic_size, 1),
-                             ("--calibration-samples", args.calibration_samples, 1)):
+                             ("--calibration-samples", args.calibration_samples, 1),
+                             ("--samples", args.samples, 1),
+                             ("--fid-samples", args.fid_samples, 2)):  # two covariances
         if value is not None and value < low:
             raise UserError(f"{flag} must be at least {low}")
     if not 0 <= args.max_accuracy_drop <= 1:  # NaN fails too
         raise UserError(f"--max-accuracy-drop must be in [0, 1] (0.01 = 1 point), not "
                         f"{args.max_accuracy_drop}")
     for flag, path in (("--json", args.json), ("--export", args.export),
-                       ("--checkpoint", args.checkpoint), ("--model", args.model)):
+                       ("--checkpoint", args.checkpoint), ("--model", args.model),
+                       ("--out", args.out), ("--fid-features", args.fid_features)):
         if path is not None and not path.strip():
-            raise UserError(f"{flag} needs a file name")
+            raise UserError(f"{flag} needs a {'directory' if flag == '--out' else 'file'} "
+                            f"name")
+    _check_gan_args(args)
     if args.model is not None:
         _check_model_args(args)
     if args.calibration_samples is not None and args.quantize != "int8":
         without = f"with --quantize {args.quantize}" if args.quantize else "without it"
         raise UserError(f"--calibration-samples is for --quantize int8 (static); {without} "
                         f"nothing is calibrated")
-    if args.seed is not None and args.quantize != "int8":
-        raise UserError("--seed picks the calibration images of --quantize int8; it does "
-                        "nothing without it")
+    if args.seed is not None and args.quantize != "int8" and \
+            not (args.samples or args.fid_samples):
+        raise UserError("--seed picks the calibration images of --quantize int8, or a GAN's "
+                        "latents for --samples and --fid-samples; it does nothing without "
+                        "them")
     if args.export is None:
         if args.quantize:
             raise UserError(f"--quantize {args.quantize} needs --export OUT.onnx: the ONNX "
@@ -167,6 +203,21 @@ def check_args(args):
     if suffix == ".onnx":
         export.check_onnx_installed("--export .onnx")
     return suffix
+
+
+def _check_gan_args(args):
+    """--samples goes with --out, --fid-features with --fid-samples; none with --model."""
+    if (args.samples is None) != (args.out is None):
+        raise UserError("--samples N needs --out DIR (where the PNGs go)" if args.out is None
+                        else "--out DIR is where --samples N writes; give --samples")
+    if args.fid_features is not None and args.fid_samples is None:
+        raise UserError("--fid-features CHECKPOINT picks the features of FID; give "
+                        "--fid-samples N too")
+    given = [flag for flag, value in (("--samples", args.samples),
+                                      ("--fid-samples", args.fid_samples)) if value]
+    if args.model is not None and given:
+        raise UserError(f"{given[0]} needs --checkpoint (a GAN's): --model evaluates an "
+                        f"exported classifier")
 
 
 def _check_model_args(args):
@@ -205,7 +256,12 @@ def check_output(flag, path, checkpoint_path):
         if os.path.isfile(checkpoint_path) and os.path.samefile(path, checkpoint_path):
             raise UserError(f"{flag} {path!r} is the checkpoint being evaluated; name "
                             f"another file")
-    existing = os.path.dirname(os.path.abspath(path))
+    _check_writable(flag, path, os.path.dirname(os.path.abspath(path)))
+
+
+def _check_writable(flag, path, directory):
+    """The nearest existing directory at or above ``directory`` takes a new file."""
+    existing = directory
     while not os.path.exists(existing):  # created when written
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
@@ -217,14 +273,25 @@ def check_output(flag, path, checkpoint_path):
                         f"({e.strerror or e})") from None
 
 
+def check_output_dir(flag, path):
+    """Rejects an output directory (--out) that is a file or could not be written in."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"{flag} {path!r} exists and is not a directory; name a directory")
+    _check_writable(flag, path, os.path.abspath(path))
+
+
 def check_outputs(args):
-    """check_output for --json, --export and the int8 file, which must be different files."""
+    """check_output for --json, --export and the int8 file, which must be different files,
+    and check_output_dir for --out."""
     outputs = [(flag, path) for flag, path in (("--json", args.json),
                                                ("--export", args.export)) if path]
     if args.quantize:
         outputs.append((f"--quantize {args.quantize}", export.int8_path(args.export)))
     for flag, path in outputs:
         check_output(flag, path, args.checkpoint or args.model)
+    if args.out is not None:
+        check_output_dir("--out", args.out)
+        outputs.append(("--out", args.out))
     for i, (flag, path) in enumerate(outputs):
         for other_flag, other in outputs[i + 1:]:
             if os.path.abspath(path) == os.path.abspath(other):
@@ -239,7 +306,8 @@ def load_training_checkpoint(path):
 
     Returns:
         The state dict: ``model`` a state_dict (string keys, dense CPU tensors with finite
-        values) and ``config`` a dict.
+        values), or for a GAN ``networks["generator"]`` one (and ``ema["generator"]``
+        where there is a moving average), and ``config`` a dict.
 
     Raises:
         checkpoint.CheckpointError: anything else, in one line.
@@ -247,7 +315,8 @@ def load_training_checkpoint(path):
     with warnings.catch_warnings():  # a sparse tensor's check; the weights are refused below
         warnings.filterwarnings("ignore", message="Validating sparse tensor invariants")
         state = checkpoint.load_checkpoint(path)
-    if "model" not in state or not ({"config", "progress", "format"} & set(state)):
+    if not ({"model", "networks"} & set(state)) or \
+            not ({"config", "progress", "format"} & set(state)):
         raise checkpoint.CheckpointError(f"{path!r} is not a training checkpoint "
                                          f"of this project (no model and config)")
     checkpoint.require(state, path, ("config",), "evaluating rebuilds the network and "
@@ -256,26 +325,39 @@ def load_training_checkpoint(path):
         raise checkpoint.CheckpointError(f"{path!r} is not a training checkpoint of this "
                                          f"project: its config is a "
                                          f"{type(state['config']).__name__}, not a dict")
-    weights = state["model"]
+    if "model" in state:
+        _check_weights(state["model"], path, "model")
+        return state
+    for what, key in (("generator", "networks"), ("moving average of the generator", "ema")):
+        if key in state:
+            held = state[key]
+            if not isinstance(held, dict) or "generator" not in held:
+                raise checkpoint.CheckpointError(f"{path!r}: its {key} entry holds no "
+                                                 f"generator")
+            _check_weights(held["generator"], path, what)
+    return state
+
+
+def _check_weights(weights, path, what):
+    """Raises a CheckpointError unless ``weights`` is a state_dict of plain finite tensors."""
     if not isinstance(weights, dict):
-        raise checkpoint.CheckpointError(f"{path!r}: its model is a {type(weights).__name__}, "
+        raise checkpoint.CheckpointError(f"{path!r}: its {what} is a {type(weights).__name__}, "
                                          f"not a state_dict (a dict of tensors)")
     for key, value in weights.items():
         if not isinstance(key, str):
-            raise checkpoint.CheckpointError(f"{path!r}: its model has a key {shown(key)}, "
+            raise checkpoint.CheckpointError(f"{path!r}: its {what} has a key {shown(key)}, "
                                              f"not a parameter name")
         if not isinstance(value, torch.Tensor):
-            raise checkpoint.CheckpointError(f"{path!r}: its model's {key} is "
+            raise checkpoint.CheckpointError(f"{path!r}: its {what}'s {key} is "
                                              f"{shown(value)}, not a tensor")
         if value.layout != torch.strided or value.device.type != "cpu" or \
                 value.is_complex():
             raise checkpoint.CheckpointError(
-                f"{path!r}: its model's {key} is a {value.dtype} {value.layout} tensor on "
+                f"{path!r}: its {what}'s {key} is a {value.dtype} {value.layout} tensor on "
                 f"{value.device}, not a plain real one")
         if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            raise checkpoint.CheckpointError(f"{path!r}: its model's {key} holds NaN or "
+            raise checkpoint.CheckpointError(f"{path!r}: its {what}'s {key} holds NaN or "
                                              f"infinite values")
-    return state
 
 
 def _int_at_least(low):
@@ -291,6 +373,15 @@ _CONFIG_NEEDS = (  # key, check, what it must be, whether the key may be absent
     ("in_channels", _int_at_least(1), "an integer of at least 1", True),
     ("amp", lambda v: isinstance(v, str) and v in runtime.AMP_DTYPES,
      f"one of {', '.join(runtime.AMP_DTYPES)}", True),
+)
+_GAN_NEEDS = (  # what dcgan.build reads
+    ("latent_dim", _int_at_least(1), "an integer of at least 1", False),
+    ("image_size", lambda v: type(v) is int and v in dcgan.IMAGE_SIZES,
+     f"one of {', '.join(map(str, dcgan.IMAGE_SIZES))}", False),
+    ("in_channels", lambda v: type(v) is int and v in (1, 3), "1 or 3", False),
+    ("gan_loss", lambda v: v in dcgan.GAN_LOSSES, f"one of {', '.join(dcgan.GAN_LOSSES)}",
+     True),
+    ("gan_width", _int_at_least(1), "an integer of at least 1", True),
 )
 _SYNTHETIC_NEEDS = (
     ("synthetic_size", _int_at_least(1), "an integer of at least 1", False),
@@ -309,6 +400,8 @@ def check_stored_config(config, path, need_batch_size):
                       "an integer of at least 1 (or pass --batch-size)", False))
     if config.get("dataset") == "synthetic":
         needs.extend(_SYNTHETIC_NEEDS)
+    if config.get("task") == "gan":
+        needs.extend(_GAN_NEEDS)
     for key, ok, expected, optional in needs:
         if key not in config:
             if optional:
@@ -636,12 +729,16 @@ def exported_config(args, metadata, shape, outputs):
     stored = export.stored_value(metadata, "training_config", path, {})
     if not isinstance(stored, dict):
         raise UserError(f"--model {path!r}: its training_config is not a JSON object")
+    if stored.get("task") == "gan":
+        raise UserError(f"--model {path!r} is a GAN's generator (latents in, images out): "
+                        f"there is nothing to evaluate on a validation split; run test.py "
+                        f"--checkpoint with --samples or --fid-samples on its checkpoint")
     if not stored and args.dataset is None:
         raise UserError(f"--model {path!r} holds no training config (it was not written by "
                         f"test.py --export): pass --dataset and what it needs (--data-dir; "
                         f"--image-size, --num-classes, --synthetic-size...)")
     found = {}  # what an ONNX file's graph says
-    if shape is not None:
+    if shape is not None and len(shape) == 3:  # (C, H, W); not a generator's (latent,)
         found.update(in_channels=shape[0], image_size=shape[1])
     if outputs is not None:
         found["num_classes"] = outputs
@@ -681,6 +778,153 @@ def evaluate_model_file(args):
         write_json(report, args.json)
         say(f"wrote {args.json}")
     return 0
+
+
+# ----------------------------------------------------------------- a GAN checkpoint
+
+def refuse_gan_flags(args, config):
+    """The GAN flags name a generator: one line for a checkpoint without one."""
+    given = [flag for flag, value in (("--samples", args.samples),
+                                      ("--fid-samples", args.fid_samples)) if value]
+    if given:
+        raise UserError(f"{given[0]} is for a GAN checkpoint's generator; "
+                        f"{args.checkpoint!r} is a {config['task']} checkpoint")
+
+
+def refuse_for_gan(args):
+    """A generator has no predictions: the classifier's table and --tta make no sense."""
+    path = args.checkpoint
+    if args.tta is not None:
+        raise UserError(f"--tta averages a classifier's predictions over mirrored images; "
+                        f"{path!r} is a GAN checkpoint (a generator predicts nothing)")
+    if not (args.samples or args.fid_samples or args.export):
+        raise UserError(f"{path!r} is a GAN checkpoint: there is no accuracy to evaluate; "
+                        f"ask for --samples N --out DIR (PNGs), --fid-samples N (FID, KID) "
+                        f"or --export FILE (the generator)")
+
+
+def load_generator(state, config, path, weights):
+    """A fresh generator (dcgan.build) holding the checkpoint's ``networks["generator"]``
+    (``"raw"``) or ``ema["generator"]`` (``"ema"``): CPU, float32, eval mode."""
+    checkpoint.require(state, path, ("networks",), "a GAN's generator is in it")
+    generator, _ = dcgan.build(config, config["in_channels"])
+    held = state["ema" if weights == "ema" else "networks"]["generator"]
+    tensors = checkpoint.unwrap_state_dict(held)
+    checkpoint.check_compatible(generator, tensors, path)
+    generator.load_state_dict(tensors)
+    return generator.eval()
+
+
+def real_images(config, n, batch_size, num_workers):
+    """The first ``n`` validation images of the run's dataset, in [-1, 1] as the generator
+    makes them (gan_metrics.to_generator_range undoes the normalisation)."""
+    _, val_set = tasks.build_datasets(dict(config, augment=False), say)
+    if len(val_set) < n:
+        raise UserError(f"--fid-samples {n}: the validation split of {config['dataset']} "
+                        f"has only {len(val_set)} images")
+    loader = data.build_loader(val_set, batch_size=batch_size, num_workers=num_workers,
+                               sampler=range(n))
+    try:
+        return torch.cat([gan_metrics.to_generator_range(x, val_set.transform)
+                          for x, _ in loader])  # (n, C, H, W)
+    finally:
+        data.shutdown_loader(loader)
+
+
+def sample_latents(n, latent_dim, seed):
+    """dcgan.fixed_latents for --samples, refused in one line where they alone would take
+    more than half the memory available (a mistyped N)."""
+    need, free = n * latent_dim * 4, runtime.available_memory()
+    if free and need > free // 2:
+        raise UserError(f"--samples {n}: the latents alone need {need / 2**30:.1f} GiB, more "
+                        f"than half the {free / 2**30:.1f} GiB of memory available")
+    return dcgan.fixed_latents(n, latent_dim, seed)
+
+
+def write_samples(generator, latents, out_dir, batch_size):
+    """The generator's image of each latent as a PNG, ``out_dir/000000.png`` on (grey for
+    one channel, RGB for three), each written atomically; returns the file names.
+
+    Raises:
+        OutputError: a write failed (a full disk); files written before are whole.
+    """
+    names = []
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        for chunk in latents.split(batch_size):
+            pixels = dcgan.to_uint8(dcgan.generate(generator, chunk, batch_size)).cpu()
+            for image in pixels:  # (C, H, W) uint8
+                names.append(os.path.join(out_dir, f"{len(names):06d}.png"))
+                _write_png(image, names[-1])
+    except OSError as e:
+        raise export.output_failed("--out", names[-1] if names else out_dir, e) from None
+    older = sorted(f for f in os.listdir(out_dir)
+                   if re.fullmatch(r"\d{6,}\.png", f) and int(f[:-4]) >= len(names))
+    if older:  # kept (never deleted), but not of this run: say so
+        say(f"warning: {out_dir} also holds {len(older)} numbered PNGs that this run did "
+            f"not write ({older[0]} on)", file=sys.stderr)
+    return names
+
+
+def _write_png(image, path):
+    png = io.BytesIO()
+    Image.fromarray(image.permute(1, 2, 0).squeeze(2).numpy()).save(png, "PNG")  # L or RGB
+    files.atomic_write(path, lambda f: f.write(png.getvalue()), "wb")
+
+
+def _scores_line(scores, n, config, args, seed):
+    if args.fid_features:
+        what = (f"on the penultimate features of the classifier {args.fid_features} (not "
+                f"Inception: comparable only with the same checkpoint)")
+    else:
+        what = "on Inception-v3's pool features"
+    s = "" if args.fid_features is None else "_classifier"
+    return (f"fid{s} {scores[f'fid{s}']:.4f}  kid{s} {scores[f'kid{s}']:.6f} (std "
+            f"{scores[f'kid_std{s}']:.6f}): {n} generated images (latents of seed {seed}) "
+            f"against the first {n} validation images of {config['dataset']}, {what}")
+
+
+def evaluate_gan(args, suffix, state, config, device, batch_size):
+    """A GAN checkpoint: --samples, --fid-samples, --export of the generator and --json;
+    returns the exit code. What can fail (the Inception file, the data) is tried before
+    anything is written."""
+    path = args.checkpoint
+    refuse_for_gan(args)
+    weights = choose_weights(state, args.weights, path)
+    generator = load_generator(state, config, path, weights)
+    seed = config["seed"] if args.seed is None else args.seed
+    latents = features = real = None
+    if args.samples:
+        latents = sample_latents(args.samples, config["latent_dim"], seed)
+    if args.fid_samples:
+        features = gan_metrics.build_features(args.fid_features).to(device)
+        real = real_images(config, args.fid_samples, batch_size, args.num_workers)
+    which = "the moving average of the generator" if weights == "ema" else "the generator"
+    say(f"checkpoint {path} (epoch {state.get('epoch', '?')}, step "
+        f"{state.get('step', '?')}, {which}): {config['network']} on {config['dataset']}, "
+        f"latents of {config['latent_dim']}, images {config['in_channels']}x"
+        f"{config['image_size']}x{config['image_size']}")
+    report = {"checkpoint": path, "task": "gan", "weights": weights, "seed": seed}
+    on_device = copy.deepcopy(generator).to(device)
+    if args.samples:
+        names = write_samples(on_device, latents, args.out, batch_size)
+        report["samples"] = {"count": len(names), "dir": args.out}
+        say(f"wrote {len(names)} samples to {args.out} ({os.path.basename(names[0])} to "
+            f"{os.path.basename(names[-1])}; latents of seed {seed})")
+    if features is not None:
+        scores = gan_metrics.generator_scores(on_device, real, features, args.fid_samples,
+                                              seed, batch_size)
+        report.update(fid_samples=args.fid_samples, fid_features=args.fid_features,
+                      **scores)
+        say(_scores_line(scores, args.fid_samples, config, args, seed))
+
+    def export_generator():  # latents in, images out; the CPU generator, checked
+        metadata = export.generator_metadata(config, state, path, weights)
+        ok = export_checked(args, suffix, generator, (config["latent_dim"],), metadata,
+                            report, export.GENERATOR_NAMES)
+        return 0 if ok else EXIT_FAILED
+
+    return export_and_report(args, report, export_generator if suffix else None)
 
 
 # ------------------------------------------------------------------------------ main
@@ -727,6 +971,9 @@ def evaluate_and_export(args):
     if args.quantize and config["task"] != "classification":
         raise UserError(f"--quantize measures a classifier's accuracy cost; {args.checkpoint!r} "
                         f"is a {config['task']} checkpoint: export it without --quantize")
+    if config["task"] == "gan":
+        return evaluate_gan(args, suffix, state, config, device, batch_size)
+    refuse_gan_flags(args, config)
 
     # 3. Data and network, evaluated as training validated (the training split unaugmented:
     #    --quantize int8 calibrates on it).
@@ -745,11 +992,19 @@ def evaluate_and_export(args):
 
     # 4. Export: a fresh CPU network, checked against itself after reloading; an ONNX file
     #    is also evaluated (and quantized). The JSON holds whatever was done.
+    export_step = None if suffix is None else lambda: export_and_compare(
+        args, suffix, net, state, config, train_set, val_set, batch_size, report)
+    return export_and_report(args, report, export_step)
+
+
+def export_and_report(args, report, export_step):
+    """Runs ``export_step`` (or nothing: None), then writes --json whatever it did; a
+    write or quantization failure is raised after the JSON is written. Returns the exit
+    code."""
     failure, code = None, 0
-    if suffix is not None:
+    if export_step:
         try:
-            code = export_and_compare(args, suffix, net, state, config, train_set, val_set,
-                                      batch_size, report)
+            code = export_step()
         except (OutputError, QuantizationError) as e:
             failure = e
     if args.json:
@@ -765,22 +1020,30 @@ def export_and_compare(args, suffix, net, state, config, train_set, val_set, bat
     """--export (and --quantize): writes, checks and measures; returns the exit code."""
     shape = (val_set.in_channels, val_set.image_size, val_set.image_size)
     metadata = export.export_metadata(config, val_set, state, args.checkpoint)
-    ok, worst = export.export_network(net, args.export, suffix, shape, metadata)
+    if not export_checked(args, suffix, net, shape, metadata, report):
+        return EXIT_FAILED
+    if suffix == ".onnx" and config["task"] == "classification":  # measured: accuracy
+        compare_onnx(args, net, val_set, train_set, config, batch_size, report, metadata)
+    return 0
+
+
+def export_checked(args, suffix, net, shape, metadata, report, names=None):
+    """export.export_network to --export, and its parity check said: the ``error:`` line
+    (False), or report["export"] and a line (True). ``names``: ONNX's input and output."""
+    ok, worst = export.export_network(net, args.export, suffix, shape, metadata, names)
     sizes = ", ".join(str(n) for n in sorted(EXPORT_BATCHES))
     if not ok:
         say(f"error: the {EXPORT_KINDS[suffix]} artifact's outputs differ from the eager "
             f"network's (max abs difference {worst:.3g} at batch sizes {sizes}; tolerance "
             f"rtol {export.EXPORT_RTOL:g}, atol {export.EXPORT_ATOL:g}); {args.export} not "
             f"written", file=sys.stderr)
-        return EXIT_FAILED
+        return False
     size = os.path.getsize(args.export)
     report["export"] = {"format": EXPORT_KINDS[suffix], "file": args.export, "bytes": size,
                         "max_abs_diff": worst}
     say(f"exported {EXPORT_KINDS[suffix]} to {args.export} ({_size(size)}, dynamic batch); "
         f"max abs difference from the eager network {worst:.3g} at batch sizes {sizes}")
-    if suffix == ".onnx" and config["task"] == "classification":  # measured: accuracy
-        compare_onnx(args, net, val_set, train_set, config, batch_size, report, metadata)
-    return 0
+    return True
 
 
 if __name__ == "__main__":

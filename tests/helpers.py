@@ -321,3 +321,61 @@ def slow(self, index):
 decoded_cache._Decoding.__getitem__ = slow
 sys.exit(train.main({args!r}))
 """  # train.main in a subprocess whose cache build decodes an image a tenth of a second
+
+
+def gan_config(**overrides):
+    """The resolved config of a small ``--task gan`` run (issue 27's keys): DCGAN at 28 px,
+    one channel, width 8, latents of 8, on the synthetic set."""
+    return with_defaults({"task": "gan", "network": "dcgan", "dataset": "synthetic",
+                          "data_dir": "data", "seed": 3, "image_size": 28, "latent_dim": 8,
+                          "gan_loss": "vanilla", "gan_spectral_norm": False,
+                          "gan_attention": False, "gan_width": 8, "in_channels": 1,
+                          "fid_samples": 16, "fid_features": None, "synthetic_size": 40,
+                          "num_classes": 2, "batch_size": 8, **overrides})
+
+
+def _trained_a_little(generator, seed):
+    """``generator`` with weights from ``seed`` and BatchNorm running statistics moved off
+    their start (as training leaves them), so that eval and train mode differ."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in generator.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+        generator.train()
+        for _ in range(3):
+            generator(torch.randn(16, generator.latent_dim, generator=g))
+    return generator.eval()
+
+
+def write_gan_checkpoint(path, ema=False, **config_overrides):
+    """A GAN checkpoint in train.py's format 3 (checkpoint.save_checkpoint: checksummed):
+    ``networks`` and ``optimizers`` by name (generator, discriminator), ``ema`` with
+    ``{"generator": ...}`` when ``ema``, every resume key, no ``model``/``optimizer``.
+
+    Returns:
+        The dict saved (its generators' weights are what test.py must load).
+    """
+    import checkpoint
+    import dcgan
+
+    config = gan_config(**config_overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config["seed"])
+        generator, discriminator = dcgan.build(config, config["in_channels"])
+        average, _ = dcgan.build(config, config["in_channels"])
+    _trained_a_little(generator, 1)
+    networks = {"generator": generator, "discriminator": discriminator}
+    progress = {"epoch": 1, "step": 5}
+    rng = checkpoint.rng_state()
+    state = {"format": checkpoint.FORMAT_VERSION, "version": checkpoint.PROJECT_VERSION,
+             "threads": torch.get_num_threads(), "epoch": 1, "step": 5,
+             "progress": progress, "rng": rng, "rng_per_rank": [rng], "scaler": {},
+             "scheduler": {"step": 5}, "data": {"train": {"size": 40}},
+             "config": config,
+             "networks": {name: net.state_dict() for name, net in networks.items()},
+             "optimizers": {name: torch.optim.Adam(net.parameters()).state_dict()
+                            for name, net in networks.items()}}
+    if ema:  # another generator: which of the two test.py takes shows in its images
+        state["ema"] = {"generator": _trained_a_little(average, 2).state_dict()}
+    checkpoint.save_checkpoint(state, path)
+    return state
