@@ -237,8 +237,8 @@ def to_generator_range(images, transform):
     x = images.float()
     if not found:
         return x
-    mean = torch.tensor(found[-1].mean, dtype=torch.float32).view(1, -1, 1, 1)
-    std = torch.tensor(found[-1].std, dtype=torch.float32).view(1, -1, 1, 1)
+    mean = torch.tensor(found[-1].mean, dtype=torch.float32, device=x.device).view(1, -1, 1, 1)
+    std = torch.tensor(found[-1].std, dtype=torch.float32, device=x.device).view(1, -1, 1, 1)
     return (x * std + mean) * 2 - 1  # (N, C, H, W): pixels / 255 -> [-1, 1]
 
 

@@ -529,8 +529,8 @@ class GAN:
     of a step's samples at once, and each micro-batch of each process takes its own
     slice (``engine.Where``): accumulation and any number of processes draw what one
     large batch draws. Real images are brought to [-1, 1] (the generator's tanh range):
-    the dataset's normalisation is undone; the synthetic set (about N(0, 1)) is divided
-    by 3 and clamped. Labels are ignored.
+    the dataset's normalisation is undone (the synthetic set, about N(0, 1), is taken as
+    it is). Labels are ignored.
 
     Args:
         config: the run's (``gan_loss``, ``gp_weight``, ``latent_dim``, ``seed``,
@@ -555,20 +555,15 @@ class GAN:
         self.best = f"fid{suffix}"
         self.train_figures = ("loss_d", "loss_g", "d_real", "d_fake", "gradient_penalty",
                               "grad_norm_discriminator", "grad_norm_generator")
-        self.synthetic = config["dataset"] == "synthetic"
-        self.mean, self.std = _normalisation(train_set)
+        self.transform = train_set.transform  # its normalisation, undone for the real images
 
     def to_device(self, batch, device, memory_format):
-        """The real images on ``device`` in [-1, 1], and the labels (unused)."""
+        """The real images on ``device`` in [-1, 1] (``gan_metrics.to_generator_range``,
+        as test.py takes them), and the labels (unused)."""
+        import gan_metrics
+
         x, y = to_device(batch, device, memory_format)
-        if self.synthetic:
-            return (x / 3).clamp_(-1, 1), y
-        if self.mean is not None:
-            shape = (1, -1, 1, 1)
-            mean = torch.tensor(self.mean, device=device).view(shape)
-            std = torch.tensor(self.std, device=device).view(shape)
-            x = x * std + mean  # back to [0, 1]
-        return x * 2 - 1, y
+        return gan_metrics.to_generator_range(x, self.transform), y
 
     @staticmethod
     def prepare(x, y, epoch, batch):
@@ -630,15 +625,6 @@ class GAN:
         return (self.latent_dim,)
 
 
-def _normalisation(dataset):
-    """``(mean, std)`` of the normalisation a dataset's transform ends with, or Nones."""
-    transform = dataset.transform
-    for step in getattr(transform, "transforms", [transform]):
-        if hasattr(step, "mean") and hasattr(step, "std"):
-            return tuple(step.mean), tuple(step.std)
-    return None, None
-
-
 class GANEvaluation:
     """One GAN evaluation: the first ``fid_samples`` real validation images, then (in
     ``result``) as many of the generator's images from the fixed latents, their FID and
@@ -691,14 +677,12 @@ class GANEvaluation:
                             f"{len(real)} images; lower --fid-samples")
         result = None
         if self.rank == 0:
-            device = next(self.generator.parameters()).device
-            task.features.to(device)
-            latents = dcgan.fixed_latents(max(task.fid_samples, task.grid), task.latent_dim,
-                                          task.seed)  # the grid's are the first of them
-            fake = dcgan.generate(self.generator, latents[:task.fid_samples])
-            result = gan_metrics.measure(task.features, real, fake, task.seed)
+            task.features.to(next(self.generator.parameters()).device)
+            result = gan_metrics.generator_scores(  # as test.py measures a checkpoint
+                self.generator, real, task.features, task.fid_samples, task.seed)
             result["count"] = len(real)
-            result["grid"] = dcgan.sample_grid(self.generator, latents[:task.grid])
+            result["grid"] = dcgan.sample_grid(
+                self.generator, dcgan.fixed_latents(task.grid, task.latent_dim, task.seed))
         if self.world > 1:
             import torch.distributed as dist
 

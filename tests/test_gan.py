@@ -1,12 +1,13 @@
 """--task gan through train.py: phases, checkpoints by name, FID, and the promises a
 classifier keeps (exact resume, N processes == 1, accumulation, AMP)."""
 
+import json
 import os
 import signal
 
 import pytest
 import torch
-from conftest import assert_states_equal, events, final_state, read_metrics
+from conftest import assert_states_equal, events, final_state, load_test_py, read_metrics
 from helpers import stop_at_step, torchrun
 
 import config as config_module
@@ -85,6 +86,16 @@ def test_checkpoints_hold_each_network_and_optimizer_by_name(trained):
         assert optimizer["param_groups"][0]["betas"] == (0.5, 0.999)
 
 
+def test_test_py_measures_the_fid_train_py_logged(trained, features, tmp_path):
+    report = tmp_path / "r.json"
+    assert load_test_py().main(["--checkpoint", str(trained / "checkpoints" / "last.pt"),
+                                "--fid-samples", "8", "--fid-features", features, "--json",
+                                str(report), "--device", "cpu", "--num-workers", "0"]) == 0
+    got, logged = json.loads(report.read_text()), read_metrics(trained)[-1]
+    assert got["fid_classifier"] == pytest.approx(logged["val_fid_classifier_ema"], rel=1e-6)
+    assert got["kid_classifier"] == pytest.approx(logged["val_kid_classifier_ema"], rel=1e-6)
+
+
 def test_best_pt_follows_the_lowest_fid(trained):
     records = read_metrics(trained)
     fids = [r["val_fid_classifier_ema"] for r in records]  # the EMA's: --ema-decay is on
@@ -123,10 +134,17 @@ TIMES = ("compute_efficiency", "data_time", "compute_time", "epoch_time", "sampl
          "tflops")
 
 
+# Plain SGD for the equalities below: two players amplify the rounding of the two sums'
+# orders step after step, and Adam (a gradient that is only rounding, divided by its own
+# root mean square, is a whole step) and momentum amplify it faster; with plain SGD, two
+# epochs end within 1e-8 of each other.
+EQUAL = ("--no-gan-batch-norm", "--optimizer", "sgd", "--lr", "0.01", "--momentum", "0")
+
+
 def test_accumulation_equals_the_large_batch(tmp_path, features):
     big, accumulated = tmp_path / "big", tmp_path / "acc"
-    assert train.main(gan_args(big, features, "--no-gan-batch-norm", batch=16)) == 0
-    assert train.main(gan_args(accumulated, features, "--no-gan-batch-norm",
+    assert train.main(gan_args(big, features, *EQUAL, "--d-steps", "2", batch=16)) == 0
+    assert train.main(gan_args(accumulated, features, *EQUAL, "--d-steps", "2",
                                "--virtual-batch-size", "16", batch=4)) == 0
     torch.testing.assert_close(final_state(accumulated)["networks"],
                                final_state(big)["networks"])
@@ -134,12 +152,8 @@ def test_accumulation_equals_the_large_batch(tmp_path, features):
 
 
 def test_two_processes_of_8_train_like_one_of_16(tmp_path, features):
-    """SGD: Adam divides each step by the root of its second moment, so where a gradient is
-    only rounding (a bias the loss hardly moves) the two sums' different roundings become
-    whole steps of different sizes."""
     one, two = tmp_path / "one", tmp_path / "two"
-    flags = ("--no-gan-batch-norm", "--d-steps", "2", "--ema-decay", "0.9", "--optimizer",
-             "sgd", "--lr", "0.01")
+    flags = (*EQUAL, "--d-steps", "2", "--ema-decay", "0.9")
     assert train.main(gan_args(one, features, *flags, batch=16)) == 0
     torchrun(gan_args(two, features, *flags, batch=8))
     torch.testing.assert_close(final_state(two)["networks"], final_state(one)["networks"])

@@ -354,7 +354,7 @@ def _classifier_format(state):  # a classifier's keys, its config saying GAN
                                                   "one of 28, 32, 64"),
     (lambda s: s["config"].update(in_channels=2), "its config's in_channels is 2"),
     (lambda s: s["config"].update(gan_width=16), "does not fit this network"),
-    (_classifier_format, "lacks 'networks' (the networks' weights)"),
+    (_classifier_format, "lacks 'networks' (the weights): a GAN's generator"),
 ])
 def test_a_malformed_gan_checkpoint_is_one_line(change, match, tmp_path, test_py, capsys):
     ckpt = tmp_path / "gan.pt"

@@ -154,7 +154,7 @@ def test_an_older_checkpoint_without_a_key_is_one_line_naming_it(tmp_path, keys,
 
 def test_a_training_checkpoint_without_weights_is_one_line_everywhere(tmp_path, capsys):
     path = without(tmp_path, "model")
-    named = f"checkpoint {str(path)!r} lacks 'model' (the weights)"
+    named = f"checkpoint {str(path)!r} lacks 'model' or 'networks' (the weights)"
     assert train.main(fixture_args(tmp_path / "a", "--resume", str(path))) == 2
     assert named in one_error_line(capsys.readouterr().err)
     assert load_test_py().main(["--checkpoint", str(path), "--device", "cpu"]) == 2
@@ -166,7 +166,8 @@ def test_a_training_checkpoint_without_weights_is_one_line_everywhere(tmp_path, 
     shutil.copy(path, auto / "checkpoints" / "last.pt")
     before = snapshot(auto)
     assert train.main(fixture_args(auto, "--resume", "auto")) == 2  # not skipped
-    assert "last.pt' lacks 'model' (the weights)" in one_error_line(capsys.readouterr().err)
+    assert "last.pt' lacks 'model' or 'networks' (the weights)" in \
+        one_error_line(capsys.readouterr().err)
     assert snapshot(auto) == before
 
 
