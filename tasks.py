@@ -37,7 +37,6 @@ A micro-batch weighs its number of samples (the sampler's plan), for every task.
 
 
 import dataclasses
-import math
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +44,8 @@ import torch.nn.functional as F
 import data
 import dcgan
 import device_data
+import engine
+import gan_metrics
 import losses
 import recipes
 import seg_metrics
@@ -543,8 +544,6 @@ class GAN:
     grid = 64  # fixed latents shown as a grid in TensorBoard at each validation
 
     def __init__(self, config, train_set):
-        import gan_metrics
-
         self.kind, self.gp_weight = config["gan_loss"], config["gp_weight"]
         self.latent_dim, self.seed = config["latent_dim"], config["seed"]
         self.fid_samples = config["fid_samples"]
@@ -560,8 +559,6 @@ class GAN:
     def to_device(self, batch, device, memory_format):
         """The real images on ``device`` in [-1, 1] (``gan_metrics.to_generator_range``,
         as test.py takes them), and the labels (unused)."""
-        import gan_metrics
-
         x, y = to_device(batch, device, memory_format)
         return gan_metrics.to_generator_range(x, self.transform), y
 
@@ -642,8 +639,6 @@ class GANEvaluation:
     def __init__(self, task, model):
         self.task, self.real, self.have = task, [], 0
         generator = model["generator"] if isinstance(model, torch.nn.ModuleDict) else model
-        import engine
-
         self.generator = engine.bare(generator)
         self.world, self.rank = 1, 0
 
@@ -668,8 +663,6 @@ class GANEvaluation:
     def result(self):
         """``fid``/``kid``/``kid_std`` (``_classifier`` with --fid-features), ``count``
         (images on each side) and ``grid`` (an (H, W, 3) uint8 array)."""
-        import gan_metrics
-
         task = self.task
         real = torch.cat(self.real)[:task.fid_samples] if self.real else torch.zeros(0)
         if len(real) < task.fid_samples:
@@ -690,9 +683,3 @@ class GANEvaluation:
             dist.broadcast_object_list(shared, src=0)
             result = shared[0]
         return result
-
-
-def lower_better_value(value):
-    """A figure where lower is better (FID) as the higher-is-better number best.pt and
-    --early-stop-* compare: its negative; NaN (a diverged generator) never the best."""
-    return -math.inf if value != value else -value

@@ -309,3 +309,35 @@ def test_the_dcgan_recipes_are_the_papers(name):
     assert (config["task"], config["network"], config["optimizer"]) == ("gan", "dcgan", "adam")
     assert config["lr"] == config["lr_d"] == 2e-4 and config["betas"] == [0.5, 0.999]
     assert config["batch_size"] == 128 and config["augment"] is False
+
+
+def test_the_readme_gan_commands_run_as_written(tmp_path):
+    """The README's first three GAN commands, from a directory holding MNIST and, as the
+    repository does, configs/."""
+    import re
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from helpers import write_mnist
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    block = re.search(r"## GANs\n.*?```bash\n(.*?)```", readme, flags=re.DOTALL)
+    commands = [line.split("#")[0].split() for line in block.group(1).splitlines()][:3]
+    assert [c[:2] for c in commands] == [["python", "train.py"]] * 2 + [["python", "test.py"]]
+    write_mnist(tmp_path / "data", train=40, test=12)
+    os.symlink(os.path.join(ROOT, "configs"), tmp_path / "configs")
+    small = {0: ["--epochs", "1", "--batch-size", "8"],  # smaller than written, same flags
+             1: ["--epochs", "1", "--batch-size", "8", "--fid-samples", "8", "--gan-width",
+                 "8"],
+             2: []}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for i, argv in enumerate(commands):
+        result = subprocess.run([sys.executable, os.path.join(ROOT, argv[1]), *argv[2:],
+                                 *small[i], "--device", "cpu", "--num-workers", "0"],
+                                cwd=tmp_path, capture_output=True, text=True, env=env,
+                                timeout=600)
+        assert result.returncode == 0, result.stderr[-2000:]
+    pngs = sorted(os.listdir(tmp_path / "samples"))
+    assert len(pngs) == 64 and pngs[0] == "000000.png"
+    assert "val_fid_classifier" in read_metrics(tmp_path / "runs" / "dcgan-mnist")[-1]
