@@ -41,8 +41,9 @@ class OneLineParser(argparse.ArgumentParser):
 
 def build_parser():
     """The command-line flags; YAML recipes use the same names with underscores."""
-    p = OneLineParser(prog="train.py", description="Train an image classifier.",
-                      formatter_class=_HelpFormatter)
+    p = OneLineParser(prog="train.py", formatter_class=_HelpFormatter,
+                      description="Train an image model: a classifier, a segmentation "
+                      "network or a GAN.")
     p.add_argument("--config", default=None, help="YAML recipe; its keys are these flags' "
                    "names with underscores; flags given here override it (default: none)")
     _data_flags(p.add_argument_group("data"))

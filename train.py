@@ -1,4 +1,5 @@
-"""Train an image model: a classifier, or a segmentation network (--task segmentation).
+"""Train an image model: a classifier, a segmentation network (--task segmentation) or a
+GAN (--task gan: two networks, two optimizers, in phases).
 
     python train.py                                    # CIFAR-10, the default recipe
     python train.py --dataset synthetic --epochs 2     # no download, seconds on a CPU
@@ -11,7 +12,7 @@ processes, data, network, optimizer, resume; then the epoch loop (``run_epochs``
 step loop (``run_epoch``), where logging, checkpoints and stopping are decided in plain
 sight. Everything else is one hop away:
 
-    what is trained: a batch, its loss, its figures          tasks.py
+    what is trained: a batch, its loss, its figures          tasks.py (a GAN's: dcgan.py)
     the training step (forward, backward, optimizer step)    engine.steps
     validation                                               engine.evaluate
     the optimizer and its hyper-parameters                   ops.build_optimizer

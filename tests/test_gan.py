@@ -3,6 +3,7 @@ classifier keeps (exact resume, N processes == 1, accumulation, AMP)."""
 
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -341,3 +342,16 @@ def test_the_readme_gan_commands_run_as_written(tmp_path):
     pngs = sorted(os.listdir(tmp_path / "samples"))
     assert len(pngs) == 64 and pngs[0] == "000000.png"
     assert "val_fid_classifier" in read_metrics(tmp_path / "runs" / "dcgan-mnist")[-1]
+
+
+@pytest.mark.parametrize("yaml_text, words", [
+    ("betas: 0.5\n", "--betas must be two numbers, not 0.5"),
+    ("betas: [0.5, 1.0]\n", "--betas must each be in [0, 1) (got [0.5, 1.0])"),
+    ("betas: [0.5, .nan]\n", "--betas must be a finite number"),
+])
+def test_adams_betas_are_two_numbers_below_one(tmp_path, yaml_text, words):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml_text)
+    with pytest.raises(config_module.UserError, match=re.escape(words)):
+        config, _ = config_module.parse_config(["--config", str(recipe)])
+        config_module.check_config(config)
