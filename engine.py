@@ -557,7 +557,9 @@ class Where:
     not depend on how the step was split (a GAN's latents): this process's samples are
     ``offset`` to ``offset + count`` of the step's ``step_samples`` (all processes, all
     micro-batches), and the step starts at sample ``first`` of epoch ``epoch``'s order.
-    ``repeat`` is set by ``_phase_steps`` (a phase trained several times per step)."""
+    ``repeat`` is set by ``_phase_steps`` (a phase trained several times per step), and
+    ``alone`` when the micro-batch is its step's only one (what a phase makes may then be
+    kept, with its graph, for a later phase of the same step)."""
 
     epoch: int
     first: int
@@ -565,6 +567,7 @@ class Where:
     count: int
     step_samples: int
     repeat: int = 0
+    alone: bool = False
 
 
 def _where(sampler, plan, epoch, first, accum, k):
@@ -584,12 +587,16 @@ def _phase_steps(model, optimizer, task, loop, held):
     """One optimizer step of each of the task's phases, in order, over the step's held
     micro-batches: each phase accumulates its loss, weighted by sample, over all of them
     (``no_sync`` but for the last), then clips and steps its own optimizer; a phase with
-    ``repeats`` does so that many times. Only the phase's network has gradients: the
-    others' parameters are set not to require them meanwhile (each network is called
-    through its own DDP wrapper when it trains, bare otherwise). One GradScaler scales
-    every phase and is updated once, after the last (PyTorch's AMP recipe for several
-    models and optimizers); a repeated phase (--d-steps 2) updates it between its steps
-    too, as the GradScaler steps each optimizer once between updates.
+    ``repeats`` does so that many times. Only the phase's network gets gradients: the
+    parameters of the networks earlier phases trained do not require them meanwhile (a
+    GAN's discriminator, through which the generator's loss flows); a later phase's
+    network may run with its graph kept for its own phase (the generator's images, which
+    the discriminator's loss takes detached). Each network is called through its own DDP
+    wrapper when it trains or keeps a graph, bare otherwise. ``kept`` is a scratch dict
+    per micro-batch that the step's phases share (``task.phase_loss``'s last argument).
+    One GradScaler scales every phase and is updated once, after the last (PyTorch's AMP
+    recipe for several models and optimizers); a repeated phase (--d-steps 2) updates it
+    between its steps too, as the GradScaler steps each optimizer once between updates.
 
     The training loss (``Counters.add_loss``) of a micro-batch is the sum of its phases'
     losses (a repeated phase's: their mean); each phase's own figures
@@ -600,19 +607,21 @@ def _phase_steps(model, optimizer, task, loop, held):
     total = sum(n for _, _, n, _ in held) * world  # the step's samples, all processes
     plain = {name: bare(m) for name, m in model.items()}
     totals = [0.0] * len(held)
+    kept = [{} for _ in held]  # what a phase leaves for a later one, per micro-batch
     stepped = set()  # the optimizers the scaler stepped since its last update
+    earlier = set()  # the networks of the phases before this one
     for phase in task.phases:
-        for name, net in plain.items():  # the other networks get no gradient
-            net.requires_grad_(name == phase.network)
+        for name, net in plain.items():  # gradients through them are not theirs
+            net.requires_grad_(name not in earlier or name == phase.network)
         wrapped = model[phase.network]
         for repeat in range(phase.repeats):
             for i, (x, y, local_n, where) in enumerate(held):
-                where = dataclasses.replace(where, repeat=repeat)
+                where = dataclasses.replace(where, repeat=repeat, alone=len(held) == 1)
                 no_sync = world > 1 and i + 1 < len(held)
                 with wrapped.no_sync() if no_sync else contextlib.nullcontext():
                     with loop.autocast():
                         loss, figures = task.phase_loss(phase.network, model, plain, x, y,
-                                                        where)
+                                                        where, kept[i])
                     weight = local_n * world / total
                     scaler.scale(loss * weight if weight != 1.0 else loss).backward()
                 totals[i] = totals[i] + loss.detach().float() / phase.repeats
@@ -624,6 +633,7 @@ def _phase_steps(model, optimizer, task, loop, held):
                                    loop, update=False)
             stepped.add(phase.network)
             loop.counters.add_figures({f"grad_norm_{phase.network}": norm}, 1)
+        earlier.add(phase.network)
     for net in plain.values():
         net.requires_grad_(True)
     scaler.update()

@@ -29,8 +29,10 @@ What a task provides (``Classification`` is the reference; ``build_task`` picks 
                                                FLOPs are counted on
 
 A task with several networks (``GAN``) declares ``phases`` (``Phase``: the network each
-trains, with the optimizer of the same name, and how often per step) and a
-``phase_loss`` instead of ``loss``; the engine runs them (``engine._phase_steps``).
+trains, with the optimizer of the same name, and how often per step) and
+``phase_loss(network, model, plain, inputs, targets, where, kept)`` instead of ``loss``;
+the engine runs them (``engine._phase_steps``), and ``lower_is_better`` when its best
+figure is one (an FID).
 
 A micro-batch weighs its number of samples (the sampler's plan), for every task.
 """
@@ -523,8 +525,9 @@ class Phase:
 class GAN:
     """A GAN (dcgan.py's generator and discriminator): per step the discriminator's phase
     (``--d-steps`` times, each with new latents on the same real batch), then the
-    generator's; FID and KID of the generator's images from fixed latents at each
-    validation (gan_metrics.py), the lowest FID picking best.pt.
+    generator's on the images the discriminator last judged; FID and KID of the
+    generator's images from fixed latents at each validation (gan_metrics.py), the lowest
+    FID picking best.pt.
 
     Latents are drawn from (seed, epoch, the step's first sample, phase, repeat) for all
     of a step's samples at once, and each micro-batch of each process takes its own
@@ -576,20 +579,35 @@ class GAN:
         z = torch.randn(where.step_samples, self.latent_dim, generator=g)
         return z[where.offset:where.offset + where.count].to(device, non_blocking=True)
 
-    def phase_loss(self, network, model, plain, x, y, where):
+    def phase_loss(self, network, model, plain, x, y, where, kept):
         """The loss of ``network``'s phase for one micro-batch and its figures (detached).
 
-        The discriminator's: ``dcgan.discriminator_loss`` on the real images and the bare
-        generator's images (its parameters do not require gradients in this phase, so
-        nothing reaches it); the generator's: ``dcgan.generator_loss`` through the bare
-        discriminator. ``model`` holds the wrapped networks (DDP), ``plain`` the bare ones.
+        The discriminator's: ``dcgan.discriminator_loss`` on the real images and the
+        generator's images of new latents (detached: nothing reaches the generator). The
+        generator's: ``dcgan.generator_loss`` through the bare discriminator (its
+        parameters do not require gradients in this phase) on the images the
+        discriminator's last repeat judged, as the PyTorch example's loop does: made with
+        their graph and kept when the micro-batch is its step's only one (``where.alone``),
+        else (accumulation: every micro-batch's graph would be held) made again from the
+        kept latents, the same images. ``model`` holds the wrapped networks (DDP),
+        ``plain`` the bare ones, ``kept`` this micro-batch's scratch for the step.
         """
+        if network == "generator":
+            fake = kept.pop("fake", None)
+            if fake is None:
+                fake = model["generator"](kept.pop("z"))
+            return dcgan.generator_loss(plain["discriminator"], fake, self.kind)
         z = self.latents(network, where, x.device)
-        if network == "discriminator":
-            fake = plain["generator"](z)
-            return dcgan.discriminator_loss(model["discriminator"], x, fake, self.kind,
-                                            self.gp_weight)
-        return dcgan.generator_loss(plain["discriminator"], model["generator"](z), self.kind)
+        last = where.repeat == self.phases[0].repeats - 1
+        if last and where.alone:  # the generator's phase back-propagates through these
+            fake = kept["fake"] = model["generator"](z)
+        else:
+            with torch.no_grad():
+                fake = plain["generator"](z)
+            if last:
+                kept["z"] = z
+        return dcgan.discriminator_loss(model["discriminator"], x, fake, self.kind,
+                                        self.gp_weight)
 
     @staticmethod
     def averaged(net):

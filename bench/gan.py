@@ -16,10 +16,11 @@ it for the same number of steps, side by side in one run:
   the discriminator's step on BCE(D(real), 1) + BCE(D(G(z).detach()), 0), then the
   generator's on BCE(D(G(z)), 1) (non-saturating; logits and ``BCEWithLogitsLoss``
   where the example has a sigmoid and ``BCELoss``: the same loss, stable).
-* train.py: ``python train.py --task gan --network dcgan --dataset imagefolder`` with the
-  same recipe, its ``samples_per_sec`` and ``val_fid_classifier`` read from
-  metrics.jsonl. Until train.py has ``--task gan`` that side says so in one line and the
-  script exits 0.
+* train.py: ``python train.py --task gan --network dcgan --dataset imagefolder
+  --data-on-device on`` with the same recipe for the same steps (``--steps`` is rounded up
+  to whole epochs), its last epoch's steps/s and its ``val_fid_classifier`` read from
+  metrics.jsonl. (A train.py without ``--task gan`` is said in one line; the script then
+  exits 0.) Its data path holds the images decoded once, as the plain loop holds them.
 
 The FID of each is measured the same way (gan_metrics.py): ``--fid-samples`` images from
 the fixed latents of ``--seed`` against as many validation images, on the penultimate
@@ -198,20 +199,31 @@ def has_gan_task():
 
 
 def train_py(root, args, device, features_path, run_dir):
-    """train.py with the same recipe: ``(steps/s, FID/KID dict)`` from metrics.jsonl."""
+    """train.py with the same recipe for ``--steps`` steps (whole epochs: ``steps_of``):
+    ``(steps/s, FID/KID dict)`` from metrics.jsonl. Steps/s is the last epoch's (warm, as
+    the plain loop's clock starts after ``--warmup`` steps); the data path is the device
+    path (``--data-on-device on``: the images decoded once and held as a uint8 tensor, as
+    the plain loop holds them), validation only at the end."""
+    epochs = args.steps // steps_per_epoch(args)
     last = run_train_py(
         ["--task", "gan", "--network", "dcgan", "--dataset", "imagefolder", "--data-dir",
          root, "--image-size", str(args.image_size), "--no-augment", "--latent-dim",
          str(args.latent_dim), "--gan-width", str(args.width), "--gan-loss", "vanilla",
-         "--d-steps", "1", "--max-steps", str(args.steps), "--epochs", "1000000",
+         "--d-steps", "1", "--epochs", str(epochs), "--eval-every", str(epochs),
          "--batch-size", str(args.batch_size), "--optimizer", "adam", "--lr", str(args.lr),
          "--betas", "0.5", "0.999", "--weight-decay", "0", "--scheduler", "none",
          "--warmup-epochs", "0", "--fid-samples", str(args.fid_samples), "--fid-features",
-         features_path, "--num-workers", str(args.workers), "--device", str(device),
-         "--seed", str(args.seed)], run_dir)
+         features_path, "--num-workers", str(args.workers), "--data-on-device", "on",
+         "--log-every", "1000000", "--device", str(device), "--seed", str(args.seed)],
+        run_dir)
     scores = {k[len("val_"):]: v for k, v in last.items()
               if k.startswith(("val_fid", "val_kid"))}
-    return last["samples_per_sec"] / args.batch_size, scores
+    return steps_per_epoch(args) / last["epoch_time"], scores
+
+
+def steps_per_epoch(args):
+    """Batches of one epoch of the training images (the last may be smaller)."""
+    return -(-args.samples // args.batch_size)
 
 
 def _row(side, rate, scores):
@@ -222,6 +234,9 @@ def _row(side, rate, scores):
 
 def main(argv=None):
     args = parse_args(argv)
+    per_epoch = steps_per_epoch(args)
+    args.steps = -(-args.steps // per_epoch) * per_epoch  # whole epochs, for train.py's
+    args.warmup = min(args.warmup, per_epoch - 1) if per_epoch > 1 else 0
     device, name = setup_device(args)
     work = tempfile.TemporaryDirectory(prefix="bench-gan-", dir=args.dir)
     root = os.path.join(work.name, "set")
