@@ -355,3 +355,22 @@ def test_adams_betas_are_two_numbers_below_one(tmp_path, yaml_text, words):
     with pytest.raises(config_module.UserError, match=re.escape(words)):
         config, _ = config_module.parse_config(["--config", str(recipe)])
         config_module.check_config(config)
+
+
+def test_a_steps_flops_count_each_network_as_the_phases_run_it():
+    """Per sample: D forward and backward on real and generated images (x2), G forward,
+    then D and G backward through the generator's images: measured against the two
+    networks' own counts."""
+    import ops
+
+    config = config_module.with_defaults({"task": "gan", "latent_dim": 16, "gan_width": 8})
+    net = dcgan.networks(config, 3)
+    cpu = torch.device("cpu")
+    g_fwd_bwd = ops.train_flops_per_sample(net["generator"], (16,), cpu)
+    d_fwd_bwd = ops.train_flops_per_sample(net["discriminator"], (3, 32, 32), cpu)
+    step = ops.train_flops_per_sample(dcgan.StepFlops(net["generator"], net["discriminator"]),
+                                      (16,), cpu)
+    # D's three forward and backward passes and G's one; through to G, D's backward also
+    # computes its first layer's input gradient (a fraction of a D pass). One G forward
+    # more (a third of g_fwd_bwd), made again for its own phase, would be over the bound.
+    assert g_fwd_bwd + 3 * d_fwd_bwd <= step < g_fwd_bwd + 3 * d_fwd_bwd + g_fwd_bwd / 6
