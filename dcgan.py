@@ -193,3 +193,147 @@ class StepFlops(nn.Module):
         fake = self.generator(z)
         total = total + d(fake.detach()).sum() + d(fake.detach()).sum()
         return total + d(fake).sum()
+
+
+def _criterion(kind):
+    if kind not in _LOSS_MODES:
+        raise ValueError(f"unknown GAN loss {kind!r}; choose one of {', '.join(GAN_LOSSES)}")
+    return losses.GANLoss(_LOSS_MODES[kind])
+
+
+def _shown(scores, kind):
+    """What a figure says of D's scores: the mean probability of "real" for vanilla (the
+    sigmoid of the logits), the mean output for lsgan (regressed to 1 for real, 0 for fake:
+    itself the probability-like value; a sigmoid of it would not be), the mean score for
+    hinge and wgan-gp."""
+    scores = scores.detach().float()
+    return torch.sigmoid(scores).mean() if kind == "vanilla" else scores.mean()
+
+
+def discriminator_loss(discriminator, real, fake, kind="vanilla", gp_weight=10.0):
+    """The discriminator's (critic's) loss for one step.
+
+    ``loss(D(real), real) + loss(D(fake), fake)`` with ``losses.GANLoss``; ``fake`` is
+    detached (nothing reaches the generator). ``wgan-gp`` adds
+    ``losses.gradient_penalty`` at ``gp_weight``; its interpolation draws from torch's
+    global generator.
+
+    Args:
+        discriminator: D, images to one score per image.
+        real: a batch of real images in [-1, 1].
+        fake: a batch of generated images of the same shape.
+        kind: ``vanilla``, ``lsgan``, ``hinge`` or ``wgan-gp`` (--gan-loss).
+        gp_weight: the gradient penalty's weight (wgan-gp only).
+
+    Returns:
+        ``(loss, figures)``: the scalar float32 loss to back-propagate, and detached scalar
+        tensors (no host read here): ``loss_d``; ``d_real`` and ``d_fake``, the mean
+        probability D gives real and fake images for vanilla (sigmoid of the logits), its
+        mean output for lsgan (trained towards 1 and 0), its mean score for hinge and
+        wgan-gp; ``gradient_penalty`` with wgan-gp only.
+
+    Raises:
+        ValueError: unknown ``kind``, or wgan-gp with a discriminator holding BatchNorm.
+    """
+    criterion = _criterion(kind)
+    # float32 scores: under bf16 autocast hinge's and WGAN's means would be bf16 (3 digits)
+    real_scores = discriminator(real).float()  # (N,)
+    fake_scores = discriminator(fake.detach()).float()  # (N,)
+    loss = criterion(real_scores, True) + criterion(fake_scores, False)
+    figures = {"d_real": _shown(real_scores, kind), "d_fake": _shown(fake_scores, kind)}
+    if kind == "wgan-gp":
+        if any(isinstance(m, nn.modules.batchnorm._BatchNorm)
+               for m in discriminator.modules()):
+            raise ValueError("wgan-gp needs a discriminator without BatchNorm: the gradient "
+                             "penalty treats each sample on its own")
+        penalty = losses.gradient_penalty(discriminator, real, fake, gp_weight)
+        loss = loss + penalty
+        figures["gradient_penalty"] = penalty.detach()
+    figures["loss_d"] = loss.detach()
+    return loss, figures
+
+
+def generator_loss(discriminator, fake, kind="vanilla"):
+    """The generator's loss for one step: D's verdict on ``fake`` (not detached).
+
+    vanilla: the non-saturating ``BCE(D(G(z)), real)``; lsgan: ``(D(G(z)) - 1) ** 2``;
+    hinge and wgan-gp: ``-mean(D(G(z)))``.
+
+    Args:
+        discriminator: D (its parameters get gradients too: the phase decides which
+            optimizer steps).
+        fake: generated images, attached to the generator's graph.
+        kind: ``vanilla``, ``lsgan``, ``hinge`` or ``wgan-gp``.
+
+    Returns:
+        ``(loss, {"loss_g": detached loss})``, float32 (under autocast too).
+    """
+    loss = _criterion(kind)(discriminator(fake).float(), True, for_discriminator=False)
+    return loss, {"loss_g": loss.detach()}
+
+
+def fixed_latents(n, latent_dim, seed):
+    """The fixed latent vectors of a run: the same for a seed on every machine and device.
+
+    Drawn on the CPU from a ``torch.Generator`` seeded with ``seed`` alone (never the
+    global generator, which training advances).
+
+    Args:
+        n: how many.
+        latent_dim: length of each.
+        seed: the seed.
+
+    Returns:
+        A float32 tensor ``(n, latent_dim)`` from N(0, 1), on the CPU.
+    """
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, latent_dim, generator=g)
+
+
+@torch.no_grad()
+def generate(generator, latents, batch_size=256):
+    """The generator's images for ``latents``, in eval mode (BatchNorm's running
+    statistics: the image of a latent does not depend on its batch), in batches.
+
+    Args:
+        generator: G.
+        latents: ``(n, latent_dim)``, on any device (moved to G's).
+        batch_size: latents per forward pass.
+
+    Returns:
+        Images ``(n, C, H, W)`` in [-1, 1], float32, on G's device. G's training mode is
+        put back afterwards.
+    """
+    device = next(generator.parameters()).device
+    was_training = generator.training
+    generator.eval()
+    try:
+        out = [generator(z.to(device)).float() for z in latents.split(batch_size)]
+    finally:
+        generator.train(was_training)
+    return torch.cat(out)
+
+
+def to_uint8(images):
+    """Images in [-1, 1] as uint8 in [0, 255]: ``round((x + 1) * 127.5)``, clamped."""
+    return ((images.float() + 1) * 127.5).round_().clamp_(0, 255).to(torch.uint8)
+
+
+def sample_grid(generator, latents, nrow=None):
+    """A grid of the generator's samples for the fixed latents, as TensorBoard takes it
+    (``runlog.image``).
+
+    Args:
+        generator: G (sampled in eval mode; its mode is put back).
+        latents: ``(n, latent_dim)``.
+        nrow: images per row (default: about the square root of n).
+
+    Returns:
+        An ``(H, W, 3)`` uint8 numpy array: the samples, [-1, 1] mapped to [0, 255],
+        2 px apart (grayscale repeated to three channels).
+    """
+    images = generate(generator, latents).cpu()  # (n, C, h, w)
+    n = len(images)
+    nrow = nrow or max(1, round(n ** 0.5))
+    grid = torchvision.utils.make_grid(to_uint8(images), nrow=nrow, padding=2)  # (3, H, W)
+    return grid.permute(1, 2, 0).contiguous().numpy()

@@ -270,6 +270,12 @@ def main(argv=None):
         print(f"targets: train.py steps/s / plain {t_rate / p_rate:.2f} (>= 0.95: "
               f"{'yes' if t_rate >= 0.95 * p_rate else 'no'}); FID {t_fid:.3f} vs "
               f"{p_fid:.3f} (no worse: {'yes' if t_fid <= p_fid else 'no'})")
+        # bench/gpu.sh collects these lines
+        print(f"figure: gan.plain.steps_per_s {p_rate:.2f}")
+        print(f"figure: gan.train_py.steps_per_s {t_rate:.2f}")
+        print(f"figure: gan.train_py_over_plain {t_rate / p_rate:.3f}")
+        print(f"figure: gan.plain.fid_classifier {p_fid:.3f}")
+        print(f"figure: gan.train_py.fid_classifier {t_fid:.3f}")
     return 0
 
 

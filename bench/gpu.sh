@@ -75,9 +75,17 @@ command -v "$PY" > /dev/null || { echo "error: no interpreter '$PY': set PYTHON"
 
 # Step rates of other kinds of training, one "name: command" entry each; the command
 # prints its own "figure:" lines and runs under GPU_SH_T_STEP_RATE. Segmentation runs
-# through train_run below (a unet on the synthetic shapes, device path, bf16); GAN training
-# adds its entry here when it exists.
-STEP_RATES=()
+# through train_run below (a unet on the synthetic shapes, device path, bf16); a GAN:
+# bench/gan.py, train.py's DCGAN steps/s against the PyTorch example's loop (and FID).
+if [ "$profile" = smoke ]; then
+  gan_args="--samples 64 --steps 8 --batch-size 16 --width 8 --fid-samples 16 \
+--classifier-network mlp"
+else
+  gan_args="--samples 16384 --steps 256 --batch-size 128 --fid-samples 1024 \
+--classifier-network simple_cnn"
+fi
+STEP_RATES=("gan:$PY bench/gan.py --device $device $gan_args --classifier-epochs 1 \
+--workers $workers")
 
 log=$out/gpu-sh.log json=$out/gpu-figures.json
 work=$(mktemp -d) || exit 1

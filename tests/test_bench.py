@@ -28,7 +28,7 @@ SMALLEST = {
                         "--repeats", "1"], "scaling efficiency"),
     "gan.py": (["--samples", "64", "--steps", "3", "--batch-size", "16", "--fid-samples", "16",
                 "--width", "8", "--classifier-epochs", "1", "--classifier-network", "mlp"],
-               "plain     "),
+               "figure: gan.train_py_over_plain"),
     "lightning.py": (["--device", "cpu", "--network", "mlp", "--image-size", "8",
                       "--batch-size", "16", "--steps", "4", "--epochs", "1"],
                      "train.py (train.run_epoch)"),
@@ -148,6 +148,8 @@ def test_gpu_script_smoke_writes_its_log_and_figures_under_out(tmp_path):
     assert figures["simple_cnn.bf16_over_fp32"]["value"] > 0
     assert figures["photos.64.device.images_per_s"]["value"] > 0
     assert figures["lightning.mlp.train_py.samples_per_s"]["value"] > 0
+    assert figures["gan.train_py.steps_per_s"]["value"] > 0  # train.py's DCGAN, and ...
+    assert figures["gan.plain.steps_per_s"]["value"] > 0     # ... the example's loop
     assert figures["tests.passed"]["value"] >= 1  # the CUDA cases' CPU part
     assert figures["env.torch"]["value"].startswith(torch.__version__)
     lines = [line for line in log.splitlines() if line.startswith("figure: ")]
