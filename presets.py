@@ -460,6 +460,9 @@ def load_pretrained(net, path, log, which="ema", network=None):
         path = f"torchvision's {tv_weights}"
     else:
         state = checkpoint.load_checkpoint(path)
+    if "networks" in state:  # a GAN's (format 3): a generator and a discriminator
+        raise UserError(f"--pretrained {path!r} holds a GAN's networks "
+                        f"({', '.join(state['networks'])}), not one network's weights")
     weights = state["model"] if "model" in state else state
     if which == "ema" and "model" in state and "ema" in state:
         weights = state["ema"]

@@ -97,6 +97,26 @@ def test_test_py_measures_the_fid_train_py_logged(trained, features, tmp_path):
     assert got["kid_classifier"] == pytest.approx(logged["val_kid_classifier_ema"], rel=1e-6)
 
 
+def test_a_gan_checkpoint_as_a_classifiers_start_is_one_line(trained, tmp_path, capsys):
+    last = str(trained / "checkpoints" / "last.pt")
+    assert train.main(["--dataset", "synthetic", "--pretrained", last, "--run-dir",
+                       str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"error: --pretrained {last!r} holds a GAN's networks (generator, "
+                       f"discriminator), not one network's weights")
+
+
+def test_an_early_stop_says_the_lowest_fid():
+    import metrics
+
+    task = type("T", (), {"best": "fid", "lower_is_better": True})()
+    state = engine.TrainState(epoch=4, best_epoch=2, early_stop_waited=2)
+    state.best_val_acc = metrics.best_metric(task, {"val_fid": 12.5})
+    line = metrics.early_stop_line({"run_dir": "r", "early_stop_min_delta": 0,
+                                    "early_stop_patience": 2}, state, task)
+    assert "the best was epoch 2 (val_fid 12.5000)" in line
+
+
 def test_best_pt_follows_the_lowest_fid(trained):
     records = read_metrics(trained)
     fids = [r["val_fid_classifier_ema"] for r in records]  # the EMA's: --ema-decay is on
