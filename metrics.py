@@ -208,8 +208,10 @@ def epoch_line(record, config, task, on_device=False):
     """
     val = "".join(f"  {key} {record[key]:.4f}" for key in
                   ("val_loss", best_key(task), best_key(task, True)) if key in record)
+    phases = "".join(f"  {key} {record[key]:.4f}" for key in  # a GAN's two losses
+                     ("train_loss_d", "train_loss_g") if key in record)
     lines = [f"epoch {record['epoch']}/{config['epochs']}  step {record['step']}  "
-             f"train_loss {record['train_loss']:.4f}{val}  "
+             f"train_loss {record['train_loss']:.4f}{phases}{val}  "
              f"{record['samples_per_sec']:.0f} samples/s  efficiency "
              f"{record['compute_efficiency']:.2f} (data {record['data_time']:.1f}s, "
              f"compute {record['compute_time']:.1f}s)"]

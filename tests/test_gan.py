@@ -14,6 +14,7 @@ from helpers import stop_at_step, torchrun
 import config as config_module
 import dcgan
 import engine
+import metrics
 import tasks
 import train
 
@@ -61,6 +62,10 @@ def test_a_gan_logs_what_users_look_at(trained):
     assert 0 <= record["train_d_real"] <= 1 and 0 <= record["train_d_fake"] <= 1
     # train_loss: the sum of the phases' losses
     assert record["train_loss"] == pytest.approx(record["train_loss_d"] + record["train_loss_g"])
+    line = metrics.epoch_line(record, {"epochs": 3, "num_workers": 0}, type(
+        "T", (), {"best": "fid_classifier"})())
+    assert f"train_loss_d {record['train_loss_d']:.4f}  train_loss_g " \
+        f"{record['train_loss_g']:.4f}  val_fid_classifier" in line
     acc = events(trained)
     scalars = set(acc.Tags()["scalars"])
     assert {"train/loss_d", "train/loss_g", "train/d_real", "train/d_fake",
@@ -107,8 +112,6 @@ def test_a_gan_checkpoint_as_a_classifiers_start_is_one_line(trained, tmp_path, 
 
 
 def test_an_early_stop_says_the_lowest_fid():
-    import metrics
-
     task = type("T", (), {"best": "fid", "lower_is_better": True})()
     state = engine.TrainState(epoch=4, best_epoch=2, early_stop_waited=2)
     state.best_val_acc = metrics.best_metric(task, {"val_fid": 12.5})
@@ -127,8 +130,6 @@ def test_best_pt_follows_the_lowest_fid(trained):
 
 def test_a_nan_fid_is_never_the_best():
     task = type("T", (), {"best": "fid", "lower_is_better": True})()
-    import metrics
-
     assert metrics.best_metric(task, {"val_fid": float("nan")}) == -float("inf")
     assert metrics.best_metric(task, {"val_fid": 3.0}) > metrics.best_metric(
         task, {"val_fid": 4.0})
