@@ -324,6 +324,16 @@ def test_inception_fid_without_its_weights_names_the_file(tmp_path, monkeypatch,
         in err[-1] and str(tmp_path / "torch-home") in err[-1]
 
 
+def test_without_a_recipe_a_gan_takes_the_dcgan_papers():
+    config, _ = config_module.parse_config(["--task", "gan", "--dataset", "mnist"])
+    assert (config["network"], config["optimizer"], config["lr"], config["betas"]) == \
+        ("dcgan", "adam", 2e-4, [0.5, 0.999])
+    assert (config["weight_decay"], config["scheduler"], config["augment"],
+            config["image_size"]) == (0.0, "none", False, 28)
+    config, _ = config_module.parse_config(["--task", "gan", "--lr", "0.001", "--augment"])
+    assert config["lr"] == 0.001 and config["augment"] is True  # what the user set stays
+
+
 @pytest.mark.parametrize("name", ["dcgan_mnist.yaml", "dcgan_cifar10.yaml"])
 def test_the_dcgan_recipes_are_the_papers(name):
     config, _ = config_module.parse_config(["--config", os.path.join("configs", name)])
