@@ -7,6 +7,13 @@ import shutil
 import subprocess
 import sys
 
+# Idle OpenMP threads sleep instead of spinning (set before torch loads libgomp, inherited by
+# every train.py, torchrun and bench process the tests start). On 2 cores shared with other
+# processes (torchrun's and the DataLoader's workers, other jobs), a spinning idle thread
+# holds the core the computing thread needs: a tiny run took 10-30x longer, at random. The
+# numbers computed do not change (the same threads split the same work).
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
 import numpy as np
 import pytest
 import torch
