@@ -1,6 +1,7 @@
 """The LR range test (``--find-lr``): a short sweep of the learning rate instead of a run.
 
-``train.fit`` builds the run as usual (``build_training``) and hands it to ``run``, which
+``train.fit`` builds the run as usual (``build_training``) and hands its parts to ``run``
+(the network, optimizer, task, loop settings, state, run log and loaders), which
 takes ``--find-lr-steps`` real optimizer steps (``engine.steps``, with the run's
 accumulation, precision, clipping and mixing), the learning rate of step ``i`` being
 
@@ -107,13 +108,26 @@ def suggest(lrs, smoothed):
     return steepest, float(lrs[int(np.argmin(smoothed))]) / 10
 
 
-def run(training, train_loader, stop):
-    """The LR range test on what ``train.build_training`` built; writes its files.
+def run(config, procs, model, optimizer, task, loop, state, run_log, loaders, stop):
+    """The LR range test on a run ``train.build_training`` built; writes its files.
+
+    Args:
+        config: the run's (``find_lr_min``, ``find_lr_max``, ``find_lr_steps``,
+            ``run_dir``, ``network``, ``dataset``, ``batch_size``, the flags it ignores).
+        procs: ``runtime.Processes``.
+        model: what is called (maybe DDP / compiled).
+        optimizer: its param groups take the sweep's learning rates.
+        task: the run's task (tasks.py): its batches and loss.
+        loop: the ``engine.LoopSettings`` (accumulation, precision, counters, timer).
+        state: the ``engine.TrainState`` the steps advance.
+        run_log: the run's ``runlog.RunLog`` (TensorBoard, MLflow); closed here.
+        loaders: ``(train_loader, val_loader)``: the first is swept; both are shut down.
+        stop: the run's ``runtime.StopRequest``.
 
     Returns:
         The exit code: 0, or 128 + the signal's number when a stop signal ended it.
     """
-    config, procs = training.config, training.procs
+    train_loader, val_loader = loaders
     low, high, steps = config["find_lr_min"], config["find_lr_max"], config["find_lr_steps"]
     ignored = [flag for flag, on in (("--profile-steps", config.get("profile_steps")),
                                      ("--early-stop-patience",
@@ -126,17 +140,18 @@ def run(training, train_loader, stop):
                        f"({procs.world_size} process(es), {procs.device}); no checkpoint is "
                        f"written")
     try:
-        curve, why = sweep(training, train_loader, stop, sweep_lrs(low, high, steps))
+        curve, why = sweep(config, procs, model, optimizer, task, loop, state, run_log,
+                           train_loader, stop, sweep_lrs(low, high, steps))
     finally:
         data.shutdown_loader(train_loader)
-        data.shutdown_loader(training.val_loader)
+        data.shutdown_loader(val_loader)
     steepest, min_over_10 = suggest(curve.lrs, curve.smoothed)
     written = []
     if procs.is_main:  # a file the disk refuses is a warning: the suggestion is still said
-        written = write(training, curve, steepest, min_over_10, why)
+        written = write(config, run_log, curve, steepest, min_over_10, why)
     with _warning_instead("TensorBoard's event file", config["run_dir"]) \
             if not curve.tensorboard_failed else contextlib.suppress(OSError, ops.RunFailed):
-        training.run_log.close(config, None if why == "signal" else {})  # MLflow's end too
+        run_log.close(config, None if why == "signal" else {})  # MLflow's end too
     if procs.world_size > 1:  # no process exits (torchrun would stop the rest) before the
         dist.barrier()        # files are written
     say_result(config, curve, steepest, min_over_10, why, stop, written)
@@ -164,20 +179,21 @@ def _warning_instead(what, where):
         failed.append(e)
 
 
-def sweep(training, train_loader, stop, lrs):
-    """The steps, each at its learning rate; the loss of each read back (one sync).
+def sweep(config, procs, model, optimizer, task, loop, state, run_log, train_loader, stop,
+          lrs):
+    """The steps, each at its learning rate; the loss of each read back (one sync). The
+    arguments are ``run``'s; ``lrs``: the learning rate of each step.
 
     Returns:
         ``(curve, why)``: the ``Curve`` and why it ended: None (all steps), "diverged"
         or "signal".
     """
-    optimizer, procs, state = training.optimizer, training.procs, training.state
     for group in optimizer.param_groups:  # engine.set_lr: lr = base_lr * factor = lrs[step]
         group["base_lr"] = 1.0             # (never saved: the test writes no checkpoint)
     def lr_at(step):  # engine.steps asks after each step for the next one's
         return lrs[min(step, len(lrs) - 1)]
 
-    loop = dataclasses.replace(training.loop, lr_factor=lr_at)
+    loop = dataclasses.replace(loop, lr_factor=lr_at)  # the run's own is left as it is
     engine.set_lr(optimizer, loop.lr_factor(0))
     counters, sampler, curve = loop.counters, train_loader.batch_sampler, Curve()
     counters.reset()
@@ -187,13 +203,13 @@ def sweep(training, train_loader, stop, lrs):
         for epoch in itertools.count():
             state.epoch, state.epoch_samples = epoch, 0
             sampler.set_epoch(epoch, 0)
-            with contextlib.closing(engine.steps(training.model, train_loader, optimizer,
-                                                 training.task, loop, state, bar)) as each:
+            with contextlib.closing(engine.steps(model, train_loader, optimizer, task, loop,
+                                                 state, bar)) as each:
                 for step in each:
                     lr = lrs[step - 1]
                     loss = step_loss(counters, loop.device, procs.world_size)
                     diverged = curve.add(lr, loss)
-                    log_step(training, bar, curve, step - 1)
+                    log_step(config, procs, loop, run_log, bar, curve, step - 1)
                     if stop.agreed(procs):
                         return curve, "signal"
                     if diverged:
@@ -210,17 +226,17 @@ def step_loss(counters, device, world_size):
     return loss_sum / count if count and count == samples else math.nan
 
 
-def log_step(training, bar, curve, i):
+def log_step(config, procs, loop, run_log, bar, curve, i):
     """Step ``i`` to TensorBoard (``z_lr_find/loss``: the smoothed loss) and the bar."""
     smooth = curve.smoothed[-1]
     if math.isfinite(smooth) and not curve.tensorboard_failed:
-        with _warning_instead("TensorBoard's event file", training.config["run_dir"]) as failed:
-            training.run_log.scalars({metrics.LR_FIND_LOSS: smooth,
+        with _warning_instead("TensorBoard's event file", config["run_dir"]) as failed:
+            run_log.scalars({metrics.LR_FIND_LOSS: smooth,
                                       metrics.LR_FIND_LR: curve.lrs[-1]}, i)
         curve.tensorboard_failed = bool(failed)
-    data_t, compute_t, wall = training.loop.timer.totals()
-    rate = len(curve.lrs) * training.config["batch_size"] * training.loop.accum \
-        * training.procs.world_size / max(wall, 1e-9)
+    data_t, compute_t, wall = loop.timer.totals()
+    rate = len(curve.lrs) * config["batch_size"] * loop.accum * procs.world_size \
+        / max(wall, 1e-9)
     bar.show(smooth, rate, engine.efficiency(data_t, compute_t), log_step=True)
 
 
@@ -228,14 +244,13 @@ def _number(value):
     return value if value is not None and math.isfinite(value) else None  # JSON has no nan
 
 
-def write(training, curve, steepest, min_over_10, why):
+def write(config, run_log, curve, steepest, min_over_10, why):
     """lr_find.json, lr_find.png and the TensorBoard image (process 0); a file the file
     system refuses is a warning (``_warning_instead``).
 
     Returns:
         The paths of the files written.
     """
-    config = training.config
     run_dir = config["run_dir"]
     record = {"lrs": curve.lrs, "losses": [_number(v) for v in curve.losses],
               "smoothed": [_number(v) for v in curve.smoothed],
@@ -259,8 +274,8 @@ def write(training, curve, steepest, min_over_10, why):
     if not curve.tensorboard_failed:
         with _warning_instead(f"the TensorBoard image {metrics.LR_FIND_PLOT}", run_dir) \
                 as failed:
-            if training.run_log.image(metrics.LR_FIND_PLOT, pixels, 0):
-                training.run_log.flush()
+            if run_log.image(metrics.LR_FIND_PLOT, pixels, 0):
+                run_log.flush()
         curve.tensorboard_failed = bool(failed)
     return sorted(written, key=lambda p: p.endswith(JSON))  # the plot first
 

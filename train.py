@@ -211,7 +211,10 @@ def fit(config, argv, resume_path, saved, directory, stop):
                                                     procs.device)) from None
     try:
         if config["find_lr"]:  # the LR range test instead of training: no checkpoint
-            return lr_finder.run(training, train_loader, stop)
+            return lr_finder.run(config, procs, training.model, training.optimizer,
+                                 training.task, training.loop, training.state,
+                                 training.run_log, (train_loader, training.val_loader),
+                                 stop)
         log(f"training {config['network']} on {config['dataset']} "
             f"({len(training.datasets[0])} samples, {procs.world_size} process(es), "
             f"{procs.device}) into {directory.path}")

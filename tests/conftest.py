@@ -7,6 +7,14 @@ import shutil
 import subprocess
 import sys
 
+# Idle OpenMP threads spin briefly, then sleep (set before torch loads libgomp, inherited by
+# every train.py, torchrun and bench process the tests start). On 2 cores shared with other
+# processes (torchrun's and the DataLoader's workers, other jobs), libgomp's default spin
+# (300,000 rounds) holds the core the computing thread needs: a tiny run took 10-30x longer,
+# at random. 1000 rounds cost nothing on an idle machine (OMP_WAIT_POLICY=passive, no spin,
+# made a small unet's runs 1.7x slower). The numbers computed do not change.
+os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+
 import numpy as np
 import pytest
 import torch

@@ -178,20 +178,23 @@ def test_gradual_unfreezing_under_ddp_trains_like_one_process(tmp_path, train_ma
     # DDP picks the parameters it synchronises when it is built; the layers unfrozen at
     # epoch 2 must be synchronised too, also in a run resumed after the unfreezing.
     flags = (*FLAGS, *UNFREEZE)
-    ddp, stopped, single = tmp_path / "ddp", tmp_path / "stopped", tmp_path / "single"
-    torchrun(tiny_args(ddp, *flags, size=55, batch=16, epochs=4))
+    ddp, resumed, single = tmp_path / "ddp", tmp_path / "resumed", tmp_path / "single"
+    # The DDP run keeps each step's checkpoint: the resume below starts from one of them.
+    torchrun(tiny_args(ddp, *flags, "--ckpt-every-steps", "1", "--keep-last", "20", size=55,
+                       batch=16, epochs=4))
     assert train_main(tiny_args(single, *flags, "--keep-last", "4", size=55, batch=32,
                                 epochs=4)) == 0
     first = checkpoint.load_checkpoint(ckpt(single, "epoch-0001.pt"))["model"]
     assert not torch.equal(final_state(single)["model"]["hidden.0.weight"],
                            first["hidden.0.weight"])  # frozen in epoch 1, trained since
     torch.testing.assert_close(final_state(ddp)["model"], final_state(single)["model"])
-    # Stopped at step 3 (inside epoch 2, after the unfreezing), then resumed under torchrun.
-    torchrun(tiny_args(stopped, *flags, "--max-steps", "3", size=55, batch=16, epochs=4))
-    assert final_state(stopped)["progress"]["epoch_samples"] == 32
-    torchrun(tiny_args(stopped, *flags, "--max-steps", "0", "--resume", "auto", size=55,
-                       batch=16, epochs=4))
-    torch.testing.assert_close(final_state(stopped)["model"], final_state(single)["model"])
+    # Step 3 (inside epoch 2, after the unfreezing) resumed under torchrun: its DDP is
+    # built with the unfrozen layers already trainable.
+    step_3 = ckpt(ddp, "step-00000003.pt")
+    assert checkpoint.load_checkpoint(step_3)["progress"]["epoch_samples"] == 32
+    torchrun(tiny_args(resumed, *flags, "--resume", step_3, size=55, batch=16, epochs=4))
+    assert final_state(resumed)["step"] == 8
+    torch.testing.assert_close(final_state(resumed)["model"], final_state(single)["model"])
 
 
 RECORD_SAVES = """

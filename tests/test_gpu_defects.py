@@ -345,9 +345,9 @@ def _error_lines(capsys):
 def test_out_of_memory_in_the_lr_range_test(tmp_path, monkeypatch, capsys):
     real_sweep, events = lr_finder.sweep, []
 
-    def sweep(training, *args):
-        monkeypatch.setattr(training.model, "forward", _no_memory)
-        return real_sweep(training, *args)
+    def sweep(config, procs, model, *args):
+        monkeypatch.setattr(model, "forward", _no_memory)
+        return real_sweep(config, procs, model, *args)
 
     real_failed = runlog.RunLog.failed
     monkeypatch.setattr(lr_finder, "sweep", sweep)

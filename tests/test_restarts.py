@@ -24,10 +24,11 @@ import time
 import helpers as distributed
 import pytest
 import torch
-from conftest import ROOT, assert_states_equal, final_state, tiny_args
+from conftest import assert_states_equal, final_state, tiny_args
 
 import elastic
 import runlog
+import train
 from ops import Interrupted, UserError
 
 RESTARTS = ("--max-restarts", "3", "--monitor-interval", "0.1")
@@ -81,7 +82,7 @@ def kill_each_new_group(proc, run_dir, ranks):
     return groups
 
 
-def test_three_sigkills_in_a_row_each_restart_resumes_and_ends_as_if_none(tmp_path):
+def test_three_sigkills_in_a_row_each_restart_resumes_and_ends_as_if_none(tmp_path, capsys):
     run_dir, fresh = tmp_path / "run", tmp_path / "fresh"
     held, release = tmp_path / "held", tmp_path / "release"
     launcher = distributed.write_launcher(tmp_path / "launch.py",
@@ -98,10 +99,11 @@ def test_three_sigkills_in_a_row_each_restart_resumes_and_ends_as_if_none(tmp_pa
         while not held.exists():
             assert proc.poll() is None and time.monotonic() < deadline, "no fourth group"
             time.sleep(0.05)
-        # The fourth group holds the run directory: an unrelated run is refused.
-        other = subprocess.run([sys.executable, "train.py", *map(str, args)], cwd=ROOT,
-                               env=distributed._child_env(), capture_output=True, text=True,
-                               timeout=distributed.TIMEOUT)
+        # The fourth group holds the run directory: an unrelated run (this process, outside
+        # the torchrun job) is refused.
+        capsys.readouterr()
+        other_code = train.main([str(a) for a in args])
+        other_err = capsys.readouterr().err
         release.touch()
         rc, _ = distributed.finish(proc)
     finally:
@@ -112,9 +114,9 @@ def test_three_sigkills_in_a_row_each_restart_resumes_and_ends_as_if_none(tmp_pa
     out = "".join(output)
     assert rc == 0, out[-3000:]
     assert len({pid for group in groups for pid in group.values()}) == 6  # three groups
-    assert other.returncode == 2, other.stderr
+    assert other_code == 2, other_err
     assert f"error: run directory {str(run_dir)!r} is used by another run (pid " \
-        in other.stderr, other.stderr
+        in other_err, other_err
     # The group after the killed process 0 took its lock over; every group resumed.
     assert f"note: taking over {str(run_dir / '.lock')!r} from restart round 1 of this " \
            f"torchrun job" in out, out[-3000:]
