@@ -103,7 +103,7 @@ def train_steps(model, loop, optimizer, x, y, steps):
         with loop.autocast():
             loss = F.cross_entropy(model(x), y)
         loop.scaler.scale(loss).backward()
-        engine._optimizer_step(model, optimizer, loop)
+        engine._optimizer_step(model.parameters(), optimizer, loop)
 
 
 def build(args, device, channels_last):

@@ -44,7 +44,7 @@ def _one_step(scaled, clip):
     scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
     grads = [p.grad / (1024.0 if scaled else 1.0) for p in model.parameters()]
     expected = float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])))
-    engine._optimizer_step(model, optimizer, loop)
+    engine._optimizer_step(model.parameters(), optimizer, loop)
     return expected, loop.counters.read()
 
 
