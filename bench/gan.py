@@ -17,8 +17,8 @@ it for the same number of steps, side by side in one run:
   generator's on BCE(D(G(z)), 1) (non-saturating; logits and ``BCEWithLogitsLoss``
   where the example has a sigmoid and ``BCELoss``: the same loss, stable).
 * train.py: ``python train.py --task gan --network dcgan --dataset imagefolder
-  --data-on-device on`` with the same recipe for the same steps (``--steps`` is rounded up
-  to whole epochs), its last epoch's steps/s and its ``val_fid_classifier`` read from
+  --data-on-device on`` (``train.main``, in this process) with the same recipe for the same steps (``--steps`` is rounded up
+  to whole epochs), its steps/s after the first epoch and its ``val_fid_classifier`` from
   metrics.jsonl. (A train.py without ``--task gan`` is said in one line; the script then
   exits 0.) Its data path holds the images decoded once, as the plain loop holds them.
 
@@ -32,12 +32,12 @@ least 0.95x the plain loop's; its FID no worse). Asserts nothing.
 """
 
 import argparse
+import contextlib
 import datetime
+import io
 import json
 import os
 import platform
-import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,7 +45,7 @@ import time
 import numpy as np
 import torch
 import torch.nn as nn
-from common import ROOT, setup_device, sync  # (puts the repository on the path)
+from common import setup_device, sync  # (puts the repository on the path)
 from PIL import Image
 
 import dcgan  # noqa: E402
@@ -124,14 +124,20 @@ def write_set(root, args):
     return out
 
 
-def run_train_py(argv, run_dir):
-    """Runs train.py; its metrics.jsonl's last record."""
-    out = subprocess.run([sys.executable, "train.py", *argv, "--run-dir", run_dir],
-                         cwd=ROOT, capture_output=True, text=True)
-    if out.returncode != 0:
-        sys.exit(f"train.py failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+def run_train_py(argv, run_dir, every=False):
+    """Runs train.py in this process (``train.main``: side by side with the plain loop,
+    under the same threads and allocator); its metrics.jsonl's last record (``every``:
+    all of them). Its output is kept and shown only when it fails."""
+    import train
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = train.main([*argv, "--run-dir", run_dir])
+    if code != 0:
+        sys.exit(f"train.py failed (exit {code}):\n{out.getvalue()[-3000:]}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()][-1]
+        records = [json.loads(line) for line in f if line.strip()]
+    return records if every else records[-1]
 
 
 def train_classifier(root, args, device, work):
@@ -191,21 +197,21 @@ def plain(real, args, device, features):
 
 
 def has_gan_task():
-    """Whether train.py has ``--task gan`` yet (its --help names it among the choices)."""
-    out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
-    match = re.search(r"--task \{([^}]*)\}", out.stdout)
-    return match is not None and "gan" in match.group(1).split(",")
+    """Whether train.py has ``--task gan`` (tasks.TASKS names it)."""
+    import tasks
+
+    return "gan" in tasks.TASKS
 
 
 def train_py(root, args, device, features_path, run_dir):
     """train.py with the same recipe for ``--steps`` steps (whole epochs: ``steps_of``):
-    ``(steps/s, FID/KID dict)`` from metrics.jsonl. Steps/s is the last epoch's (warm, as
-    the plain loop's clock starts after ``--warmup`` steps); the data path is the device
+    ``(steps/s, FID/KID dict)`` from metrics.jsonl. Steps/s is over every epoch but the
+    first (warm, as the plain loop's clock starts after ``--warmup`` steps; the only one
+    when there is one); the data path is the device
     path (``--data-on-device on``: the images decoded once and held as a uint8 tensor, as
     the plain loop holds them), validation only at the end."""
     epochs = args.steps // steps_per_epoch(args)
-    last = run_train_py(
+    records = run_train_py(
         ["--task", "gan", "--network", "dcgan", "--dataset", "imagefolder", "--data-dir",
          root, "--image-size", str(args.image_size), "--no-augment", "--latent-dim",
          str(args.latent_dim), "--gan-width", str(args.width), "--gan-loss", "vanilla",
@@ -215,10 +221,11 @@ def train_py(root, args, device, features_path, run_dir):
          "--warmup-epochs", "0", "--fid-samples", str(args.fid_samples), "--fid-features",
          features_path, "--num-workers", str(args.workers), "--data-on-device", "on",
          "--log-every", "1000000", "--device", str(device), "--seed", str(args.seed)],
-        run_dir)
-    scores = {k[len("val_"):]: v for k, v in last.items()
+        run_dir, every=True)
+    warm = records[1:] or records
+    scores = {k[len("val_"):]: v for k, v in records[-1].items()
               if k.startswith(("val_fid", "val_kid"))}
-    return steps_per_epoch(args) / last["epoch_time"], scores
+    return steps_per_epoch(args) * len(warm) / sum(r["epoch_time"] for r in warm), scores
 
 
 def steps_per_epoch(args):
