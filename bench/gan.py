@@ -17,10 +17,11 @@ it for the same number of steps, side by side in one run:
   generator's on BCE(D(G(z)), 1) (non-saturating; logits and ``BCEWithLogitsLoss``
   where the example has a sigmoid and ``BCELoss``: the same loss, stable).
 * train.py: ``python train.py --task gan --network dcgan --dataset imagefolder
-  --data-on-device on`` (``train.main``, in this process) with the same recipe for the same steps (``--steps`` is rounded up
-  to whole epochs), its steps/s after the first epoch and its ``val_fid_classifier`` from
-  metrics.jsonl. (A train.py without ``--task gan`` is said in one line; the script then
-  exits 0.) Its data path holds the images decoded once, as the plain loop holds them.
+  --data-on-device on`` (``train.main``, in this process) with the same recipe for the
+  same steps (``--steps`` is rounded up to whole epochs), its steps/s after the first
+  epoch and its ``val_fid_classifier`` from metrics.jsonl. (A train.py without ``--task
+  gan`` is said in one line; the script then exits 0.) Its data path holds the images
+  decoded once, as the plain loop holds them.
 
 The FID of each is measured the same way (gan_metrics.py): ``--fid-samples`` images from
 the fixed latents of ``--seed`` against as many validation images, on the penultimate
