@@ -305,7 +305,8 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
     if getattr(task, "lower_is_better", False):  # a GAN's FID: any first figure is the best
         state.best_val_acc = state.early_stop_best = -math.inf
     if saved is not None:  # weights, EMA, optimizer, scaler, position, RNG of the saved step
-        restore(saved, resume_path, net, ema, optimizer, loop.scaler, state, config, procs)
+        restore(saved, resume_path, net, ema, optimizer, loop.scaler, state, config, procs,
+                task.averaged(net))
         warn = functools.partial(runtime.main_print, file=sys.stderr)
         checkpoint.check_same_data(saved, resume_path, identity, warn)
         checkpoint.check_same_threads(saved, resume_path, procs.device, warn)
@@ -655,16 +656,17 @@ def unfreeze_into(net, optimizer, config):
 
 # ---------------------------------------------------------------------- resume
 
-def restore(saved, path, net, ema, optimizer, scaler, state, config, procs):
+def restore(saved, path, net, ema, optimizer, scaler, state, config, procs, averaged=None):
     """Loads a checkpoint's state into the freshly built objects (a model of several
-    networks and its optimizers: by name)."""
+    networks and its optimizers: by name). ``averaged``: the network the EMA averages
+    (``task.averaged``; default ``net``)."""
     for module, weights in checkpoint.saved_networks(saved, net):  # by name, for several
         checkpoint.check_compatible(module, weights, path)
         module.load_state_dict(weights)
     if ema is not None and "ema" in saved:
         ema.load_state_dict(checkpoint.saved_ema(saved), path)
     elif ema is not None:  # EMA turned on for a run that had none: start from the weights
-        ema.load_state_dict(net.state_dict(), path)
+        ema.load_state_dict((net if averaged is None else averaged).state_dict(), path)
         runtime.main_print(f"note: {path!r} has no moving average; it starts from the "
                            f"restored weights")
     state.load_state_dict(saved["progress"])

@@ -163,6 +163,18 @@ TIMES = ("compute_efficiency", "data_time", "compute_time", "epoch_time", "sampl
 EQUAL = ("--no-gan-batch-norm", "--optimizer", "sgd", "--lr", "0.01", "--momentum", "0")
 
 
+def test_a_moving_average_turned_on_at_a_resume_starts_from_the_generator(tmp_path,
+                                                                           features, capsys):
+    assert train.main(gan_args(tmp_path, features, epochs=1)) == 0
+    assert train.main(gan_args(tmp_path, features, "--ema-decay", "0.9", "--resume",
+                               "auto")) == 0
+    assert "has no moving average; it starts from the restored weights" in \
+        capsys.readouterr().out
+    state = final_state(tmp_path)
+    assert set(state["ema"]) == {"generator"}
+    assert set(state["ema"]["generator"]) == set(state["networks"]["generator"])
+
+
 def test_accumulation_equals_the_large_batch(tmp_path, features):
     big, accumulated = tmp_path / "big", tmp_path / "acc"
     assert train.main(gan_args(big, features, *EQUAL, "--d-steps", "2", batch=16)) == 0
