@@ -162,7 +162,7 @@ def test_gpu_script_exits_1_when_a_check_fails_and_runs_the_rest(tmp_path):
     # A $PYTHON that fails train.py's run on the device path: said, and the next check runs.
     shim = _shim(tmp_path, 'case "$*" in *train.py*resnet9-device*) exit 3;; esac')
     out, _ = _gpu_sh(tmp_path, shim, GPU_SH_SKIP="imports tests photos lightning "
-                     "resnet18-bf16 resnet18-fp32 segmentation")
+                     "resnet18-bf16 resnet18-fp32 segmentation gan")
     assert out.returncode == 1, out.stdout[-3000:]
     assert "FAILED: resnet9-device (exit status 3)" in out.stdout
     assert out.stdout.rstrip().endswith("gpu.sh: some checks FAILED")
@@ -175,7 +175,7 @@ def test_gpu_script_exits_1_when_a_check_fails_and_runs_the_rest(tmp_path):
 def test_gpu_script_cuts_a_hanging_check_and_keeps_to_its_budget(tmp_path):
     # Every train.py run hangs. Each is cut at its own limit (2 s here) and the next runs.
     shim = _shim(tmp_path, 'case "$*" in *train.py*) exec sleep 120;; esac')
-    skip = "imports tests photos lightning resnet18-bf16 resnet18-fp32 segmentation"
+    skip = "imports tests photos lightning resnet18-bf16 resnet18-fp32 segmentation gan"
     out, seconds = _gpu_sh(tmp_path, shim, GPU_SH_T_TRAIN="2", GPU_SH_SKIP=skip)
     assert out.returncode == 1, out.stdout[-3000:]
     result = json.loads((tmp_path / "out" / "gpu-figures.json").read_text())
