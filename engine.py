@@ -11,6 +11,7 @@ the wall time: the time the GPU was not computing.
 import contextlib
 import dataclasses
 import functools
+import itertools
 import math
 import threading
 import time
@@ -494,6 +495,7 @@ def steps(model, loader, optimizer, task, loop, state, bar):
     first_batch = sampler.start // (sampler.batch_size * sampler.world_size)  # of the epoch
     phases = getattr(task, "phases", None)  # None: one network, one optimizer
     held = []  # with phases: the step's micro-batches, each (x, y, local_n, where)
+    starts = [0, *itertools.accumulate(g for g, _ in plan)]  # each batch's first sample
     model.train()
     keep_frozen_norms_eval(model)
     batches = _Prefetcher(loader, loop.prefetch)
@@ -509,7 +511,8 @@ def steps(model, loader, optimizer, task, loop, state, bar):
             x, y = task.prepare(x, y, state.epoch, first_batch + k)  # (seed, epoch, batch)
             timer.start_compute()
             if phases is not None:
-                held.append((x, y, local_n, _where(sampler, plan, state.epoch, first, accum, k)))
+                held.append((x, y, local_n, _where(sampler, plan, starts, state.epoch, first,
+                                                   accum, k)))
                 if last_micro_batch:
                     phase, batch_size = "a training phase", local_n
                     _phase_steps(model, optimizer, task, loop, held)
@@ -570,17 +573,17 @@ class Where:
     alone: bool = False
 
 
-def _where(sampler, plan, epoch, first, accum, k):
-    """The ``Where`` of micro-batch ``k``, whose step's first micro-batch is ``first``:
-    the sampler gives each process a contiguous share of every global batch (the last
-    one's split as ``tensor_split`` splits it)."""
+def _where(sampler, plan, starts, epoch, first, accum, k):
+    """The ``Where`` of micro-batch ``k``, whose step's first micro-batch is ``first``
+    (``starts``: each batch's first sample in the plan, and the plan's end): the sampler
+    gives each process a contiguous share of every global batch (the last one's split as
+    ``tensor_split`` splits it)."""
     global_n, local_n = plan[k]
-    before = sum(g for g, _ in plan[:first])  # the samples of the earlier steps
-    in_step = sum(g for g, _ in plan[first:k])
-    step_samples = sum(g for g, _ in plan[first:first + accum])
+    step_samples = starts[min(first + accum, len(plan))] - starts[first]
     rank, world = sampler.rank, sampler.world_size
     mine = rank * (global_n // world) + min(rank, global_n % world)
-    return Where(epoch, sampler.start + before, in_step + mine, local_n, step_samples)
+    return Where(epoch, sampler.start + starts[first], starts[k] - starts[first] + mine,
+                 local_n, step_samples)
 
 
 def _phase_steps(model, optimizer, task, loop, held):

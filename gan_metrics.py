@@ -19,6 +19,7 @@ The features are computed once per image and given to torchmetrics'
 statistics: means, covariances, the matrix square root, the polynomial-kernel MMD).
 """
 
+import functools
 import math
 import os
 import warnings
@@ -237,9 +238,17 @@ def to_generator_range(images, transform):
     x = images.float()
     if not found:
         return x
-    mean = torch.tensor(found[-1].mean, dtype=torch.float32, device=x.device).view(1, -1, 1, 1)
-    std = torch.tensor(found[-1].std, dtype=torch.float32, device=x.device).view(1, -1, 1, 1)
+    mean, std = _statistics(found[-1].mean, found[-1].std, x.device)
     return (x * std + mean) * 2 - 1  # (N, C, H, W): pixels / 255 -> [-1, 1]
+
+
+@functools.lru_cache(maxsize=8)
+def _statistics(mean, std, device):
+    """``(mean, std)`` as (1, C, 1, 1) float32 tensors on ``device``, made once: the
+    training step calls ``to_generator_range`` for every batch, and a tensor made from a
+    list on a GPU is a copy from the host each time."""
+    return tuple(torch.tensor(v, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+                 for v in (mean, std))
 
 
 class _Given(nn.Module):

@@ -560,8 +560,6 @@ class GAN:
         suffix = "" if self.features.name == "inception" else f"_{self.features.name}"
         self.figures = (f"fid{suffix}", f"kid{suffix}")
         self.best = f"fid{suffix}"
-        self.train_figures = ("loss_d", "loss_g", "d_real", "d_fake", "gradient_penalty",
-                              "grad_norm_discriminator", "grad_norm_generator")
         self.transform = train_set.transform  # its normalisation, undone for the real images
 
     def to_device(self, batch, device, memory_format):
