@@ -252,7 +252,10 @@ EOF
   if wanted tests; then
     local per_test=()
     "$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout "$T_TEST")
-    check tests "$T_TESTS" "$PY" -m pytest -q -x -p no:cacheprovider "${per_test[@]}" \
+    # -o addopts=: in this process, without the suite's two workers (pyproject.toml): the
+    # borrowed GPU's image has no pytest-xdist, and a few CUDA cases need no second process.
+    check tests "$T_TESTS" "$PY" -m pytest -q -x -p no:cacheprovider -o addopts= \
+      "${per_test[@]}" \
       tests/test_cuda.py tests/test_device_data.py tests/test_profiling.py \
       tests/test_recipes.py -k cuda
     local count what
