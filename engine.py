@@ -495,7 +495,8 @@ def steps(model, loader, optimizer, task, loop, state, bar):
     first_batch = sampler.start // (sampler.batch_size * sampler.world_size)  # of the epoch
     phases = getattr(task, "phases", None)  # None: one network, one optimizer
     held = []  # with phases: the step's micro-batches, each (x, y, local_n, where)
-    starts = [0, *itertools.accumulate(g for g, _ in plan)]  # each batch's first sample
+    if phases is not None:  # each batch's first sample (and the plan's end), for _where
+        starts = [0, *itertools.accumulate(g for g, _ in plan)]
     model.train()
     keep_frozen_norms_eval(model)
     batches = _Prefetcher(loader, loop.prefetch)

@@ -231,8 +231,8 @@ def log_step(config, procs, loop, run_log, bar, curve, i):
     smooth = curve.smoothed[-1]
     if math.isfinite(smooth) and not curve.tensorboard_failed:
         with _warning_instead("TensorBoard's event file", config["run_dir"]) as failed:
-            run_log.scalars({metrics.LR_FIND_LOSS: smooth,
-                                      metrics.LR_FIND_LR: curve.lrs[-1]}, i)
+            run_log.scalars({metrics.LR_FIND_LOSS: smooth, metrics.LR_FIND_LR: curve.lrs[-1]},
+                            i)
         curve.tensorboard_failed = bool(failed)
     data_t, compute_t, wall = loop.timer.totals()
     rate = len(curve.lrs) * config["batch_size"] * loop.accum * procs.world_size \

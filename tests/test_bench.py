@@ -89,6 +89,10 @@ def test_gpu_script_is_valid_bash_and_names_every_bench():
     bare = [line for line in text.splitlines() if not line.lstrip().startswith("#")
             and re.search(r"(^|[\s;|&(])python3?\s", line)]
     assert bare == []
+    # Its CUDA tests run in one process, without the suite's workers (addopts "-n 2"): the
+    # borrowed GPU's image has no pytest-xdist, and with the addopts pytest would refuse -n.
+    pytest_calls = [line for line in text.splitlines() if '-m pytest' in line]
+    assert pytest_calls and all("-o addopts=" in line for line in pytest_calls)
 
 
 # What gpu.sh calls besides $PYTHON: a PATH of these alone has no python in it.
