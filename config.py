@@ -14,15 +14,12 @@ import sys
 import torch
 import yaml
 
-import data
-import presets
-import runtime
-import sample_transforms
-import segmentation_data
 import tasks
+from machinery import runtime
+from machinery.runtime import say, shown
 from networks import NETWORKS, is_segmentation
 from ops import UserError
-from runtime import say, shown
+from pipeline import data, presets, sample_transforms, segmentation_data
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -32,12 +32,10 @@ import warnings
 
 import torch
 
-import data
-import files
-import presets
-import sample_transforms
+from machinery import files
+from machinery.runtime import say, shown
 from ops import UserError
-from runtime import say, shown
+from pipeline import data, presets, sample_transforms
 
 EXPORT_KINDS = {".pt2": "torch.export", ".ts": "frozen TorchScript", ".onnx": "ONNX"}
 ONNX_PACKAGES = ("onnx", "onnxscript", "onnxruntime")

@@ -31,14 +31,11 @@ import warnings
 
 import torch
 
-import checkpoint
-import data
-import engine
-import files
-import runlog
-import runtime
 from config import check_config, merge_resumed_config, with_defaults
+from machinery import checkpoint, engine, files, runtime
 from ops import Interrupted, RunFailed, UserError
+from pipeline import data
+from reporting import runlog
 
 RECORD_FORMAT = 1
 # Flags that would make a replay write somewhere, or do something other than replay.

@@ -50,20 +50,17 @@ import warnings
 import torch
 from PIL import Image
 
-import checkpoint
-import data
 import dcgan
-import engine
 import export
-import files
-import gan_metrics
-import runtime
 import tasks
 from config import OneLineParser, with_defaults
 from export import EXPORT_BATCHES, EXPORT_KINDS, QUANTIZE_KINDS, OutputError, QuantizationError
+from machinery import checkpoint, engine, files, runtime
+from machinery.runtime import say, shown
 from networks import build_network
 from ops import UserError
-from runtime import say, shown
+from pipeline import data
+from reporting import gan_metrics
 
 EXIT_USER_ERROR, EXIT_FAILED = 2, 1
 THROUGHPUT_BATCH = 64       # samples/s are measured at this batch size, on the CPU

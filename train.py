@@ -46,28 +46,18 @@ import shlex
 import torch
 import torch.distributed as dist
 
-import checkpoint
-import data
 import dcgan
-import device_data
-import engine
 import layers
-import lr_finder
-import metrics
 import ops
-import presets
-import profiling
-import recipes
 import replay
-import runlog
-import runtime
 import tasks
-import tracking
-import watchdog
-from checkpoint import Kind
 from config import check_config, merge_resumed_config, parse_config, with_defaults
+from machinery import checkpoint, engine, runtime, watchdog
+from machinery.checkpoint import Kind
 from networks import build_network
 from ops import Interrupted, RunFailed, UserError
+from pipeline import data, device_data, presets, recipes
+from reporting import lr_finder, metrics, profiling, runlog, tracking
 
 EXIT_USER_ERROR, EXIT_FAILED = 2, 1  # a signal exits with 128 + its number (130, 143, 129)
 # and a hung process with watchdog.EXIT_HUNG (3), from the watchdog's thread

@@ -45,8 +45,8 @@ sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != HERE
 
 import torch  # noqa: E402
 
-import checkpoint  # noqa: E402
 from losses import build_criterion  # noqa: E402
+from machinery import checkpoint  # noqa: E402
 from networks import build_network  # noqa: E402
 
 # train.py's defaults (the resolved config is saved in every checkpoint).

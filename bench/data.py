@@ -34,8 +34,10 @@ import torch
 from common import setup_device, sync  # (puts the repository on the path)
 from torchvision import datasets as tv_datasets
 
-import data  # noqa: E402
-import device_data  # noqa: E402
+from pipeline import (
+    data,  # noqa: E402
+    device_data,  # noqa: E402
+)
 
 
 def parse_args(argv=None):

@@ -43,11 +43,11 @@ sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != HERE
 
 import torch  # noqa: E402
 
-import data  # noqa: E402
 import export  # noqa: E402
 import tasks  # noqa: E402
 import train  # noqa: E402
 from config import with_defaults  # noqa: E402
+from pipeline import data  # noqa: E402
 
 FORMATS = (("eager", None), (".pt2", ".pt2"), (".ts", ".ts"), (".onnx", ".onnx"),
            ("int8 .onnx", ".onnx"))

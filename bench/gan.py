@@ -50,7 +50,7 @@ from common import setup_device, sync  # (puts the repository on the path)
 from PIL import Image
 
 import dcgan  # noqa: E402
-import gan_metrics  # noqa: E402
+from reporting import gan_metrics  # noqa: E402
 
 COLOURS = {"red": (0.9, 0.2, 0.2), "green": (0.2, 0.8, 0.3), "blue": (0.2, 0.35, 0.9),
            "yellow": (0.9, 0.85, 0.2)}

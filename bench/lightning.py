@@ -41,8 +41,8 @@ import torch
 from common import setup_device, sync  # (puts the repository on the path)
 
 import ops  # noqa: E402
-import runtime  # noqa: E402
 import train  # noqa: E402
+from machinery import runtime  # noqa: E402
 
 
 def parse_args(argv=None):

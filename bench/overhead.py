@@ -54,11 +54,13 @@ import time
 import torch  # noqa: E402
 from common import setup_device, sync  # noqa: E402  (puts the repository on the path)
 
-import data  # noqa: E402
-import runlog  # noqa: E402
-import runtime  # noqa: E402
 import train  # noqa: E402
-import watchdog  # noqa: E402
+from machinery import (
+    runtime,  # noqa: E402
+    watchdog,  # noqa: E402
+)
+from pipeline import data  # noqa: E402
+from reporting import runlog  # noqa: E402
 
 
 def parse_args(argv=None):

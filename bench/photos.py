@@ -42,12 +42,14 @@ import torch
 from common import setup_device, sync  # (puts the repository on the path)
 from PIL import Image
 
-import data  # noqa: E402
-import decoded_cache  # noqa: E402
-import device_data  # noqa: E402
-import images  # noqa: E402
-import presets  # noqa: E402
 from config import with_defaults  # noqa: E402
+from pipeline import (
+    data,  # noqa: E402
+    decoded_cache,  # noqa: E402
+    device_data,  # noqa: E402
+    images,  # noqa: E402
+    presets,  # noqa: E402
+)
 
 SIZES = {"12mp": (4000, 3000), "3mp": (2000, 1500), "1mp": (1152, 864)}
 

@@ -35,9 +35,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from common import setup_device, sync, train_defaults  # noqa: E402  (the repository's path)
 
-import engine  # noqa: E402
 import ops  # noqa: E402
-import runtime  # noqa: E402
+from machinery import (
+    engine,  # noqa: E402
+    runtime,  # noqa: E402
+)
 from networks import build_network  # noqa: E402
 from ops import UserError  # noqa: E402
 

@@ -36,12 +36,12 @@ import time
 import torch  # noqa: E402
 from common import setup_device, sync  # noqa: E402  (puts the repository on the path)
 
-import data  # noqa: E402
-import engine  # noqa: E402
 import tasks  # noqa: E402
 from config import with_defaults  # noqa: E402
 from losses import build_criterion  # noqa: E402
+from machinery import engine  # noqa: E402
 from networks import build_network  # noqa: E402
+from pipeline import data  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -40,9 +40,11 @@ from common import setup_device, sync  # noqa: E402  (puts the repository on the
 from PIL import Image  # noqa: E402
 from torchvision.transforms import v2  # noqa: E402
 
-import data  # noqa: E402
-import recipes  # noqa: E402
 from networks import build_network  # noqa: E402
+from pipeline import (
+    data,  # noqa: E402
+    recipes,  # noqa: E402
+)
 
 
 def parse_args(argv=None):

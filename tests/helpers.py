@@ -20,9 +20,8 @@ import torch
 from conftest import ROOT, tiny_args, write_image_folder
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-import data
-import device_data
 from config import with_defaults
+from pipeline import data, device_data
 
 
 @contextlib.contextmanager
@@ -158,8 +157,8 @@ def signal_a_worker_once_an_epoch_is_saved(run_dir, args, signum, script="train.
 def write_launcher(path, patch):
     """A script that runs train.main() under torchrun after ``patch`` (Python source) ran:
     the child-process counterpart of monkeypatch."""
-    path.write_text(f"import os, sys\nsys.path.insert(0, {ROOT!r})\nimport checkpoint, "
-                    f"train\n{patch}\nsys.exit(train.main())\n")
+    path.write_text(f"import os, sys\nsys.path.insert(0, {ROOT!r})\nimport train\n"
+                    f"from machinery import checkpoint\n{patch}\nsys.exit(train.main())\n")
     return str(path)
 
 
@@ -197,9 +196,9 @@ def check_against_per_sample(cfg, log):
 KILLED_BUILD = """
 import sys, time
 sys.path.insert(0, {root!r})
-import data
-import decoded_cache
-import device_data
+from pipeline import data
+from pipeline import decoded_cache
+from pipeline import device_data
 original = decoded_cache._Decoding.__getitem__
 def slow(self, index):
     time.sleep(0.2)
@@ -313,7 +312,8 @@ def closed_port():
 SLOW_DECODING = """
 import sys, time
 sys.path.insert(0, {root!r})
-import decoded_cache, train
+import train
+from pipeline import decoded_cache
 original = decoded_cache._Decoding.__getitem__
 def slow(self, index):
     time.sleep(0.1)
@@ -355,8 +355,8 @@ def write_gan_checkpoint(path, ema=False, **config_overrides):
     Returns:
         The dict saved (its generators' weights are what test.py must load).
     """
-    import checkpoint
     import dcgan
+    from machinery import checkpoint
 
     config = gan_config(**config_overrides)
     with torch.random.fork_rng(devices=[]):

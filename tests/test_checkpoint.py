@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
+from machinery import checkpoint
 
 
 def small_state(step=1, **extra):

@@ -11,8 +11,8 @@ import pytest
 import torch
 from conftest import assert_states_equal, final_state, tiny_args
 
-import engine
 import train
+from machinery import engine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
@@ -199,7 +199,7 @@ def test_gpu_memory_fraction_is_set_for_the_process(tmp_path):
 
     from conftest import ROOT
 
-    code = ("import sys, torch, runtime; runtime.set_memory_options({'gpu_memory_fraction': "
+    code = ("import sys, torch; from machinery import runtime; runtime.set_memory_options({'gpu_memory_fraction': "
             "0.25, 'memory_snapshot': False}, torch.device('cuda', 0)); "
             "print(torch.cuda.get_per_process_memory_fraction(0))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
@@ -258,7 +258,7 @@ def test_profiler_cuda_total_is_torchs_own_device_total(tmp_path, monkeypatch, c
 
     from torch.autograd import DeviceType
 
-    import profiling
+    from reporting import profiling
 
     real_top, seen = profiling.top_operators, []
 

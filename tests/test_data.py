@@ -10,11 +10,10 @@ import torch
 from conftest import assert_states_equal, tiny_args, write_image_folder
 from PIL import Image
 
-import data
-import images
 import train
 from config import with_defaults
 from ops import UserError
+from pipeline import data, images
 
 
 def png_header(width, height):

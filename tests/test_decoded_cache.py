@@ -15,8 +15,8 @@ from helpers import KILLED_BUILD as SLOW_BUILD
 from helpers import SLOW_DECODING, check_against_per_sample, make_config
 from PIL import Image
 
-import decoded_cache
 import train
+from pipeline import decoded_cache
 
 
 def cache_files(cfg):

@@ -30,15 +30,12 @@ from helpers import (
 from PIL import Image
 from torchvision.transforms import v2
 
-import data
-import decoded_cache
-import device_data
-import engine
 import networks
-import sample_transforms
 import tasks
 from config import with_defaults
+from machinery import engine
 from ops import UserError
+from pipeline import data, decoded_cache, device_data, sample_transforms
 
 # ------------------------------------------------------------------- sources on disk
 
@@ -549,8 +546,8 @@ def test_train_resumes_exactly_on_the_device_path(tmp_path):
 
 def test_auto_holds_small_sets_in_memory_on_the_cpu_and_says_why(tmp_path, capsys,
                                                                  monkeypatch):
-    import runtime
     import train
+    from machinery import runtime
 
     assert train.main(tiny_args(tmp_path / "a", "--data-on-device", "auto")) == 0
     assert "data path: in memory (cpu)" in capsys.readouterr().out

@@ -33,11 +33,11 @@ from helpers import (
     write_launcher,
 )
 
-import checkpoint
-import data
 import train
 from config import parse_config
+from machinery import checkpoint
 from networks import build_network
+from pipeline import data
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -267,7 +267,7 @@ tasks.losses.build_criterion = build_criterion
 SLOW_FIRST = """
 import datetime, time
 import torch.distributed as dist
-import data
+from pipeline import data
 real_init, real_build = dist.init_process_group, data.build_datasets
 def init_process_group(*args, **kwargs):  # a timeout far below the build's length
     return real_init(*args, timeout=datetime.timedelta(seconds={timeout}), **kwargs)

@@ -14,10 +14,10 @@ import pytest
 import torch
 from conftest import load_test_py, write_image_folder
 
-import checkpoint
-import data
 import export
+from machinery import checkpoint
 from networks import build_network
+from pipeline import data
 
 
 @pytest.fixture(scope="module")

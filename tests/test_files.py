@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-import files
+from machinery import files
 
 
 def temporaries(directory):

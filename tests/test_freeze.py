@@ -11,11 +11,10 @@ import torch.nn as nn
 from conftest import assert_states_equal, final_state, tiny_args
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-import data
 import ops
-import presets
 import train
 from networks import build_network
+from pipeline import data, presets
 
 SCALE = 0.2  # the --unfreeze-lr-scale used below (tiny_args' --lr is 0.05)
 

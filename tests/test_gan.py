@@ -13,10 +13,10 @@ from helpers import stop_at_step, torchrun
 
 import config as config_module
 import dcgan
-import engine
-import metrics
 import tasks
 import train
+from machinery import engine
+from reporting import metrics
 
 # What every state of a GAN checkpoint holds that an exact resume restores.
 RESUMED = ("networks", "optimizers", "ema", "scaler", "rng", "progress")

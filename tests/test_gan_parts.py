@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from conftest import tiny_args
 from torch import nn
 
-import data
 import dcgan
-import gan_metrics
 import layers
 from ops import UserError
+from pipeline import data
+from reporting import gan_metrics
 
 
 def _batchnorms(module):
@@ -367,7 +367,7 @@ def test_generator_scores_are_seeded_and_take_the_first_n_real_images(classifier
 
 
 def test_fid_features_refuses_what_is_not_a_classifier_checkpoint(tmp_path, classifier):
-    import checkpoint
+    from machinery import checkpoint
 
     with pytest.raises(UserError, match="^--fid-features: checkpoint .* does not exist"):
         gan_metrics.build_features(str(tmp_path / "missing.pt"))

@@ -18,12 +18,12 @@ from conftest import ROOT, load_test_py, snapshot, tiny_args
 from helpers import write_gan_checkpoint, write_mnist
 from PIL import Image
 
-import checkpoint
-import data
 import dcgan
 import export
-import gan_metrics
 from config import with_defaults
+from machinery import checkpoint
+from pipeline import data
+from reporting import gan_metrics
 
 
 @pytest.fixture(scope="module")

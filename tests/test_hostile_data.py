@@ -17,10 +17,8 @@ from conftest import ROOT, final_state, load_test_py, tiny_args, write_image_fol
 from helpers import SLOW_DECODING
 from PIL import Image
 
-import data
-import decoded_cache
-import presets
 import train
+from pipeline import data, decoded_cache, presets
 
 
 def folder_args(run, images, *extra, image=16, batch=4, workers=0):
@@ -85,7 +83,8 @@ def test_a_failed_cache_build_leaves_no_decoding_worker(tmp_path, capfd):
 LEFT_RUNNING = """
 import sys
 sys.path.insert(0, {root!r})
-import torch, data
+import torch
+from pipeline import data
 dataset = data.SeededDataset(data.SyntheticImages(32, 2, 3, 8, 0, "train"), lambda x: x,
                              0, False, ["a", "b"], 3, 8)
 loader = data.build_loader(dataset, batch_size=4, num_workers=2)
@@ -157,7 +156,7 @@ def test_the_fingerprint_hashes_a_names_own_bytes(tmp_path, image):
 
 
 def test_the_confusion_image_takes_names_that_are_not_utf8():
-    import plots
+    from reporting import plots
 
     names = [os.fsdecode(b"caf\xe9"), os.fsdecode(b"\xff"), "emu"]  # as os.listdir reads
     image = plots.confusion_image(torch.eye(3), names, os.fsdecode(b"run d\xf6ta"))

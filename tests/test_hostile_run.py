@@ -15,9 +15,8 @@ import pytest
 import torch
 from conftest import ROOT, load_test_py, snapshot, tiny_args
 
-import checkpoint
-import runtime
 import train
+from machinery import checkpoint, runtime
 
 FORMAT_1 = os.path.join(os.path.dirname(__file__), "fixtures", "checkpoint-format-1.pt")
 
@@ -339,7 +338,7 @@ def test_what_a_killed_trace_export_left_goes_at_the_next_start(tmp_path, capfd)
     (trace,) = [n for n in os.listdir(profile) if n.endswith(".pt.trace.json")]
     # A process exports under the name profiling.Profile._write gives its temporary file,
     # and is killed (SIGKILL) before it can rename it: what an export cut short leaves.
-    code = (f"import os, shutil, signal, runtime; name = '.tmp-' + runtime.owner_tag() + "
+    code = (f"import os, shutil, signal; from machinery import runtime; name = '.tmp-' + runtime.owner_tag() + "
             f"'~rank0.1.pt.trace.json'; shutil.copy({str(profile / trace)!r}, "
             f"os.path.join({str(profile)!r}, name + '.tmp')); "
             f"os.kill(os.getpid(), signal.SIGKILL)")
@@ -388,8 +387,8 @@ def test_the_lr_range_test_on_a_full_disk_warns_per_file_and_still_suggests(
 def test_a_tensorboard_image_the_disk_refuses_is_a_warning(tmp_path, mount_tmpfs, capfd):
     import numpy as np
 
-    import runlog
     from ops import RunFailed
+    from reporting import runlog
 
     mount = mount_tmpfs("size=256k")
     log = runlog.RunLog(str(mount), 0, 0, True)

@@ -13,7 +13,7 @@ import torch
 from conftest import ROOT, assert_states_equal, final_state, load_test_py, tiny_args
 from PIL import Image
 
-import engine
+from machinery import engine
 
 
 def events(run_dir):
@@ -109,7 +109,7 @@ def test_confusion_images_and_per_class_accuracy_match_test_py(tmp_path, train_m
 def test_confusion_image_for_few_many_and_empty_classes():
     import numpy as np
 
-    import plots
+    from reporting import plots
 
     few = plots.confusion_image(torch.eye(3, dtype=torch.long) * 4, ["cat", "dog", "emu"])
     many = plots.confusion_image(torch.eye(100, dtype=torch.long), [str(i) for i in range(100)])

@@ -16,8 +16,8 @@ import pytest
 from conftest import ROOT, tiny_args
 from PIL import Image
 
-import lr_finder
 import train
+from reporting import lr_finder
 
 SUGGESTED = re.compile(r"suggested --lr (\S+) \(steepest fall of the smoothed loss; "
                        r"the minimum / 10 is (\S+)\)")

@@ -12,8 +12,8 @@ import yaml
 from conftest import ROOT, final_state, tiny_args
 from helpers import closed_port, only_run, stop_at_step
 
-import tracking
 import train
+from reporting import tracking
 
 mlflow = pytest.importorskip("mlflow")
 

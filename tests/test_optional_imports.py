@@ -11,8 +11,8 @@ import pytest
 import torch
 from conftest import tiny_args
 
-import engine
 import train
+from machinery import engine
 
 
 @pytest.fixture

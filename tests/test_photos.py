@@ -14,12 +14,10 @@ from helpers import assert_batches_equal, photo_folder, tv_args
 from PIL import Image
 from torchvision.transforms import v2
 
-import data
-import device_data
-import images as image_files
-import presets
 import train
 from config import parse_config, with_defaults
+from pipeline import data, device_data, presets
+from pipeline import images as image_files
 
 
 def photo_config(root, **extra):

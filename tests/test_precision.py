@@ -11,15 +11,14 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_states_equal, final_state, tiny_args
 
-import checkpoint
-import data
-import engine
 import layers
 import ops
 import tasks
 import train
 from config import parse_config, with_defaults
+from machinery import checkpoint, engine
 from networks import build_network
+from pipeline import data
 
 CPU = torch.device("cpu")
 CHANNELS_LAST = torch.channels_last

@@ -13,8 +13,8 @@ import torch
 from conftest import assert_states_equal, final_state, tiny_args
 from helpers import stop_at_step
 
-import profiling
 import train
+from reporting import profiling
 
 BOUND = re.compile(r"^profile: (data|compute)-bound: waited for data \d+\.\d% of the time "
                    r"\(data \d+\.\d+ s, compute \d+\.\d+ s over (\d+) steps?", re.M)

@@ -13,11 +13,9 @@ from PIL import Image
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchvision.transforms import v2
 
-import data
-import recipes
-import sample_transforms
-from checkpoint import CheckpointError
+from machinery.checkpoint import CheckpointError
 from ops import UserError
+from pipeline import data, recipes, sample_transforms
 
 # ------------------------------------------------------------------------------- EMA
 

@@ -100,7 +100,7 @@ def test_policies_need_augmentation(tmp_path, capsys):
 
 
 RECORD_MIX = """
-import recipes
+from pipeline import recipes
 real_call = recipes.BatchMix.__call__
 def call(self, x, y, epoch, position):
     out = real_call(self, x, y, epoch, position)

@@ -14,10 +14,9 @@ import pytest
 import torch
 from conftest import ROOT, assert_states_equal, final_state, tiny_args, write_image_folder
 
-import checkpoint
-import engine
-import runlog
 import train
+from machinery import checkpoint, engine
+from reporting import runlog
 
 
 def ckpt(run_dir, name="last.pt"):

@@ -9,9 +9,9 @@ from conftest import snapshot, tiny_args, write_image_folder
 from helpers import finish, start_torchrun, write_launcher
 from torch import nn
 
-import data
 import networks
 import train
+from pipeline import data
 
 MARK = 100.0  # synthetic pixels are about N(0, 1): only the marked sample reaches this
 PER_SAMPLE = ("--data-on-device", "off")  # samples through SeededDataset (marked below)

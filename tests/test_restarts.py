@@ -26,10 +26,10 @@ import pytest
 import torch
 from conftest import assert_states_equal, final_state, tiny_args
 
-import elastic
-import runlog
 import train
+from machinery import elastic
 from ops import Interrupted, UserError
+from reporting import runlog
 
 RESTARTS = ("--max-restarts", "3", "--monitor-interval", "0.1")
 RECIPE = (*distributed.FLAGS, "--resume", "auto")  # 64 samples, 2 x 16 a step: 2 steps an epoch
@@ -156,7 +156,7 @@ def test_without_restarts_the_survivor_of_a_sigkill_ends_with_one_error_line(tmp
 DIE_WHILE_THE_OTHER_WAITS = """
 import datetime, time
 import torch.distributed as dist
-import runtime
+from machinery import runtime
 real_setup = runtime.setup_processes
 def setup_processes(config, stop=None):
     if os.environ["RANK"] == "0":

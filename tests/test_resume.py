@@ -14,9 +14,9 @@ import torch
 from conftest import ROOT, assert_states_equal, final_state, tiny_args
 from helpers import stop_at_step
 
-import checkpoint
 import networks
 import train
+from machinery import checkpoint
 
 # simple_cnn (BatchNorm) with augmentation: 96 samples, 6 steps an epoch, 2 epochs; the
 # per-sample DataLoader (with workers, or not), which the device path's own tests mirror.

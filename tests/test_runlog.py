@@ -9,11 +9,11 @@ import sys
 import pytest
 from conftest import ROOT
 
-import runlog
-import runtime
+from machinery import runtime
 from ops import UserError
+from reporting import runlog
 
-HOLD_LOCK = ("import sys; sys.path.insert(0, {root!r}); import runlog; "
+HOLD_LOCK = ("import sys; sys.path.insert(0, {root!r}); from reporting import runlog; "
              "runlog.RunLock(sys.argv[1]).acquire(); print('locked', flush=True); "
              "sys.stdin.read()")
 

@@ -4,7 +4,7 @@ machine: the CUDA queries are stood in for)."""
 import pytest
 import torch
 
-import runtime
+from machinery import runtime
 from ops import UserError
 
 

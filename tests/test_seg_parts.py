@@ -12,9 +12,9 @@ from conftest import put_in_torch_hub
 
 import networks
 import ops
-import presets
-import seg_metrics
 from layers import ConvBlock
+from pipeline import presets
+from tasks import seg_metrics
 
 # ---------------------------------------------------------------------------- U-Net
 

@@ -17,9 +17,9 @@ from conftest import (
 )
 from helpers import stop_at_step, torchrun
 
-import engine
 import tasks
 import train
+from machinery import engine
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +208,7 @@ def test_torchvision_segmentation_networks_train_with_their_aux_head(tmp_path, m
 
 def test_pretrained_torchvision_weights_train_with_a_new_head(tmp_path, monkeypatch, capsys):
     import networks
-    import presets
+    from pipeline import presets
 
     network = "torchvision/lraspp_mobilenet_v3_large"
     weights = presets.torchvision_weights(network, "torchvision")
@@ -259,7 +259,7 @@ def test_the_masks_picture_shows_the_first_validation_images_truth(learned):
     from PIL import Image
 
     import config
-    import seg_metrics
+    from tasks import seg_metrics
 
     image = events(learned).Images("val/masks")[-1]
     grid = np.asarray(Image.open(io.BytesIO(image.encoded_image_string)).convert("RGB"))

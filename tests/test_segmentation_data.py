@@ -11,13 +11,11 @@ import pytest
 import torch
 from PIL import Image
 
-import data
-import device_data
-import runtime
-import sample_transforms
-import segmentation_data as seg
 from config import with_defaults
+from machinery import runtime
 from ops import UserError
+from pipeline import data, device_data, sample_transforms
+from pipeline import segmentation_data as seg
 
 PALETTE = [0, 0, 0, 128, 0, 0, 0, 128, 0, 128, 128, 0] + [255, 255, 255] * 252
 

@@ -11,9 +11,9 @@ import torch
 from conftest import final_state, load_test_py, tiny_args, write_image_folder
 from helpers import photo_folder, tv_args
 
-import data
 import train
 from config import parse_config
+from pipeline import data
 
 
 def records(run_dir):
@@ -242,7 +242,8 @@ def test_each_step_of_the_lr_range_test_trains_at_its_own_rate(tmp_path):
 FAIL_ON_0 = """
 import os, sys, time
 sys.path.insert(0, {root!r})
-import data, train
+import train
+from pipeline import data
 from ops import UserError
 real = data.build_datasets
 def build_datasets(config, *args, **kwargs):  # process 0 finds no data, after a while

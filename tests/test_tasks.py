@@ -5,9 +5,9 @@ import pytest
 import torch
 from conftest import read_metrics, tiny_args
 
-import engine
 import tasks
 import train
+from machinery import engine
 
 
 def _evaluate(monkeypatch, dense_limit, logits, labels, classes):

@@ -13,9 +13,9 @@ import pytest
 import torch
 from conftest import ROOT, load_test_py
 
-import checkpoint
-import data
 from config import parse_config, with_defaults
+from machinery import checkpoint
+from pipeline import data
 
 
 def _last_validation(run_dir):

@@ -23,12 +23,12 @@ from conftest import (
 )
 from helpers import write_idx
 
-import data
-import engine
-import runlog
 import tasks
 import train
 from config import build_parser, check_config, parse_config
+from machinery import engine
+from pipeline import data
+from reporting import runlog
 
 METRIC_KEYS = {"epoch", "step", "train_loss", "lr", "compute_efficiency", "data_time",
                "compute_time", "epoch_time", "samples_per_sec"}

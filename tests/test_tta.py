@@ -5,9 +5,9 @@ import json
 import torch
 from conftest import tiny_args
 
-import engine
 import tasks
 import train
+from machinery import engine
 
 FOUR = tasks.Classification(4)  # classes
 

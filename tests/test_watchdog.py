@@ -10,9 +10,8 @@ import time
 from conftest import ROOT, tiny_args
 from helpers import FLAGS, assert_exit_codes, ckpt, finish, start_torchrun, write_launcher
 
-import checkpoint
-import watchdog
 from config import parse_config
+from machinery import checkpoint, watchdog
 
 # After ``after`` finished optimizer steps, the MLP's training forward sleeps (validation's
 # does not: it is not timed), in a frame of its own name, so that the stacks can be told
@@ -35,7 +34,8 @@ networks.MLP.forward = stalled_forward
 # than the timeout.
 SLOW_BUT_ALIVE = """
 import time
-import engine, networks
+import networks
+from machinery import engine
 original_forward, original_evaluate = networks.MLP.forward, engine.evaluate
 original_save = checkpoint.Saver.save
 first = [True]

@@ -28,10 +28,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import checkpoint
 import dcgan
-import sample_transforms
+from machinery import checkpoint
 from ops import UserError
+from pipeline import sample_transforms
 
 INCEPTION_FILE = "weights-inception-2015-12-05-6726825d.pth"  # torch-fidelity's URL's name
 INCEPTION_URL = ("https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/"

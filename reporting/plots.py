@@ -6,7 +6,7 @@ no display), returned as an ``HxWx3`` uint8 array for ``RunLog.image``.
 
 import numpy as np
 
-import files
+from machinery import files
 
 NAMED_CLASSES = 30      # up to this many classes, their names label the axes
 ANNOTATED_CLASSES = 12  # up to this many, each cell shows its share

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 from torchvision.transforms import v2
 
-from checkpoint import check_compatible, unwrap_state_dict
+from machinery.checkpoint import check_compatible, unwrap_state_dict
 from ops import UserError
 
 POLICIES = ("none", "trivialaugment", "randaugment", "autoaugment")

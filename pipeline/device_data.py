@@ -21,14 +21,11 @@ import torch
 from torchvision import datasets as tv_datasets
 from torchvision.transforms import v2
 
-import data
-import decoded_cache
-import presets
-import runtime
-import sample_transforms
-from decoded_cache import mib as _mib
+from machinery import runtime
+from machinery.runtime import say
 from ops import UserError, sum_over_processes
-from runtime import say
+from pipeline import data, decoded_cache, presets, sample_transforms
+from pipeline.decoded_cache import mib as _mib
 
 DEVICE_SHARE = 0.25  # --data-on-device auto: the sets may take this share of free memory
 

@@ -32,15 +32,12 @@ import torch.utils.data
 from torchvision import datasets as tv_datasets
 from torchvision.transforms import v2
 
-import decoded_cache
-import files
-import presets
-import recipes
-import runtime
-from images import UnreadableImage, load_image
+from machinery import files, runtime
+from machinery.runtime import say
 from ops import Interrupted, UserError
-from runtime import say
-from sample_transforms import (
+from pipeline import decoded_cache, presets, recipes
+from pipeline.images import UnreadableImage, load_image
+from pipeline.sample_transforms import (
     _SAMPLE,
     PHOTO_SIDE,
     STATS,

@@ -43,16 +43,13 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-import data
 import dcgan
-import device_data
-import engine
-import gan_metrics
 import losses
-import recipes
-import seg_metrics
-import segmentation_data
+from machinery import engine
 from ops import UserError
+from pipeline import data, device_data, recipes, segmentation_data
+from reporting import gan_metrics
+from tasks import seg_metrics
 
 TASKS = ("classification", "segmentation", "gan")
 TOP_K = 5  # acc5: counted where there are more classes than this
@@ -197,7 +194,7 @@ class Classification:
         lists the most confused pairs instead)."""
         if self.num_classes > PICTURED_CLASSES or result["confusion"] is None:
             return []
-        import plots
+        from reporting import plots
 
         return [("confusion", plots.confusion_image(result["confusion"], names, title))]
 

@@ -34,8 +34,7 @@ import time
 import torch
 from torch.autograd import DeviceType
 
-import files
-import runtime
+from machinery import files, runtime
 
 WAIT, WARMUP = 1, 1  # steps before the recording: skipped, then profiled but not kept
 DATA_BOUND = 0.10    # a window that waited for data longer than this share is data-bound

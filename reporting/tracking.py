@@ -42,11 +42,10 @@ import sys
 import time
 import urllib.parse
 
-import files
-import metrics
-import runtime
+from machinery import files, runtime
 from ops import first_sentence
-from runlog import NOT_SAVED_IN_CONFIG
+from reporting import metrics
+from reporting.runlog import NOT_SAVED_IN_CONFIG
 
 RUN_ID_KEY = "mlflow_run_id"  # the checkpoint dict's key
 PARENT_KEY = "mlflow_parent_run_id"  # a fork's parent: in the resumed state only (owned)

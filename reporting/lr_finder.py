@@ -37,14 +37,11 @@ import sys
 import numpy as np
 import torch.distributed as dist
 
-import data
-import engine
-import files
-import metrics
 import ops
-import runlog
-import runtime
+from machinery import engine, files, runtime
 from ops import UserError
+from pipeline import data
+from reporting import metrics, runlog
 
 BETA = 0.98          # the smoothing of the loss (an exponential moving average)
 DIVERGED = 4.0       # the sweep stops once the smoothed loss exceeds this times its minimum

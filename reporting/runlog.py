@@ -26,13 +26,10 @@ import torch
 import yaml
 from tqdm import tqdm
 
-import checkpoint
-import elastic
-import files
-import metrics
 import ops
-import runtime
+from machinery import checkpoint, elastic, files, runtime
 from ops import RunFailed, UserError
+from reporting import metrics
 
 NOT_SAVED_IN_CONFIG = ("config", "resume", "run_dir")  # per invocation, not per recipe
 

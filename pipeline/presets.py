@@ -29,11 +29,10 @@ import torch.hub
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
-import checkpoint
-import images
-import sample_transforms
+from machinery import checkpoint
 from networks import is_segmentation
 from ops import UserError
+from pipeline import images, sample_transforms
 
 PHOTO_SIDE = sample_transforms.PHOTO_SIDE  # image folders at this --image-size and above
 RATIO = (3 / 4, 4 / 3)  # the random-resized crop's aspect ratios, as torchvision's

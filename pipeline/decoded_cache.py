@@ -33,10 +33,9 @@ import torch
 import torch.utils.data
 import torchvision
 
-import files
-import runtime
+from machinery import files, runtime
+from machinery.runtime import say
 from ops import Interrupted, UserError
-from runtime import say
 
 CACHE_VERSION = 3    # of the cache's layout and record
 ORPHAN_AGE = 3600    # s: a temporary cache file of no known writer, untouched this long, goes

@@ -41,13 +41,9 @@ from torchvision import datasets as tv_datasets
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
-import data
-import decoded_cache
-import device_data
-import images
-import sample_transforms
+from machinery.runtime import say
 from ops import UserError
-from runtime import say
+from pipeline import data, decoded_cache, device_data, images, sample_transforms
 
 IGNORE = 255                 # the mask value of pixels no class counts at
 DATASETS = ("maskfolder", "synthetic", "voc")

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 import ops
-from files import atomic_write, remove_quietly
+from machinery.files import atomic_write, remove_quietly
 from ops import RunFailed, UserError
 
 ROTATING = re.compile(r"^(epoch-\d{4,}|step-\d{8,})\.pt$")

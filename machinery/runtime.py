@@ -24,9 +24,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import elastic
-import files
 import ops
+from machinery import elastic, files
 from ops import STOP_SIGNALS, Interrupted, RunFailed, UserError
 
 # --deterministic's cuBLAS needs this variable, and PyTorch reads it once per process, at
@@ -637,7 +636,7 @@ def dump_memory_snapshot(run_dir, device):
         return None
     import pickle
 
-    import files
+    from machinery import files
 
     rank = process_rank()
     name = "memory_snapshot.pickle" if int(os.environ.get("WORLD_SIZE", "1")) == 1 \

@@ -28,8 +28,8 @@ metrics.jsonl: one ``epoch_record`` per finished epoch (docs/design.md lists its
 import math
 import os
 
-import engine
 import ops
+from machinery import engine
 
 # TensorBoard tags
 TRAIN_LOSS, TRAIN_LR, SCALER_SKIPS = "train/loss", "train/lr", "train/scaler_skips"

@@ -1,0 +1,11 @@
+"""The loop's machinery: how a run runs, whatever is trained.
+
+    engine.py       the training step (a generator), evaluation, the run state, timing
+    checkpoint.py   checksummed checkpoints written in the background, safe loads, RNG
+    runtime.py      torchrun processes, devices, AMP dtype, seeds, signals, output
+    elastic.py      torchrun's restarts: joining a round, the job's lock
+    watchdog.py     --hang-timeout: a step that stopped
+    files.py        atomic writes, fsync helpers, writable probes
+
+Imports only torch, the standard library and ops.py.
+"""
