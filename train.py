@@ -12,22 +12,22 @@ processes, data, network, optimizer, resume; then the epoch loop (``run_epochs``
 step loop (``run_epoch``), where logging, checkpoints and stopping are decided in plain
 sight. Everything else is one hop away:
 
-    what is trained: a batch, its loss, its figures          tasks.py (a GAN's: dcgan.py)
-    the training step (forward, backward, optimizer step)    engine.steps
-    validation                                               engine.evaluate
+    what is trained: a batch, its loss, its figures          tasks/ (a GAN's: dcgan.py)
+    the training step (forward, backward, optimizer step)    machinery/engine.py steps
+    validation                                               machinery/engine.py evaluate
     the optimizer and its hyper-parameters                   ops.build_optimizer
     a flag: its definition, default and checks               config.py
-    checkpoint writes                                        checkpoint.Saver
+    checkpoint writes                                        machinery/checkpoint.py Saver
     the resume point, and restoring it                       train / restore below
-    every metric's name, the epoch record and its line       metrics.py
-    TensorBoard, metrics.jsonl, config.yaml, summary.txt     runlog.RunLog
-    MLflow (--mlflow)                                        tracking.py
-    processes, devices, AMP dtype, seeds, signals            runtime.py
-    torchrun's restarts: joining a round, the job's lock     elastic.py
-    datasets, the seeded sampler, per-sample loaders         data.py
-    data held and augmented on the device                    device_data.py
-    the LR range test (--find-lr)                            lr_finder.run
-    a hung step (--hang-timeout); a non-finite one (--replay) watchdog.py, replay.py
+    every metric's name, the epoch record and its line       reporting/metrics.py
+    TensorBoard, metrics.jsonl, config.yaml, summary.txt     reporting/runlog.py
+    MLflow (--mlflow)                                        reporting/tracking.py
+    processes, devices, AMP dtype, seeds, signals            machinery/runtime.py
+    torchrun's restarts: joining a round, the job's lock     machinery/elastic.py
+    datasets, the seeded sampler, per-sample loaders         pipeline/data.py
+    data held and augmented on the device                    pipeline/device_data.py
+    the LR range test (--find-lr)                            reporting/lr_finder.py
+    a hung step (--hang-timeout); a non-finite one (--replay) machinery/watchdog.py; replay.py
 """
 
 import signal

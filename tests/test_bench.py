@@ -29,6 +29,8 @@ SMALLEST = {
     "gan.py": (["--samples", "64", "--steps", "3", "--batch-size", "16", "--fid-samples", "16",
                 "--width", "8", "--classifier-epochs", "1", "--classifier-network", "mlp"],
                "figure: gan.train_py_over_plain"),
+    "identity.py": (["--base", "HEAD", "--recipes", "adam-clip"],
+                    "1 of 1 recipes equal to HEAD"),
     "lightning.py": (["--device", "cpu", "--network", "mlp", "--image-size", "8",
                       "--batch-size", "16", "--steps", "4", "--epochs", "1"],
                      "train.py (train.run_epoch)"),
@@ -54,6 +56,7 @@ SMALLEST = {
                         "1"], "device path / per-sample path:"),
 }
 WRITES_INTO = {"checkpoint.py": "--dir", "export.py": "--dir", "gan.py": "--dir",
+               "identity.py": "--dir",
                "photos.py": "--dir", "segmentation.py": "--dir"}
 
 
@@ -83,7 +86,8 @@ def test_gpu_script_is_valid_bash_and_names_every_bench():
     path = os.path.join(ROOT, "bench", "gpu.sh")
     assert subprocess.run(["bash", "-n", path]).returncode == 0
     text = open(path).read()
-    missing = [s for s in SMALLEST if f"bench/{s}" not in text and s != "distributed.py"]
+    missing = [s for s in SMALLEST if f"bench/{s}" not in text
+               and s not in ("distributed.py", "identity.py")]  # CPU checks
     assert missing == []
     # One interpreter throughout: no command calls python or python3 by name.
     bare = [line for line in text.splitlines() if not line.lstrip().startswith("#")

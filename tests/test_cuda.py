@@ -199,7 +199,8 @@ def test_gpu_memory_fraction_is_set_for_the_process(tmp_path):
 
     from conftest import ROOT
 
-    code = ("import sys, torch; from machinery import runtime; runtime.set_memory_options({'gpu_memory_fraction': "
+    code = ("import sys, torch; from machinery import runtime; "
+            "runtime.set_memory_options({'gpu_memory_fraction': "
             "0.25, 'memory_snapshot': False}, torch.device('cuda', 0)); "
             "print(torch.cuda.get_per_process_memory_fraction(0))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,

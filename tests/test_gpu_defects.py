@@ -107,7 +107,8 @@ def test_adam_resumed_onto_fused_groups_has_steps_where_the_kernel_needs_them(tm
 def test_importing_runtime_sets_the_cublas_workspace_config():
     # Before any cuBLAS gemm of the process: PyTorch reads it once, at the first one.
     env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
-    code = "import os; from machinery import runtime; print(os.environ.get('CUBLAS_WORKSPACE_CONFIG'))"
+    code = ("import os; from machinery import runtime; "
+            "print(os.environ.get('CUBLAS_WORKSPACE_CONFIG'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True,
                          capture_output=True, text=True, timeout=120).stdout
     assert out.strip().splitlines()[-1] == ":4096:8"

@@ -338,7 +338,8 @@ def test_what_a_killed_trace_export_left_goes_at_the_next_start(tmp_path, capfd)
     (trace,) = [n for n in os.listdir(profile) if n.endswith(".pt.trace.json")]
     # A process exports under the name profiling.Profile._write gives its temporary file,
     # and is killed (SIGKILL) before it can rename it: what an export cut short leaves.
-    code = (f"import os, shutil, signal; from machinery import runtime; name = '.tmp-' + runtime.owner_tag() + "
+    code = (f"import os, shutil, signal; from machinery import runtime; "
+            f"name = '.tmp-' + runtime.owner_tag() + "
             f"'~rank0.1.pt.trace.json'; shutil.copy({str(profile / trace)!r}, "
             f"os.path.join({str(profile)!r}, name + '.tmp')); "
             f"os.kill(os.getpid(), signal.SIGKILL)")
