@@ -471,9 +471,6 @@ def peak_tflops(device_name, precision):
     return None
 
 
-NETWORK_LR = {"discriminator": "lr_d"}  # a network's own learning-rate flag (None: --lr)
-
-
 class Optimizers:
     """Named optimizers, one per network of a model with several (a GAN's generator and
     discriminator), each stepped by its own phase (``engine._phase_steps``). What every
@@ -482,10 +479,14 @@ class Optimizers:
 
     Args:
         named: ``{network name: optimizer}``.
+        lr_flags: ``{network name: the config key of its own learning rate}`` (the task's
+            ``network_lr``, a GAN's ``{"discriminator": "lr_d"}``); a network without one,
+            or whose flag is None, takes ``lr``.
     """
 
-    def __init__(self, named):
+    def __init__(self, named, lr_flags=None):
         self.named = dict(named)
+        self.lr_flags = dict(lr_flags or {})
 
     def __getitem__(self, name):
         return self.named[name]
@@ -513,18 +514,20 @@ class Optimizers:
 
 def each_optimizer(optimizer, config):
     """``(optimizer, config)`` for each optimizer of a run: the one, or each of an
-    ``Optimizers`` with its network's learning rate (``NETWORK_LR``) as ``lr``."""
+    ``Optimizers`` with its network's learning rate (``Optimizers.lr_flags``) as ``lr``."""
     if not isinstance(optimizer, Optimizers):
         return [(optimizer, config)]
-    return [(o, {**config, "lr": config[NETWORK_LR[name]]}
-             if config.get(NETWORK_LR.get(name)) is not None else config)
+    flags = optimizer.lr_flags
+    return [(o, {**config, "lr": config[flags[name]]}
+             if config.get(flags.get(name)) is not None else config)
             for name, o in optimizer.items()]
 
 
-def build_optimizer(net, config, device):
+def build_optimizer(net, config, device, network_lr=None):
     """The optimizer over the trainable parameters; each group keeps its ``base_lr``.
     A model of several networks (an ``nn.ModuleDict``: a GAN's) gets an ``Optimizers``,
-    one optimizer per network, with its own learning rate (``NETWORK_LR``).
+    one optimizer per network, with its own learning rate where ``network_lr`` (the task's:
+    ``{network name: config key}``) names one.
 
     On CUDA, and wherever fp16's GradScaler runs, the fused implementation: with any
     other, ``GradScaler.step`` reads whether the gradients were finite back to the host at
@@ -532,7 +535,7 @@ def build_optimizer(net, config, device):
     """
     if isinstance(net, torch.nn.ModuleDict):
         optimizers = Optimizers({name: build_optimizer(module, config, device)
-                                 for name, module in net.items()})
+                                 for name, module in net.items()}, network_lr)
         set_hyperparameters(optimizers, config)
         return optimizers
     params = [p for p in net.parameters() if p.requires_grad]

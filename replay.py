@@ -58,7 +58,7 @@ def record_nonfinite(training):
     found = training.meter.nonfinite
     if found is None or getattr(training, "nonfinite_record", None):
         return None
-    if getattr(training.task, "phases", None):  # --replay replays one network's step; a
+    if training.task.phases:  # --replay replays one network's step; a
         return None                              # GAN's phases are not replayed (yet)
     if training.loop.scaler.is_enabled():  # fp16: inf gradients are the GradScaler's to skip
         found = {**found, "grad_norm": None}

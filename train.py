@@ -271,7 +271,7 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
     task = tasks.build_task(config, train_set, val_set)  # a batch, its loss, its figures
     net, model = build_model(config, train_set, procs.device, procs.world_size, log,
                              resuming=saved is not None)
-    optimizer = ops.build_optimizer(net, config, procs.device)  # a GAN: one per network
+    optimizer = ops.build_optimizer(net, config, procs.device, task.network_lr)  # one a network
     ema = recipes.build_ema(config, task.averaged(net))  # --ema-decay: None when off
     prefetch = config["prefetch"]
     if prefetch and isinstance(train_loader, device_data.DeviceLoader):
@@ -292,11 +292,11 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
 
     identity = {"train": tasks.set_identity(config, train_set)}  # a resume sees other data
     state = engine.TrainState()
-    if getattr(task, "lower_is_better", False):  # a GAN's FID: any first figure is the best
+    if task.lower_is_better:  # a GAN's FID: any first figure is the best
         state.best_val_acc = state.early_stop_best = -math.inf
     if saved is not None:  # weights, EMA, optimizer, scaler, position, RNG of the saved step
         restore(saved, resume_path, net, ema, optimizer, loop.scaler, state, config, procs,
-                task.averaged(net))
+                task)
         warn = functools.partial(runtime.main_print, file=sys.stderr)
         checkpoint.check_same_data(saved, resume_path, identity, warn)
         checkpoint.check_same_threads(saved, resume_path, procs.device, warn)
@@ -311,7 +311,8 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
     if state.step == 0:
         run_log.first_batch(train_set, sampler)
     saver = checkpoint.Saver(run_dir, config, net, optimizer, loop.scaler, state, procs,
-                             last_saved=resume_path, ema=ema, data=identity)
+                             last_saved=resume_path, ema=ema, data=identity,
+                             averaged=task.averaged_name)
     saver.mlflow_run_id = tracking.run_id(tracker, saved)  # a resume continues that run
     training = Training(config, procs, task, net, model, optimizer, ema, loop, state,
                         engine.LossMeter(loop.counters, procs.world_size), saver, run_log,
@@ -646,17 +647,17 @@ def unfreeze_into(net, optimizer, config):
 
 # ---------------------------------------------------------------------- resume
 
-def restore(saved, path, net, ema, optimizer, scaler, state, config, procs, averaged=None):
+def restore(saved, path, net, ema, optimizer, scaler, state, config, procs, task):
     """Loads a checkpoint's state into the freshly built objects (a model of several
-    networks and its optimizers: by name). ``averaged``: the network the EMA averages
-    (``task.averaged``; default ``net``)."""
+    networks and its optimizers: by name). ``task``: what the EMA averages
+    (``task.averaged``) and under which name (``task.averaged_name``)."""
     for module, weights in checkpoint.saved_networks(saved, net):  # by name, for several
         checkpoint.check_compatible(module, weights, path)
         module.load_state_dict(weights)
     if ema is not None and "ema" in saved:
-        ema.load_state_dict(checkpoint.saved_ema(saved), path)
+        ema.load_state_dict(checkpoint.saved_ema(saved, task.averaged_name), path)
     elif ema is not None:  # EMA turned on for a run that had none: start from the weights
-        ema.load_state_dict((net if averaged is None else averaged).state_dict(), path)
+        ema.load_state_dict(task.averaged(net).state_dict(), path)
         runtime.main_print(f"note: {path!r} has no moving average; it starts from the "
                            f"restored weights")
     state.load_state_dict(saved["progress"])

@@ -654,9 +654,11 @@ def saved_networks(saved, net):
     return [(net, unwrap_state_dict(saved["model"]))]
 
 
-def saved_ema(saved):
-    """The moving average's weights in a training checkpoint (by name: the generator's)."""
-    return saved["ema"]["generator"] if "networks" in saved else saved["ema"]
+def saved_ema(saved, averaged=None):
+    """The moving average's weights in a training checkpoint: under the averaged
+    network's name ``averaged`` (the task's ``averaged_name``, a GAN's generator) when
+    there is one, else the whole model's."""
+    return saved["ema"][averaged] if averaged is not None else saved["ema"]
 
 
 def check_compatible(model, state_dict, source):
@@ -747,7 +749,8 @@ class Kind(enum.Enum):
     STOP = "stop"    # a signal or --max-steps inside an epoch: last.pt
 
 
-def training_state(net, optimizer, scaler, progress, rngs, config, ema=None, data=None):
+def training_state(net, optimizer, scaler, progress, rngs, config, ema=None, data=None,
+                   averaged=None):
     """The checkpoint dict of a training run: what exact resumption needs.
 
     Args:
@@ -761,6 +764,9 @@ def training_state(net, optimizer, scaler, progress, rngs, config, ema=None, dat
         ema: the ``recipes.EMA`` of the weights, or None.
         data: ``{"train": data.set_identity(train_set)}`` (a resume onto another set says
             so), or None.
+        averaged: the name of the network the EMA averages (the task's
+            ``averaged_name``): its average is saved under ``ema[averaged]``; None: the
+            whole model's, as ``ema``.
 
     Returns:
         A dict of tensors and plain values (``weights_only``-loadable once saved).
@@ -785,7 +791,7 @@ def training_state(net, optimizer, scaler, progress, rngs, config, ema=None, dat
         "config": {k: v for k, v in config.items() if k not in ("resume",)},
     }
     if ema is not None:  # the model's keys; by name, the averaged network's (a generator)
-        state["ema"] = {"generator": ema.state_dict()} if by_name else ema.state_dict()
+        state["ema"] = ema.state_dict() if averaged is None else {averaged: ema.state_dict()}
     if data is not None:
         state["data"] = data
     return state
@@ -807,13 +813,15 @@ class Saver:
         procs: ``runtime.Processes``.
         last_saved: the checkpoint resumed from, if any.
         data: what the checkpoint records of the data (``training_state``'s ``data``).
+        averaged: the name of the network the EMA averages (``training_state``'s).
     """
 
     def __init__(self, run_dir, config, net, optimizer, scaler, state, procs, last_saved,
-                 ema=None, data=None):
+                 ema=None, data=None, averaged=None):
         self.dir = os.path.join(run_dir, "checkpoints")
         self.config, self.net, self.optimizer, self.scaler = config, net, optimizer, scaler
         self.state, self.procs, self.ema, self.data = state, procs, ema, data
+        self.averaged = averaged  # the task's averaged_name (training_state)
         self.last_saved = last_saved
         self.mlflow_run_id = None  # --mlflow: kept in every checkpoint (tracking.py)
         self.writer = BackgroundWriter()
@@ -857,7 +865,7 @@ class Saver:
             self.last_saved = path  # what the main process writes
             return
         state = training_state(self.net, self.optimizer, self.scaler, progress, rngs,
-                               self.config, self.ema, self.data)
+                               self.config, self.ema, self.data, self.averaged)
         if self.mlflow_run_id:  # a resumed run continues this MLflow run
             state["mlflow_run_id"] = self.mlflow_run_id
         also = [os.path.join(self.dir, "best.pt")] if best else []

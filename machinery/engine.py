@@ -493,7 +493,7 @@ def steps(model, loader, optimizer, task, loop, state, bar):
     sampler = loader.batch_sampler
     plan = sampler.plan()  # (global, local) sample counts of each batch
     first_batch = sampler.start // (sampler.batch_size * sampler.world_size)  # of the epoch
-    phases = getattr(task, "phases", None)  # None: one network, one optimizer
+    phases = task.phases  # None: one network, one optimizer
     held = []  # with phases: the step's micro-batches, each (x, y, local_n, where)
     if phases is not None:  # each batch's first sample (and the plan's end), for _where
         starts = [0, *itertools.accumulate(g for g, _ in plan)]

@@ -109,7 +109,7 @@ def best_metric(task, figures):
     when better (best.pt and --early-stop-* compare it so): a figure where lower is
     better (a GAN's FID) negated, NaN then never the best."""
     value = figures[best_key(task, f"val_{task.best}_ema" in figures)]
-    if getattr(task, "lower_is_better", False):
+    if task.lower_is_better:
         return -math.inf if value != value else -value
     return value
 
@@ -129,7 +129,7 @@ def epoch_figures(figures, device, world_size=1):
 
 def shown_best(task, value):
     """``best_metric``'s number as the figure it came from (an FID again)."""
-    return -value if getattr(task, "lower_is_better", False) else value
+    return -value if task.lower_is_better else value
 
 
 def task_scalars(figures):
@@ -208,8 +208,8 @@ def epoch_line(record, config, task, on_device=False):
     """
     val = "".join(f"  {key} {record[key]:.4f}" for key in
                   ("val_loss", best_key(task), best_key(task, True)) if key in record)
-    phases = "".join(f"  {key} {record[key]:.4f}" for key in  # a GAN's two losses
-                     ("train_loss_d", "train_loss_g") if key in record)
+    phases = "".join(f"  train_{f} {record[f'train_{f}']:.4f}" for f in  # a GAN's losses
+                     task.shown_figures if f"train_{f}" in record)
     lines = [f"epoch {record['epoch']}/{config['epochs']}  step {record['step']}  "
              f"train_loss {record['train_loss']:.4f}{phases}{val}  "
              f"{record['samples_per_sec']:.0f} samples/s  efficiency "

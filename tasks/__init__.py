@@ -59,6 +59,25 @@ PICTURED_CLASSES = 100  # the confusion image up to this many; beyond, the top c
 TOP_CONFUSED = 20  # pairs (true class, predicted class) listed where there is no picture
 
 
+class Task:
+    """The thin base of every task: what a task may leave out, declared with its default.
+
+    The loop reads these attributes; it never probes a task with ``getattr``. A task sets
+    ``name``, ``figures`` and ``best`` and provides the methods listed in this module's
+    docstring; the rest it overrides only where it differs:
+    """
+
+    name = None               # --task's value, recorded in every checkpoint's config
+    figures = ("loss",)       # validation figures: val_<figure>, val/<figure>
+    best = "loss"             # the figure best.pt and --early-stop-* follow ...
+    lower_is_better = False   # ... higher is better unless this (a GAN's FID)
+    phases = None             # a task of several networks: its ``Phase``s, in order
+    averaged_name = None      # ... and the network --ema-decay averages (by name, in the
+    #                           checkpoint's ``ema``); None: the whole model, as ``ema``
+    network_lr = {}           # a network's own learning-rate flag ({"name": "lr_x"})
+    shown_figures = ()        # training figures on the epoch line (train_<figure>)
+
+
 def build_task(config, train_set, val_set=None):
     """The task ``config["task"]`` names, for the training set ``train_set`` (a GAN
     checks that ``val_set`` has --fid-samples images)."""
@@ -137,7 +156,7 @@ def to_device(batch, device, memory_format):
             y.to(device, non_blocking=True))
 
 
-class Classification:
+class Classification(Task):
     """Image classification: logits (N, classes), cross-entropy, accuracy, top-5.
 
     Args:
@@ -298,7 +317,7 @@ def class_accuracy(result, classes):
                                   result["class_total"].tolist())}
 
 
-class Segmentation:
+class Segmentation(Task):
     """Semantic segmentation: per-pixel logits (N, classes, H, W), per-pixel cross-entropy
     that ignores mask value 255, mIoU, pixel accuracy and per-class IoU from one confusion
     matrix counted on the device (seg_metrics.py).
@@ -524,7 +543,7 @@ class Phase:
     repeats: int = 1
 
 
-class GAN:
+class GAN(Task):
     """A GAN (dcgan.py's generator and discriminator): per step the discriminator's phase
     (``--d-steps`` times, each with new latents on the same real batch), then the
     generator's on the images the discriminator last judged; FID and KID of the
@@ -546,6 +565,9 @@ class GAN:
 
     name = "gan"
     lower_is_better = True  # best.pt: the lowest FID
+    averaged_name = "generator"  # --ema-decay averages the generator
+    network_lr = {"discriminator": "lr_d"}  # --lr-d (None: --lr)
+    shown_figures = ("loss_d", "loss_g")  # the epoch line's two losses
     grid = 64  # fixed latents shown as a grid in TensorBoard at each validation
 
     def __init__(self, config, train_set):

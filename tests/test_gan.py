@@ -63,7 +63,8 @@ def test_a_gan_logs_what_users_look_at(trained):
     # train_loss: the sum of the phases' losses
     assert record["train_loss"] == pytest.approx(record["train_loss_d"] + record["train_loss_g"])
     line = metrics.epoch_line(record, {"epochs": 3, "num_workers": 0}, type(
-        "T", (), {"best": "fid_classifier"})())
+        "T", (tasks.Task,), {"best": "fid_classifier",
+                             "shown_figures": tasks.GAN.shown_figures})())
     assert f"train_loss_d {record['train_loss_d']:.4f}  train_loss_g " \
         f"{record['train_loss_g']:.4f}  val_fid_classifier" in line
     acc = events(trained)
@@ -112,7 +113,7 @@ def test_a_gan_checkpoint_as_a_classifiers_start_is_one_line(trained, tmp_path, 
 
 
 def test_an_early_stop_says_the_lowest_fid():
-    task = type("T", (), {"best": "fid", "lower_is_better": True})()
+    task = type("T", (tasks.Task,), {"best": "fid", "lower_is_better": True})()
     state = engine.TrainState(epoch=4, best_epoch=2, early_stop_waited=2)
     state.best_val_acc = metrics.best_metric(task, {"val_fid": 12.5})
     line = metrics.early_stop_line({"run_dir": "r", "early_stop_min_delta": 0,
@@ -129,7 +130,7 @@ def test_best_pt_follows_the_lowest_fid(trained):
 
 
 def test_a_nan_fid_is_never_the_best():
-    task = type("T", (), {"best": "fid", "lower_is_better": True})()
+    task = type("T", (tasks.Task,), {"best": "fid", "lower_is_better": True})()
     assert metrics.best_metric(task, {"val_fid": float("nan")}) == -float("inf")
     assert metrics.best_metric(task, {"val_fid": 3.0}) > metrics.best_metric(
         task, {"val_fid": 4.0})
