@@ -7,11 +7,13 @@ import subprocess
 import sys
 import time
 
+import pytest
 from conftest import ROOT, tiny_args
 from helpers import FLAGS, assert_exit_codes, ckpt, finish, start_torchrun, write_launcher
 
-from config import parse_config
+from config import check_config, parse_config
 from machinery import checkpoint, watchdog
+from ops import UserError
 
 # After ``after`` finished optimizer steps, the MLP's training forward sleeps (validation's
 # does not: it is not timed), in a frame of its own name, so that the stacks can be told
@@ -75,6 +77,9 @@ def test_flag_default_and_checks():
     config, _ = parse_config([])
     assert config["hang_timeout"] is None  # the automatic rule
     assert parse_config(["--hang-timeout", "90"])[0]["hang_timeout"] == 90.0
+    for bad in ("-1", "nan", "inf"):  # refused by check_config, in one line each
+        with pytest.raises(UserError, match="--hang-timeout"):
+            check_config(parse_config(["--hang-timeout", bad])[0])
 
 
 def test_timed_only_between_steps(tmp_path):
