@@ -383,7 +383,7 @@ class Watch:
     def __init__(self, net, task):
         self.modules = list(net.named_modules())
         self.net = net
-        criterion = getattr(task, "criterion", None)
+        criterion = task.criterion
         if isinstance(criterion, torch.nn.Module):
             self.modules.append(("loss", criterion))
         self.active, self.micro_batch, self.anomaly = False, -1, None

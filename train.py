@@ -271,7 +271,7 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
     task = tasks.build_task(config, train_set, val_set)  # a batch, its loss, its figures
     net, model = build_model(config, train_set, procs.device, procs.world_size, log,
                              resuming=saved is not None)
-    optimizer = ops.build_optimizer(net, config, procs.device, task.network_lr)  # one a network
+    optimizer = ops.build_optimizer(net, config, procs.device, task.network_lr)  # per network
     ema = recipes.build_ema(config, task.averaged(net))  # --ema-decay: None when off
     prefetch = config["prefetch"]
     if prefetch and isinstance(train_loader, device_data.DeviceLoader):

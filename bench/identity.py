@@ -181,8 +181,11 @@ def main(argv=None):
         p.error(f"--dir {args.dir}: not empty (the runs would resume, not start)")
     work = args.dir or tempfile.mkdtemp(prefix="identity-")
     base_tree = os.path.join(work, "base-tree")
-    subprocess.run(["git", "worktree", "add", "--detach", "--force", base_tree, args.base],
-                   cwd=ROOT, check=True, capture_output=True)
+    added = subprocess.run(["git", "worktree", "add", "--detach", "--force", base_tree,
+                            args.base], cwd=ROOT, capture_output=True, text=True)
+    if added.returncode != 0:  # an unknown revision, no git: one line
+        last = (added.stderr.strip().splitlines() or ["git worktree add failed"])[-1]
+        sys.exit(f"error: --base {args.base}: {last}")
     try:
         base = run_side(base_tree, names, os.path.join(work, "base"))
         here = run_side(ROOT, names, os.path.join(work, "here"))

@@ -64,7 +64,7 @@ class Task:
 
     The loop reads these attributes; it never probes a task with ``getattr``. A task sets
     ``name``, ``figures`` and ``best`` and provides the methods listed in this module's
-    docstring; the rest it overrides only where it differs:
+    docstring; the attributes below it overrides only where it differs from their default.
     """
 
     name = None               # --task's value, recorded in every checkpoint's config
@@ -76,6 +76,7 @@ class Task:
     #                           checkpoint's ``ema``); None: the whole model, as ``ema``
     network_lr = {}           # a network's own learning-rate flag ({"name": "lr_x"})
     shown_figures = ()        # training figures on the epoch line (train_<figure>)
+    criterion = None          # the training loss as a module, if any (--replay watches it)
 
 
 def build_task(config, train_set, val_set=None):
