@@ -38,13 +38,13 @@ from ops import Interrupted, UserError
 from pipeline import decoded_cache, presets, recipes
 from pipeline.images import UnreadableImage, load_image
 from pipeline.sample_transforms import (
-    _SAMPLE,
     PHOTO_SIDE,
     STATS,
     Normalise,
     SampleCrop,
     SampleFlip,
     sample_seed,
+    seeded,
 )
 
 TORCHVISION_SETS = {"cifar10": tv_datasets.CIFAR10, "cifar100": tv_datasets.CIFAR100,
@@ -99,11 +99,10 @@ class SeededDataset(torch.utils.data.Dataset):
         generator = torch.default_generator
         state = generator.get_state()
         generator.manual_seed(sample_seed(self.seed, epoch, index))
-        _SAMPLE.key = (self.seed, epoch, index)
         try:
-            return self.transform(image), label
+            with seeded(self.seed, epoch, index):
+                return self.transform(image), label
         finally:
-            _SAMPLE.key = None
             generator.set_state(state)
 
 

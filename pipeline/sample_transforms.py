@@ -105,8 +105,29 @@ def crop_flip_draws(seed, epoch, index, padding):
 _SAMPLE = threading.local()  # (seed, epoch, index) of the sample being transformed
 
 
+class seeded:
+    """``with seeded(seed, epoch, index):`` the sample being transformed in this thread,
+    for ``current_sample`` (SampleCrop, SampleFlip, segmentation's joint draws) to read;
+    what was set before comes back on exit. Used by data.py's ``SeededDataset``,
+    segmentation_data.py's ``SegmentationSet`` and its device path's photos. A class
+    (lower case, as a context manager reads), not ``contextlib.contextmanager``: it runs
+    once per sample."""
+
+    __slots__ = ("key", "previous")
+
+    def __init__(self, seed, epoch, index):
+        self.key = (seed, epoch, index)
+
+    def __enter__(self):
+        self.previous = getattr(_SAMPLE, "key", None)
+        _SAMPLE.key = self.key
+
+    def __exit__(self, *exc):
+        _SAMPLE.key = self.previous
+
+
 def current_sample():
-    """``(seed, epoch, index)`` of the sample ``SeededDataset`` is transforming now."""
+    """``(seed, epoch, index)`` of the sample being transformed now (``seeded``)."""
     key = getattr(_SAMPLE, "key", None)
     if key is None:
         raise RuntimeError("SampleCrop and SampleFlip draw from the sample's (seed, epoch, "

@@ -27,6 +27,7 @@ Files are decoded once (image and mask together, as one 4-channel uint8 image) i
 decoded cache (decoded_cache.py) and read from its memory map after.
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -280,11 +281,10 @@ class SegmentationSet(data.SeededDataset):
         generator = torch.default_generator
         state = generator.get_state()
         generator.manual_seed(sample_transforms.sample_seed(self.seed, epoch, index))
-        sample_transforms._SAMPLE.key = (self.seed, epoch, index)
         try:
-            return self.transform(image, mask)
+            with sample_transforms.seeded(self.seed, epoch, index):
+                return self.transform(image, mask)
         finally:
-            sample_transforms._SAMPLE.key = None
             generator.set_state(state)
 
 
@@ -845,12 +845,10 @@ class DeviceLoader(device_data.DeviceLoader):
             c, h, w = self.shapes[i]
             both = self.images[self.offsets[i]:self.offsets[i] + c * h * w].view(c, h, w)
             image, mask = both[:3], both[3]
-            sample_transforms._SAMPLE.key = (self.dataset.seed, epoch, i) if random else None
-            try:
+            with sample_transforms.seeded(self.dataset.seed, epoch, i) if random else \
+                    contextlib.nullcontext():
                 for step in self.steps:
                     image, mask = step(image, mask)
-            finally:
-                sample_transforms._SAMPLE.key = None
             images.append(image)
             masks.append(mask)
         return torch.stack(images), torch.stack(masks)

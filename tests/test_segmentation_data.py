@@ -163,9 +163,8 @@ def test_photo_resize_flip_and_crop_move_the_mask_with_the_image():
         image, mask = dataset[(index, 1)]
         assert image.shape == (3, crop, crop) and mask.shape == (crop, crop)
         padded += check_blocks_follow(image, mask) > 0
-        sample_transforms._SAMPLE.key = (0, 1, index)
-        sizes.add(seg.RandomResize(34, 138)(*sources[0])[0].shape[-2])
-        sample_transforms._SAMPLE.key = None
+        with sample_transforms.seeded(0, 1, index):
+            sizes.add(seg.RandomResize(34, 138)(*sources[0])[0].shape[-2])
     assert padded > 3 and len(sizes) > 10  # small draws are padded; sizes vary
     # Evaluation: the short side at the base (69), the long side at most the canvas (92),
     # padded to the canvas.
