@@ -1,5 +1,6 @@
 """--task segmentation through train.py and test.py: the promises a classifier keeps."""
 
+import glob
 import json
 import os
 import signal
@@ -145,9 +146,18 @@ def test_freeze_the_backbone_then_unfreeze_it(tmp_path, capsys):
     frozen = [k for k in before if k.startswith("backbone.") and "running" not in k
               and "num_batches" not in k]
     assert frozen and all(torch.equal(before[k], after[k]) for k in frozen)
-    assert train.main(seg_args(tmp_path / "thaw", "--freeze", "backbone.*",
-                               "--unfreeze-at", "2", epochs=2)) == 0
+    # --unfreeze-at 2: the backbone holds its first weights through epoch 1, then trains
+    thaw = tmp_path / "thaw"
+    assert train.main(seg_args(thaw, "--freeze", "backbone.*", "--unfreeze-at", "2",
+                               epochs=2)) == 0
     assert "epoch 2: unfroze" in capsys.readouterr().out
+    first, *_ = sorted(glob.glob(str(thaw / "checkpoints" / "epoch-*.pt")))
+    first = torch.load(first, weights_only=True)
+    assert first["epoch"] == 1 and all(torch.equal(first["model"][k], before[k])
+                                       for k in frozen)
+    last = final_state(thaw)["model"]
+    moved = [k for k in frozen if not torch.equal(last[k], before[k])]
+    assert moved == frozen, sorted(set(frozen) - set(moved))
 
 
 @pytest.mark.parametrize("flags, words", [
