@@ -56,8 +56,9 @@ def build_parser():
 
 def _data_flags(g):
     """The task, datasets, augmentation and the data path."""
-    g.add_argument("--task", default="classification", choices=list(tasks.TASKS),
-                   help="what is trained: the batches, loss and figures (tasks.py)")
+    g.add_argument("--task", default="classification", choices=tasks.TASKS,
+                   help="what is trained: its data, networks, loss and figures (tasks/<name>.py), "
+                        "or your own: FILE.py:Class (a tasks.Task; README: Add a task)")
     g.add_argument("--dataset", default="cifar10", help=f"classification: one of "
                    f"{', '.join(data.DATASETS)}; segmentation: one of "
                    f"{', '.join(segmentation_data.DATASETS)}")
@@ -474,22 +475,19 @@ def parse_config(argv):
     if config["network"] is None:
         config["network"] = default_network(config["dataset"], config["image_size"],
                                             config["pretrained"], config["task"])
-    if config["task"] == "gan":
-        tasks.gan_defaults(config, explicit)
+    tasks.defaults(config, explicit)  # the task's own (a GAN's recipe)
     return apply_pretrained_preset(config, explicit), explicit - {"config"}
 
 
 def default_network(dataset, image_size=32, pretrained=None, task="classification"):
     """The network a run gets without --network: resnet18 (the CIFAR one: full
     resolution), simple_cnn for the synthetic set (the README's smoke run takes seconds),
-    unet for segmentation,
-    and for photos (an image folder at 64 px and above) or ``--pretrained torchvision``
+    the task's own where it has one (``Task.default_network``: segmentation's unet), and
+    for photos (an image folder at 64 px and above) or ``--pretrained torchvision``
     torchvision's resnet18, whose ImageNet stem downsamples 4x at once (the CIFAR
     resnet18 would cost 15x its FLOPs at 224 px)."""
-    if task == "segmentation":
-        return "unet"
-    if task == "gan":
-        return "dcgan"
+    if tasks.default_network(task):  # the task's own (segmentation's unet)
+        return tasks.default_network(task)
     if pretrained and presets.torchvision_weights("torchvision/resnet18", pretrained):
         return "torchvision/resnet18"
     if dataset == "synthetic":
@@ -613,11 +611,8 @@ def check_config(c):
         if key in actions:
             _typed(key, value, actions[key])
             _check_choice(key, value, actions[key])
-    if c["task"] == "classification" and c["dataset"] not in data.DATASETS:
-        raise UserError(f"unknown dataset {c['dataset']!r}; choose one of: "
-                        f"{', '.join(data.DATASETS)}")
-    if c["task"] == "gan" or c["network"] == "dcgan":
-        pass  # tasks.check_config: dcgan, and only for --task gan
+    if tasks.owner_of(c["network"]):
+        pass  # a task's own network (tasks.check_config)
     elif c["network"] not in NETWORKS and not str(c["network"]).startswith("torchvision/"):
         raise UserError(f"unknown network {c['network']!r}; choose one of: "
                         f"{', '.join(sorted(NETWORKS))}, or torchvision/<name>")
@@ -651,8 +646,7 @@ def check_config(c):
         raise UserError(f"--compile does not work with --gpus {c['gpus']} (DataParallel); "
                         f"for several GPUs use torchrun (DistributedDataParallel), which "
                         f"compiles, or drop --compile")
-    _check_network_task(c)
-    tasks.check_config(c)
+    tasks.check_config(c)  # the task's refusals (its dataset, its network)
     _check_device(c["device"])
     if c["dataset"] == "synthetic":
         _check_synthetic(c)
@@ -662,21 +656,6 @@ def check_config(c):
     if c["unfreeze_at"] > c["epochs"]:
         _warn(f"--unfreeze-at {c['unfreeze_at']} is beyond --epochs {c['epochs']}: the "
               f"frozen parameters stay frozen for the whole run")
-
-
-def _check_network_task(c):
-    """A segmentation network for --task segmentation, a classifier otherwise."""
-    if c["task"] == "gan" or c["network"] == "dcgan":
-        return  # tasks.check_config
-    segmenting = c["task"] == "segmentation"
-    if is_segmentation(c["network"]) == segmenting:
-        return
-    if segmenting:
-        raise UserError(f"--network {c['network']} is a classifier (one label an image): "
-                        f"--task segmentation needs per-pixel logits: unet, or "
-                        f"torchvision/<a segmentation network> (deeplabv3_resnet50, ...)")
-    raise UserError(f"--network {c['network']} gives per-pixel logits: train it with "
-                    f"--task segmentation")
 
 
 def _check_device(device):

@@ -33,6 +33,7 @@ import warnings
 import torch
 
 from machinery import files
+from machinery.files import OutputError, output_failed  # noqa: F401 (export.OutputError)
 from machinery.runtime import say, shown
 from ops import UserError
 from pipeline import data, presets, sample_transforms
@@ -56,10 +57,6 @@ GAN_CONFIG = ("latent_dim", "image_size", "in_channels", "gan_loss", "gan_width"
               "gan_attention", "gan_spectral_norm")  # what rebuilds a generator
 
 
-class OutputError(Exception):
-    """Writing an output failed mid-run (a full disk, say); exit code 1, old file intact."""
-
-
 class QuantizationError(Exception):
     """onnxruntime could not quantize the network, or its int8 file does not run; exit 1."""
 
@@ -76,12 +73,6 @@ def check_onnx_installed(what):
         raise UserError(f"{what} needs {', '.join(missing)}, not installed here: "
                         f"pip install onnx onnxscript onnxruntime (or pip install -r "
                         f"requirements.txt)")
-
-
-def output_failed(flag, path, error):
-    kept = ("the previous file there is unchanged" if os.path.isfile(path)
-            else "nothing was written")
-    return OutputError(f"{flag} {path!r}: writing failed ({error.strerror or error}); {kept}")
 
 
 def _error_line(error):

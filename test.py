@@ -25,8 +25,8 @@ drop beyond ``--max-accuracy-drop`` is a warning.
 A GAN checkpoint (train.py --task gan) holds a generator, not predictions: its images of
 the fixed latents of the run's seed (``dcgan.fixed_latents``) as PNGs, FID and KID
 against the first validation images (gan_metrics.py), and the generator's export
-(latents in, images out) are what test.py gives for it (``evaluate_gan``); the accuracy
-table and --tta are refused in one line.
+(latents in, images out) are what test.py gives for it (tasks/gan.py's
+``GAN.test_checkpoint``); the accuracy table and --tta are refused in one line.
 
 Every output (--json, --export, the int8 file and --out) is checked to be writable before
 anything is loaded; a write that fails later (a full disk) is one ``error:`` line, exit
@@ -41,26 +41,21 @@ import copy
 import io
 import json
 import os
-import re
 import statistics
 import sys
 import time
 import warnings
 
 import torch
-from PIL import Image
 
-import dcgan
 import export
 import tasks
 from config import OneLineParser, with_defaults
 from export import EXPORT_BATCHES, EXPORT_KINDS, QUANTIZE_KINDS, OutputError, QuantizationError
 from machinery import checkpoint, engine, files, runtime
 from machinery.runtime import say, shown
-from networks import build_network
 from ops import UserError
 from pipeline import data
-from reporting import gan_metrics
 
 EXIT_USER_ERROR, EXIT_FAILED = 2, 1
 THROUGHPUT_BATCH = 64       # samples/s are measured at this batch size, on the CPU
@@ -170,7 +165,7 @@ def check_args(args):
         if path is not None and not path.strip():
             raise UserError(f"{flag} needs a {'directory' if flag == '--out' else 'file'} "
                             f"name")
-    _check_gan_args(args)
+    _check_sample_args(args)
     if args.model is not None:
         _check_model_args(args)
     if args.calibration_samples is not None and args.quantize != "int8":
@@ -202,7 +197,7 @@ def check_args(args):
     return suffix
 
 
-def _check_gan_args(args):
+def _check_sample_args(args):
     """--samples goes with --out, --fid-features with --fid-samples; none with --model."""
     if (args.samples is None) != (args.out is None):
         raise UserError("--samples N needs --out DIR (where the PNGs go)" if args.out is None
@@ -371,15 +366,6 @@ _CONFIG_NEEDS = (  # key, check, what it must be, whether the key may be absent
     ("amp", lambda v: isinstance(v, str) and v in runtime.AMP_DTYPES,
      f"one of {', '.join(runtime.AMP_DTYPES)}", True),
 )
-_GAN_NEEDS = (  # what dcgan.build reads
-    ("latent_dim", _int_at_least(1), "an integer of at least 1", False),
-    ("image_size", lambda v: type(v) is int and v in dcgan.IMAGE_SIZES,
-     f"one of {', '.join(map(str, dcgan.IMAGE_SIZES))}", False),
-    ("in_channels", lambda v: type(v) is int and v in (1, 3), "1 or 3", False),
-    ("gan_loss", lambda v: v in dcgan.GAN_LOSSES, f"one of {', '.join(dcgan.GAN_LOSSES)}",
-     True),
-    ("gan_width", _int_at_least(1), "an integer of at least 1", True),
-)
 _SYNTHETIC_NEEDS = (
     ("synthetic_size", _int_at_least(1), "an integer of at least 1", False),
     ("num_classes", _int_at_least(2), "an integer of at least 2", False),
@@ -397,8 +383,7 @@ def check_stored_config(config, path, need_batch_size):
                       "an integer of at least 1 (or pass --batch-size)", False))
     if config.get("dataset") == "synthetic":
         needs.extend(_SYNTHETIC_NEEDS)
-    if config.get("task") == "gan":
-        needs.extend(_GAN_NEEDS)
+    needs.extend(tasks.of(config).stored_needs)  # what the task rebuilds its network from
     for key, ok, expected, optional in needs:
         if key not in config:
             if optional:
@@ -435,11 +420,7 @@ def load_network(state, config, val_set, path, weights="raw"):
     Returns:
         The nn.Module.
     """
-    try:
-        net = build_network(config["network"], val_set.num_classes, val_set.in_channels,
-                            val_set.image_size)
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    net = tasks.build_networks(config, val_set)
     tensors = checkpoint.unwrap_state_dict(state["ema" if weights == "ema" else "model"])
     checkpoint.check_compatible(net, tensors, path)
     net.load_state_dict(tensors)  # copies into the fresh (contiguous) tensors
@@ -471,84 +452,12 @@ def evaluate_checkpoint(net, val_set, config, device, batch_size, num_workers, t
         data.shutdown_loader(loader)
 
 
-def make_report(path, result, classes, key="checkpoint"):
-    """The results as plain JSON types (an absent class's accuracy is None).
-
-    ``key`` names what was evaluated: ``checkpoint``, or ``model`` for an exported file.
-    A segmentation result (``miou``) gives ``miou``, ``pixel_accuracy`` and
-    ``per_class_iou`` (None: a class absent from the set and the predictions).
-    """
-    if "miou" in result:
-        return {key: path, "loss": result["loss"], "miou": result["miou"],
-                "pixel_accuracy": result["pixel_acc"],
-                "per_class_iou": dict(zip(classes, result["class_iou"].values())),
-                "confusion": result["confusion"].tolist(), "count": result["count"]}
-    top5 = {"accuracy_top5": result["acc5"]} if "acc5" in result else {}
-    report = {key: path, "loss": result["loss"], "accuracy": result["acc"], **top5,
-              "per_class": tasks.class_accuracy(result, classes),
-              "per_class_counts": [result["class_correct"].tolist(),
-                                   result["class_total"].tolist()],
-              "count": result["count"]}
-    if len(classes) <= tasks.PICTURED_CLASSES and result["confusion"] is not None:
-        report["confusion"] = result["confusion"].tolist()
-    else:  # C x C would be gigabytes of JSON at ImageNet-21k's size: the worst pairs
-        report["top_confused"] = [[classes[t], classes[p], n]
-                                  for t, p, n in result["top_confused"]]
-    return report
-
-
-def format_report(report, state, config, title=None):
-    """The report as text: headline, per-class accuracy, confusion matrix.
-
-    ``title`` replaces the first line (which names the checkpoint, its epoch and step).
-    """
-    if "miou" in report:
-        return format_segmentation_report(report, state, config, title)
-    names = list(report["per_class"])
-    hits, totals = report["per_class_counts"]
-    correct = sum(hits)
-    title = title or _title(report, state, config)
-    top5 = f"  top-5 accuracy {report['accuracy_top5']:.4f}" if "accuracy_top5" in report \
-        else ""
-    lines = [title,
-             f"loss {report['loss']:.4f}  accuracy {report['accuracy']:.4f} "
-             f"({correct}/{report['count']}){top5}", "per-class accuracy:"]
-    width = max(len(n) for n in names)
-    for i, name in enumerate(names):
-        acc = report["per_class"][name]
-        text = "-" if acc is None else f"{acc:.4f}"
-        lines.append(f"  {name:<{width}}  {text:>6}  ({hits[i]}/{totals[i]})")
-    if "confusion" not in report:
-        lines.append(f"most confused (true class -> predicted class: samples), of "
-                     f"{len(names)} classes:")
-        lines += [f"  {t} -> {p}: {n}" for t, p, n in report["top_confused"]]
-        return "\n".join(lines)
-    confusion = report["confusion"]
-    lines.append("confusion matrix (rows: true class, columns: predicted class):")
-    cell = max(len(str(max(max(row) for row in confusion))), len(str(len(names) - 1)))
-    lines.append(f"  {'':<{width}}  " + " ".join(f"{j:>{cell}}" for j in range(len(names))))
-    for name, row in zip(names, confusion):
-        lines.append(f"  {name:<{width}}  " + " ".join(f"{v:>{cell}}" for v in row))
-    return "\n".join(lines)
-
-
 def _title(report, state, config):
     extras = "".join(f", {what}" for what, on in (
         ("the moving average of the weights", report.get("weights") == "ema"),
         ("flip TTA", report.get("tta") == "flip")) if on)
     return (f"checkpoint {report['checkpoint']} (epoch {state.get('epoch', '?')}, step "
             f"{state.get('step', '?')}{extras}): {config['network']} on {config['dataset']}")
-
-
-def format_segmentation_report(report, state, config, title=None):
-    """A segmentation report as text: loss, mIoU, pixel accuracy, each class's IoU."""
-    lines = [title or _title(report, state, config),
-             f"loss {report['loss']:.4f}  mIoU {report['miou']:.4f}  pixel accuracy "
-             f"{report['pixel_accuracy']:.4f} ({report['count']} pixels)", "per-class IoU:"]
-    width = max(len(n) for n in report["per_class_iou"])
-    for name, iou in report["per_class_iou"].items():
-        lines.append(f"  {name:<{width}}  {'-' if iou is None else f'{iou:.4f}':>6}")
-    return "\n".join(lines)
 
 
 def write_json(report, path):
@@ -686,9 +595,9 @@ def compare_onnx(args, net, val_set, train_set, config, batch_size, report, meta
         files.append((f"onnx {args.quantize}", path))
     for name, path in files:
         run = export.load_onnx(path)
-        result = evaluate_exported(run, val_set, batch_size, args.num_workers,
-                                   tasks.build_task(config, val_set))
-        file_report = make_report(path, result, val_set.classes, key="model")
+        task = tasks.build_task(config, val_set)
+        result = evaluate_exported(run, val_set, batch_size, args.num_workers, task)
+        file_report = task.report(result, "model", path)
         rows[name] = measured(file_report, os.path.getsize(path),
                               samples_per_second(run, shape), rows["eager"], path)
     say(format_comparison(rows, THROUGHPUT_BATCH))
@@ -726,7 +635,7 @@ def exported_config(args, metadata, shape, outputs):
     stored = export.stored_value(metadata, "training_config", path, {})
     if not isinstance(stored, dict):
         raise UserError(f"--model {path!r}: its training_config is not a JSON object")
-    if stored.get("task") == "gan":
+    if tasks.of(stored).generates:
         raise UserError(f"--model {path!r} is a GAN's generator (latents in, images out): "
                         f"there is nothing to evaluate on a validation split; run test.py "
                         f"--checkpoint with --samples or --fid-samples on its checkpoint")
@@ -753,9 +662,9 @@ def evaluate_model_file(args):
     batch_size = args.batch_size or config["batch_size"]
     _, val_set = tasks.build_datasets(config, say)
     export.check_exported_data(path, metadata, val_set, config, shape)
-    result = evaluate_exported(run, val_set, batch_size, args.num_workers,
-                               tasks.build_task(config, val_set))
-    report = make_report(path, result, val_set.classes, key="model")
+    task = tasks.build_task(config, val_set)
+    result = evaluate_exported(run, val_set, batch_size, args.num_workers, task)
+    report = task.report(result, "model", path)
     sample_shape = (val_set.in_channels, val_set.image_size, val_set.image_size)
     report.update(format=EXPORT_KINDS[suffix], quantization=metadata.get("quantization"),
                   bytes=os.path.getsize(path), throughput_batch_size=THROUGHPUT_BATCH,
@@ -768,160 +677,13 @@ def evaluate_model_file(args):
     title = (f"model {path} ({EXPORT_KINDS[suffix]}"
              f"{', ' + report['quantization'] if quantized else ''}{origin}): "
              f"{config['network']} on {config['dataset']}")
-    say(format_report(report, {}, config, title=title))
+    say(task.format_report(report, title))
     say(f"file {_size(report['bytes'])}; {report['samples_per_sec']:.1f} samples/s on the "
         f"CPU at batch {THROUGHPUT_BATCH}, {torch.get_num_threads()} threads")
     if args.json:
         write_json(report, args.json)
         say(f"wrote {args.json}")
     return 0
-
-
-# ----------------------------------------------------------------- a GAN checkpoint
-
-def refuse_gan_flags(args, config):
-    """The GAN flags name a generator: one line for a checkpoint without one."""
-    given = [flag for flag, value in (("--samples", args.samples),
-                                      ("--fid-samples", args.fid_samples)) if value]
-    if given:
-        raise UserError(f"{given[0]} is for a GAN checkpoint's generator; "
-                        f"{args.checkpoint!r} is a {config['task']} checkpoint")
-
-
-def refuse_for_gan(args):
-    """A generator has no predictions: the classifier's table and --tta make no sense."""
-    path = args.checkpoint
-    if args.tta is not None:
-        raise UserError(f"--tta averages a classifier's predictions over mirrored images; "
-                        f"{path!r} is a GAN checkpoint (a generator predicts nothing)")
-    if not (args.samples or args.fid_samples or args.export):
-        raise UserError(f"{path!r} is a GAN checkpoint: there is no accuracy to evaluate; "
-                        f"ask for --samples N --out DIR (PNGs), --fid-samples N (FID, KID) "
-                        f"or --export FILE (the generator)")
-
-
-def load_generator(state, config, path, weights):
-    """A fresh generator (dcgan.build) holding the checkpoint's ``networks["generator"]``
-    (``"raw"``) or ``ema["generator"]`` (``"ema"``): CPU, float32, eval mode."""
-    checkpoint.require(state, path, ("networks",), "a GAN's generator is in it")
-    generator, _ = dcgan.build(config, config["in_channels"])
-    held = state["ema" if weights == "ema" else "networks"]["generator"]
-    tensors = checkpoint.unwrap_state_dict(held)
-    checkpoint.check_compatible(generator, tensors, path)
-    generator.load_state_dict(tensors)
-    return generator.eval()
-
-
-def real_images(config, n, batch_size, num_workers):
-    """The first ``n`` validation images of the run's dataset, in [-1, 1] as the generator
-    makes them (gan_metrics.to_generator_range undoes the normalisation)."""
-    _, val_set = tasks.build_datasets(dict(config, augment=False), say)
-    if len(val_set) < n:
-        raise UserError(f"--fid-samples {n}: the validation split of {config['dataset']} "
-                        f"has only {len(val_set)} images")
-    loader = data.build_loader(val_set, batch_size=batch_size, num_workers=num_workers,
-                               sampler=range(n))
-    try:
-        return torch.cat([gan_metrics.to_generator_range(x, val_set.transform)
-                          for x, _ in loader])  # (n, C, H, W)
-    finally:
-        data.shutdown_loader(loader)
-
-
-def sample_latents(n, latent_dim, seed):
-    """dcgan.fixed_latents for --samples, refused in one line where they alone would take
-    more than half the memory available (a mistyped N)."""
-    need, free = n * latent_dim * 4, runtime.available_memory()
-    if free and need > free // 2:
-        raise UserError(f"--samples {n}: the latents alone need {need / 2**30:.1f} GiB, more "
-                        f"than half the {free / 2**30:.1f} GiB of memory available")
-    return dcgan.fixed_latents(n, latent_dim, seed)
-
-
-def write_samples(generator, latents, out_dir, batch_size):
-    """The generator's image of each latent as a PNG, ``out_dir/000000.png`` on (grey for
-    one channel, RGB for three), each written atomically; returns the file names.
-
-    Raises:
-        OutputError: a write failed (a full disk); files written before are whole.
-    """
-    names = []
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        for chunk in latents.split(batch_size):
-            pixels = dcgan.to_uint8(dcgan.generate(generator, chunk, batch_size)).cpu()
-            for image in pixels:  # (C, H, W) uint8
-                names.append(os.path.join(out_dir, f"{len(names):06d}.png"))
-                _write_png(image, names[-1])
-    except OSError as e:
-        raise export.output_failed("--out", names[-1] if names else out_dir, e) from None
-    older = sorted(f for f in os.listdir(out_dir)
-                   if re.fullmatch(r"\d{6,}\.png", f) and int(f[:-4]) >= len(names))
-    if older:  # kept (never deleted), but not of this run: say so
-        say(f"warning: {out_dir} also holds {len(older)} numbered PNGs that this run did "
-            f"not write ({older[0]} on)", file=sys.stderr)
-    return names
-
-
-def _write_png(image, path):
-    png = io.BytesIO()
-    Image.fromarray(image.permute(1, 2, 0).squeeze(2).numpy()).save(png, "PNG")  # L or RGB
-    files.atomic_write(path, lambda f: f.write(png.getvalue()), "wb")
-
-
-def _scores_line(scores, n, config, args, seed):
-    if args.fid_features:
-        what = (f"on the penultimate features of the classifier {args.fid_features} (not "
-                f"Inception: comparable only with the same checkpoint)")
-    else:
-        what = "on Inception-v3's pool features"
-    s = "" if args.fid_features is None else "_classifier"
-    return (f"fid{s} {scores[f'fid{s}']:.4f}  kid{s} {scores[f'kid{s}']:.6f} (std "
-            f"{scores[f'kid_std{s}']:.6f}): {n} generated images (latents of seed {seed}) "
-            f"against the first {n} validation images of {config['dataset']}, {what}")
-
-
-def evaluate_gan(args, suffix, state, config, device, batch_size):
-    """A GAN checkpoint: --samples, --fid-samples, --export of the generator and --json;
-    returns the exit code. What can fail (the Inception file, the data) is tried before
-    anything is written."""
-    path = args.checkpoint
-    refuse_for_gan(args)
-    weights = choose_weights(state, args.weights, path)
-    generator = load_generator(state, config, path, weights)
-    seed = config["seed"] if args.seed is None else args.seed
-    latents = features = real = None
-    if args.samples:
-        latents = sample_latents(args.samples, config["latent_dim"], seed)
-    if args.fid_samples:
-        features = gan_metrics.build_features(args.fid_features).to(device)
-        real = real_images(config, args.fid_samples, batch_size, args.num_workers)
-    which = "the moving average of the generator" if weights == "ema" else "the generator"
-    say(f"checkpoint {path} (epoch {state.get('epoch', '?')}, step "
-        f"{state.get('step', '?')}, {which}): {config['network']} on {config['dataset']}, "
-        f"latents of {config['latent_dim']}, images {config['in_channels']}x"
-        f"{config['image_size']}x{config['image_size']}")
-    report = {"checkpoint": path, "task": "gan", "weights": weights, "seed": seed}
-    on_device = copy.deepcopy(generator).to(device)
-    if args.samples:
-        names = write_samples(on_device, latents, args.out, batch_size)
-        report["samples"] = {"count": len(names), "dir": args.out}
-        say(f"wrote {len(names)} samples to {args.out} ({os.path.basename(names[0])} to "
-            f"{os.path.basename(names[-1])}; latents of seed {seed})")
-    if features is not None:
-        scores = gan_metrics.generator_scores(on_device, real, features, args.fid_samples,
-                                              seed, batch_size)
-        report.update(fid_samples=args.fid_samples, fid_features=args.fid_features,
-                      **scores)
-        say(_scores_line(scores, args.fid_samples, config, args, seed))
-
-    def export_generator():  # latents in, images out; the CPU generator, checked
-        metadata = export.generator_metadata(config, state, path, weights)
-        ok = export_checked(args, suffix, generator, (config["latent_dim"],), metadata,
-                            report, export.GENERATOR_NAMES)
-        return 0 if ok else EXIT_FAILED
-
-    return export_and_report(args, report, export_generator if suffix else None)
 
 
 # ------------------------------------------------------------------------------ main
@@ -965,33 +727,51 @@ def evaluate_and_export(args):
     check_stored_config(stored, args.checkpoint, need_batch_size=args.batch_size is None)
     config = with_defaults(stored)  # must be there; flags added since take their defaults
     batch_size = args.batch_size or config["batch_size"]
-    if args.quantize and config["task"] != "classification":
+    kind = tasks.of(config)  # the task: what is reported of its checkpoints
+    if args.quantize and not kind.measured_export:
         raise UserError(f"--quantize measures a classifier's accuracy cost; {args.checkpoint!r} "
                         f"is a {config['task']} checkpoint: export it without --quantize")
-    if config["task"] == "gan":
-        return evaluate_gan(args, suffix, state, config, device, batch_size)
-    refuse_gan_flags(args, config)
+    kind.check_test_flags(args, args.checkpoint)
+    weights = choose_weights(state, args.weights, args.checkpoint)
+    if kind.generates:  # images made, no predictions: the task's own report
+        return evaluate_generator(args, suffix, kind, state, config, device, batch_size,
+                                  weights)
 
     # 3. Data and network, evaluated as training validated (the training split unaugmented:
     #    --quantize int8 calibrates on it).
     train_set, val_set = tasks.build_datasets(dict(config, augment=False), say)
     task = tasks.build_task(config, val_set)
-    weights = choose_weights(state, args.weights, args.checkpoint)
     tta = (args.tta or config["tta"]) == "flip" and \
         data.mirror_keeps_class(config["dataset"])
     net = load_network(state, config, val_set, args.checkpoint, weights)
     result = evaluate_checkpoint(net, val_set, config, device, batch_size, args.num_workers,
                                  task, tta)
-    net = tasks.inference_network(net)  # (torchvision's segmentation networks: the logits)
-    report = make_report(args.checkpoint, result, val_set.classes)
+    net = task.inference_network(net)  # (torchvision's segmentation networks: the logits)
+    report = task.report(result, "checkpoint", args.checkpoint)
     report.update(weights=weights, tta="flip" if tta else "none")
-    say(format_report(report, state, config))
+    say(task.format_report(report, _title(report, state, config)))
 
     # 4. Export: a fresh CPU network, checked against itself after reloading; an ONNX file
     #    is also evaluated (and quantized). The JSON holds whatever was done.
     export_step = None if suffix is None else lambda: export_and_compare(
         args, suffix, net, state, config, train_set, val_set, batch_size, report)
     return export_and_report(args, report, export_step)
+
+
+def evaluate_generator(args, suffix, kind, state, config, device, batch_size, weights):
+    """A checkpoint of a task that generates images (``kind.generates``): the task's
+    --samples and --fid-samples, then --export of its generator and --json; returns the
+    exit code."""
+    report, (generator, shape) = kind.test_checkpoint(args, state, config, device,
+                                                      batch_size, weights)
+
+    def export_generator():  # the CPU generator, checked
+        metadata = export.generator_metadata(config, state, args.checkpoint, weights)
+        ok = export_checked(args, suffix, generator, shape, metadata, report,
+                            export.GENERATOR_NAMES)
+        return 0 if ok else EXIT_FAILED
+
+    return export_and_report(args, report, export_generator if suffix else None)
 
 
 def export_and_report(args, report, export_step):
@@ -1019,7 +799,7 @@ def export_and_compare(args, suffix, net, state, config, train_set, val_set, bat
     metadata = export.export_metadata(config, val_set, state, args.checkpoint)
     if not export_checked(args, suffix, net, shape, metadata, report):
         return EXIT_FAILED
-    if suffix == ".onnx" and config["task"] == "classification":  # measured: accuracy
+    if suffix == ".onnx" and tasks.of(config).measured_export:  # measured: accuracy
         compare_onnx(args, net, val_set, train_set, config, batch_size, report, metadata)
     return 0
 

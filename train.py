@@ -46,7 +46,6 @@ import shlex
 import torch
 import torch.distributed as dist
 
-import dcgan
 import layers
 import ops
 import replay
@@ -54,7 +53,6 @@ import tasks
 from config import check_config, merge_resumed_config, parse_config, with_defaults
 from machinery import checkpoint, engine, runtime, watchdog
 from machinery.checkpoint import Kind
-from networks import build_network
 from ops import Interrupted, RunFailed, UserError
 from pipeline import data, device_data, presets, recipes
 from reporting import lr_finder, metrics, profiling, runlog, tracking
@@ -266,8 +264,7 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
                                      rank=procs.rank, world_size=procs.world_size)
     train_loader, val_loader = tasks.build_loaders(config, procs, train_set, val_set, sampler,
                                                    stop)
-    if config["task"] == "gan":  # test.py and export build the networks from the config
-        config = {**config, "in_channels": train_set.in_channels}
+    config = tasks.recorded(config, train_set)  # what rebuilds the networks (test.py)
     task = tasks.build_task(config, train_set, val_set)  # a batch, its loss, its figures
     net, model = build_model(config, train_set, procs.device, procs.world_size, log,
                              resuming=saved is not None)
@@ -546,12 +543,7 @@ def build_model(config, train_set, device, world_size, log, resuming=False):
         ``(net, model)``: the plain network (saved in checkpoints) and the module to call
         (wrapped in DDP / DataParallel / torch.compile as asked).
     """
-    try:
-        net = dcgan.networks(config, train_set.in_channels) if config["task"] == "gan" \
-            else build_network(config["network"], train_set.num_classes,
-                               train_set.in_channels, train_set.image_size)
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    net = tasks.build_networks(config, train_set)  # the task's network(s)
     if config["pretrained"] and not resuming:
         presets.load_pretrained(net, config["pretrained"], log, config["pretrained_weights"],
                         config["network"])
@@ -666,7 +658,7 @@ def restore(saved, path, net, ema, optimizer, scaler, state, config, procs, task
     if unfrozen_at_resume(config, state):
         unfreeze_into(net, optimizer, config)  # it happened before the save
     try:
-        optimizer.load_state_dict(saved["optimizers" if "networks" in saved else "optimizer"])
+        optimizer.load_state_dict(checkpoint.saved_optimizers(saved))
     except (ValueError, KeyError) as e:
         raise UserError(f"the optimizer state in {path!r} does not fit "
                         f"(--optimizer or --freeze changed?): {e}") from None

@@ -654,6 +654,12 @@ def saved_networks(saved, net):
     return [(net, unwrap_state_dict(saved["model"]))]
 
 
+def saved_optimizers(saved):
+    """The optimizer state of a training checkpoint: of several networks (``optimizers``,
+    format 3, by name) or of one (``optimizer``)."""
+    return saved["optimizers" if "networks" in saved else "optimizer"]
+
+
 def saved_ema(saved, averaged=None):
     """The moving average's weights in a training checkpoint: under the averaged
     network's name ``averaged`` (the task's ``averaged_name``, a GAN's generator) when

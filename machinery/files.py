@@ -15,6 +15,17 @@ import shutil
 import tempfile
 
 
+class OutputError(Exception):
+    """Writing an output failed mid-run (a full disk, say); exit code 1, old file intact."""
+
+
+def output_failed(flag, path, error):
+    """The ``OutputError`` of a failed write of ``flag``'s ``path`` (an ``OSError``)."""
+    kept = ("the previous file there is unchanged" if os.path.isfile(path)
+            else "nothing was written")
+    return OutputError(f"{flag} {path!r}: writing failed ({error.strerror or error}); {kept}")
+
+
 def printable(text):
     """``text`` as every writer takes it (matplotlib, protobuf, MLflow, JSON, a strict
     terminal): where it holds a file name that is not UTF-8 (whose bytes Python keeps as

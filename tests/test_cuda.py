@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import assert_states_equal, final_state, tiny_args
 
+import networks
 import train
 from machinery import engine
 
@@ -140,7 +141,7 @@ def test_a_second_gpu_is_the_one_used(tmp_path):
 
 @two_gpus
 def test_dataparallel_replicas_compute_in_bfloat16():
-    net = train.build_network("simple_cnn", 10, 3, 16).cuda(0)
+    net = networks.build_network("simple_cnn", 10, 3, 16).cuda(0)
     seen = []
     net.fc.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
     config = {"gpus": "0,1", "amp": "bf16", "compile": False}

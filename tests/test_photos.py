@@ -14,6 +14,7 @@ from helpers import assert_batches_equal, photo_folder, tv_args
 from PIL import Image
 from torchvision.transforms import v2
 
+import networks
 import train
 from config import parse_config, with_defaults
 from pipeline import data, device_data, presets
@@ -298,7 +299,7 @@ def test_a_wrong_pretrained_name_is_one_error_line(tmp_path, capsys, argv, messa
 
 
 def test_a_file_named_torchvision_wins_over_the_weights(tmp_path, monkeypatch, capsys):
-    torch.save(train.build_network("simple_cnn", 2, 3, 64).state_dict(),
+    torch.save(networks.build_network("simple_cnn", 2, 3, 64).state_dict(),
                tmp_path / "torchvision")
     monkeypatch.chdir(tmp_path)
     images = photo_folder(tmp_path / "images")

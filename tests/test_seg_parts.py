@@ -14,7 +14,7 @@ import networks
 import ops
 from layers import ConvBlock
 from pipeline import presets
-from tasks import seg_metrics
+from tasks import segmentation as seg_metrics
 
 # ---------------------------------------------------------------------------- U-Net
 

@@ -269,7 +269,7 @@ def test_the_masks_picture_shows_the_first_validation_images_truth(learned):
     from PIL import Image
 
     import config
-    from tasks import seg_metrics
+    from tasks import segmentation as seg_metrics
 
     image = events(learned).Images("val/masks")[-1]
     grid = np.asarray(Image.open(io.BytesIO(image.encoded_image_string)).convert("RGB"))

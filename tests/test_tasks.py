@@ -6,12 +6,13 @@ import torch
 from conftest import read_metrics, tiny_args
 
 import tasks
+import tasks.classification
 import train
 from machinery import engine
 
 
 def _evaluate(monkeypatch, dense_limit, logits, labels, classes):
-    monkeypatch.setattr(tasks, "DENSE_CLASSES", dense_limit)
+    monkeypatch.setattr(tasks.classification, "DENSE_CLASSES", dense_limit)
     loop = engine.LoopSettings(device=torch.device("cpu"), show_progress=False)
     batches = list(zip(logits.split(7), labels.split(7)))
     return engine.evaluate(torch.nn.Identity(), batches, loop, tasks.Classification(classes))
@@ -43,8 +44,8 @@ def test_many_classes_count_the_same_without_a_square_matrix(monkeypatch):
 @pytest.mark.parametrize("classes", [12])
 def test_a_run_with_more_classes_than_a_picture_lists_the_confused_pairs(
         tmp_path, monkeypatch, classes):
-    monkeypatch.setattr(tasks, "PICTURED_CLASSES", 10)  # (100: a person's limit)
-    monkeypatch.setattr(tasks, "DENSE_CLASSES", 10)     # (2048: 32 MiB of counts)
+    monkeypatch.setattr(tasks.classification, "PICTURED_CLASSES", 10)  # (100: a person's limit)
+    monkeypatch.setattr(tasks.classification, "DENSE_CLASSES", 10)     # (2048: 32 MiB of counts)
     assert train.main(tiny_args(tmp_path, "--num-classes", str(classes), size=96)) == 0
     record = read_metrics(tmp_path)[-1]
     assert len(record["val_class_acc"]) == classes

@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import ROOT, load_test_py
 
+import tasks
 from config import parse_config, with_defaults
 from machinery import checkpoint
 from pipeline import data
@@ -83,12 +84,11 @@ def test_json_holds_per_class_accuracy_and_confusion(mlp_run, tmp_path, capsys):
 
 
 def test_absent_class_is_null_in_json():
-    test_py = load_test_py()
     confusion = torch.tensor([[3, 1, 0], [0, 0, 0], [0, 2, 2]])
     result = {"loss": 0.5, "acc": 5 / 8, "count": 8, "confusion": confusion,
               "class_total": confusion.sum(dim=1), "class_correct": confusion.diag(),
               "top_confused": [(2, 1, 2), (0, 1, 1)]}
-    report = test_py.make_report("x.pt", result, ["a", "b", "c"])
+    report = tasks.Classification(3, ["a", "b", "c"]).report(result, "checkpoint", "x.pt")
     assert report["per_class"] == {"a": 0.75, "b": None, "c": 0.5}
     assert json.loads(json.dumps(report, allow_nan=False)) == report
 

@@ -1,0 +1,435 @@
+"""A GAN: dcgan.py's generator and discriminator trained in two phases, FID and KID of the
+generator's images at each validation (gan_metrics.py), the lowest FID picking best.pt;
+what test.py gives for its checkpoints (PNGs of seeded latents, FID and KID, the
+generator for export).
+"""
+
+import copy
+import io
+import os
+import re
+import sys
+
+import torch
+from PIL import Image
+
+import dcgan
+from machinery import checkpoint, engine, files, runtime
+from machinery.runtime import say
+from ops import UserError
+from pipeline import data
+from reporting import gan_metrics
+from tasks import Phase, Task
+
+
+def _int_at_least(low):
+    return lambda v: type(v) is int and v >= low  # not bool, not float (NaN included)
+
+
+GAN_DATASETS = ("mnist", "fashion_mnist", "cifar10", "imagefolder", "synthetic")
+NATIVE_SIDE = {"mnist": 28, "fashion_mnist": 28, "cifar10": 32}
+
+
+# The DCGAN paper's recipe (a classifier's SGD at 0.1 with a cosine would diverge)
+GAN_RECIPE = {"optimizer": "adam", "lr": 2e-4, "betas": [0.5, 0.999], "weight_decay": 0.0,
+              "scheduler": "none", "warmup_epochs": 0.0, "augment": False}
+
+
+def gan_defaults(config, explicit):
+    """--task gan's own defaults where the user set none: the DCGAN network, the paper's
+    recipe (``GAN_RECIPE``: Adam 2e-4 with betas (0.5, 0.999), no weight decay, a constant
+    rate), no augmentation (a padded crop would teach the generator black borders), and
+    the dataset's own image side (MNIST's 28, CIFAR-10's 32)."""
+    if "network" not in explicit:
+        config["network"] = "dcgan"
+    config.update({k: v for k, v in GAN_RECIPE.items() if k not in explicit})
+    if "image_size" not in explicit and config["dataset"] in NATIVE_SIDE:
+        config["image_size"] = NATIVE_SIDE[config["dataset"]]
+
+
+def _check_gan(config):
+    """What --task gan takes, and the flags that make no sense for it: one line each."""
+    if config["network"] != "dcgan":
+        raise UserError(f"--task gan trains --network dcgan (dcgan.py), not "
+                        f"{config['network']}")
+    if config["dataset"] not in GAN_DATASETS:
+        raise UserError(f"--task gan: --dataset must be one of {', '.join(GAN_DATASETS)} "
+                        f"(got {config['dataset']!r})")
+    side, native = config["image_size"], NATIVE_SIDE.get(config["dataset"])
+    if native is not None and side != native:
+        raise UserError(f"--image-size {side}: {config['dataset']}'s images are {native} px "
+                        f"(--image-size {native}, or leave it out)")
+    if side not in dcgan.IMAGE_SIZES:
+        raise UserError(f"--task gan: --image-size must be one of "
+                        f"{', '.join(map(str, dcgan.IMAGE_SIZES))} (got {side})")
+    refused = [(config["mixup_alpha"] or config["cutmix_alpha"], "--mixup-alpha/--cutmix-alpha",
+                "mix images and labels; a GAN has no labels"),
+               (config["tta"] != "none", "--tta", "averages a classifier's predictions"),
+               (config["freeze"], "--freeze", "is not for a GAN's two networks"),
+               (config["pretrained"], "--pretrained", "loads one network's weights"),
+               (config["grad_checkpointing"], "--grad-checkpointing",
+                "has no DCGAN implementation"),
+               (config["find_lr"], "--find-lr", "sweeps one optimizer's learning rate"),
+               (config["gpus"] and "," in str(config["gpus"]), "--gpus with several GPUs",
+                "(DataParallel) is not for a GAN: use torchrun")]
+    for on, flag, why in refused:
+        if on:
+            raise UserError(f"{flag} {why}: not for --task gan")
+
+
+class GAN(Task):
+    """A GAN (dcgan.py's generator and discriminator): per step the discriminator's phase
+    (``--d-steps`` times, each with new latents on the same real batch), then the
+    generator's on the images the discriminator last judged; FID and KID of the
+    generator's images from fixed latents at each validation (gan_metrics.py), the lowest
+    FID picking best.pt.
+
+    Latents are drawn from (seed, epoch, the step's first sample, phase, repeat) for all
+    of a step's samples at once, and each micro-batch of each process takes its own
+    slice (``engine.Where``): accumulation and any number of processes draw what one
+    large batch draws. Real images are brought to [-1, 1] (the generator's tanh range):
+    the dataset's normalisation is undone (the synthetic set, about N(0, 1), is taken as
+    it is). Labels are ignored.
+
+    Args:
+        config: the run's (``gan_loss``, ``gp_weight``, ``latent_dim``, ``seed``,
+            ``fid_samples``, ``fid_features``, ``d_steps``, ``dataset``).
+        train_set: the training set (its normalisation).
+    """
+
+    name = "gan"
+    lower_is_better = True  # best.pt: the lowest FID
+    averaged_name = "generator"  # --ema-decay averages the generator
+    network_lr = {"discriminator": "lr_d"}  # --lr-d (None: --lr)
+    shown_figures = ("loss_d", "loss_g")  # the epoch line's two losses
+    grid = 64  # fixed latents shown as a grid in TensorBoard at each validation
+
+    default_network = "dcgan"
+    own_networks = ("dcgan",)  # --network dcgan: for --task gan alone
+    own_networks_are = "a GAN's pair of networks"
+    stored_needs = (  # what test.py reads to rebuild the generator (dcgan.build)
+        ("latent_dim", _int_at_least(1), "an integer of at least 1", False),
+        ("image_size", lambda v: type(v) is int and v in dcgan.IMAGE_SIZES,
+         f"one of {', '.join(map(str, dcgan.IMAGE_SIZES))}", False),
+        ("in_channels", lambda v: type(v) is int and v in (1, 3), "1 or 3", False),
+        ("gan_loss", lambda v: v in dcgan.GAN_LOSSES,
+         f"one of {', '.join(dcgan.GAN_LOSSES)}", True),
+        ("gan_width", _int_at_least(1), "an integer of at least 1", True),
+    )
+    generates = True  # test.py: --samples PNGs, --fid-samples, the generator's export
+
+    defaults = classmethod(lambda cls, config, explicit: gan_defaults(config, explicit))
+    check_config = classmethod(lambda cls, config: _check_gan(config))
+
+    @classmethod
+    def build_networks(cls, config, dataset):
+        """dcgan.py's generator and discriminator, as an ``nn.ModuleDict``."""
+        try:
+            return dcgan.networks(config, dataset.in_channels)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+
+    @classmethod
+    def recorded(cls, config, dataset):
+        """The flags and the images' channels: test.py and export rebuild the generator
+        from the config alone."""
+        return {**config, "in_channels": dataset.in_channels}
+
+    @classmethod
+    def build(cls, config, train_set, val_set=None):
+        """Checks that ``val_set`` has --fid-samples images."""
+        if val_set is not None and len(val_set) < config["fid_samples"]:
+            raise UserError(f"--fid-samples {config['fid_samples']}: the validation set has "
+                            f"{len(val_set)} images; lower --fid-samples")
+        return cls(config, train_set)
+
+    def __init__(self, config, train_set):
+        self.kind, self.gp_weight = config["gan_loss"], config["gp_weight"]
+        self.latent_dim, self.seed = config["latent_dim"], config["seed"]
+        self.fid_samples = config["fid_samples"]
+        self.phases = (Phase("discriminator", config["d_steps"]), Phase("generator"))
+        self.features = gan_metrics.build_features(config["fid_features"])  # fails early
+        suffix = "" if self.features.name == "inception" else f"_{self.features.name}"
+        self.figures = (f"fid{suffix}", f"kid{suffix}")
+        self.best = f"fid{suffix}"
+        self.transform = train_set.transform  # its normalisation, undone for the real images
+
+    def to_device(self, batch, device, memory_format):
+        """The real images on ``device`` in [-1, 1] (``gan_metrics.to_generator_range``,
+        as test.py takes them), and the labels (unused)."""
+        x, y = Task.to_device(batch, device, memory_format)
+        return gan_metrics.to_generator_range(x, self.transform), y
+
+    def latents(self, network, where, device):
+        """This micro-batch's latents for ``network``'s phase: the slice ``where`` names
+        of the step's draw, made on the CPU from (seed, epoch, step, phase, repeat)."""
+        phase = 0 if network == "discriminator" else 1
+        key = (((self.seed * 1_000_003 + where.epoch) * 1_000_003 + where.first) * 7 + phase) \
+            * 101 + where.repeat
+        g = torch.Generator().manual_seed(key % (2**63 - 1))
+        z = torch.randn(where.step_samples, self.latent_dim, generator=g)
+        return z[where.offset:where.offset + where.count].to(device, non_blocking=True)
+
+    def phase_loss(self, network, model, plain, x, y, where, kept):
+        """The loss of ``network``'s phase for one micro-batch and its figures (detached).
+
+        The discriminator's: ``dcgan.discriminator_loss`` on the real images and the
+        generator's images of new latents (detached: nothing reaches the generator). The
+        generator's: ``dcgan.generator_loss`` through the bare discriminator (its
+        parameters do not require gradients in this phase) on the images the
+        discriminator's last repeat judged, as the PyTorch example's loop does: made with
+        their graph and kept when the micro-batch is its step's only one (``where.alone``),
+        else (accumulation: every micro-batch's graph would be held) made again from the
+        kept latents, the same images. ``model`` holds the wrapped networks (DDP),
+        ``plain`` the bare ones, ``kept`` this micro-batch's scratch for the step.
+        """
+        if network == "generator":
+            fake = kept.pop("fake", None)
+            if fake is None:
+                fake = model["generator"](kept.pop("z"))
+            return dcgan.generator_loss(plain["discriminator"], fake, self.kind)
+        z = self.latents(network, where, x.device)
+        last = where.repeat == self.phases[0].repeats - 1
+        if last and where.alone:  # the generator's phase back-propagates through these
+            fake = kept["fake"] = model["generator"](z)
+        else:
+            with torch.no_grad():
+                fake = plain["generator"](z)
+            if last:
+                kept["z"] = z
+        return dcgan.discriminator_loss(model["discriminator"], x, fake, self.kind,
+                                        self.gp_weight)
+
+    @staticmethod
+    def averaged(net):
+        """The network --ema-decay averages: the generator."""
+        return net["generator"]
+
+    def counted(self, net):
+        """What a step's FLOPs are counted on (``ops.train_flops_per_sample``)."""
+        return dcgan.StepFlops(net["generator"], net["discriminator"], self.phases[0].repeats)
+
+    @staticmethod
+    def predict(model, x, tta=False):
+        """Evaluation reads the real images; the generator is asked in ``result``."""
+        return x
+
+    def evaluation(self, device, model=None):
+        return GANEvaluation(self, model)
+
+    @staticmethod
+    def extra_figures(result, names, suffix=""):
+        """KID's standard deviation over its subsets (``val_kid_std<...>``)."""
+        return {f"val_{k}{suffix}": v for k, v in result.items() if k.startswith("kid_std")}
+
+    @staticmethod
+    def images(result, names, title):
+        """The fixed latents' samples, as a grid."""
+        return [("samples", result["grid"])]
+
+    def example(self, dataset):
+        return (self.latent_dim,)
+
+
+    # ---------------------------------------------------------------------- test.py
+
+    @classmethod
+    def check_test_flags(cls, args, path):
+        """A generator has no predictions: the classifier's table and --tta make no
+        sense."""
+        if args.tta is not None:
+            raise UserError(f"--tta averages a classifier's predictions over mirrored "
+                            f"images; {path!r} is a GAN checkpoint (a generator predicts "
+                            f"nothing)")
+        if not (args.samples or args.fid_samples or args.export):
+            raise UserError(f"{path!r} is a GAN checkpoint: there is no accuracy to "
+                            f"evaluate; ask for --samples N --out DIR (PNGs), --fid-samples "
+                            f"N (FID, KID) or --export FILE (the generator)")
+
+    @classmethod
+    def test_checkpoint(cls, args, state, config, device, batch_size, weights):
+        """test.py on a GAN checkpoint: --samples, --fid-samples. What can fail (the
+        Inception file, the data) is tried before anything is written.
+
+        Returns:
+            ``(report, (network, input_shape))``: the JSON report, and what --export
+            writes (the CPU generator: latents in, images out).
+        """
+        path = args.checkpoint
+        generator = load_generator(state, config, path, weights)
+        seed = config["seed"] if args.seed is None else args.seed
+        latents = features = real = None
+        if args.samples:
+            latents = sample_latents(args.samples, config["latent_dim"], seed)
+        if args.fid_samples:
+            features = gan_metrics.build_features(args.fid_features).to(device)
+            real = real_images(config, args.fid_samples, batch_size, args.num_workers)
+        which = "the moving average of the generator" if weights == "ema" \
+            else "the generator"
+        say(f"checkpoint {path} (epoch {state.get('epoch', '?')}, step "
+            f"{state.get('step', '?')}, {which}): {config['network']} on "
+            f"{config['dataset']}, latents of {config['latent_dim']}, images "
+            f"{config['in_channels']}x{config['image_size']}x{config['image_size']}")
+        report = {"checkpoint": path, "task": cls.name, "weights": weights, "seed": seed}
+        on_device = copy.deepcopy(generator).to(device)
+        if args.samples:
+            names = write_samples(on_device, latents, args.out, batch_size)
+            report["samples"] = {"count": len(names), "dir": args.out}
+            say(f"wrote {len(names)} samples to {args.out} ({os.path.basename(names[0])} to "
+                f"{os.path.basename(names[-1])}; latents of seed {seed})")
+        if features is not None:
+            scores = gan_metrics.generator_scores(on_device, real, features, args.fid_samples,
+                                                  seed, batch_size)
+            report.update(fid_samples=args.fid_samples, fid_features=args.fid_features,
+                          **scores)
+            say(_scores_line(scores, args.fid_samples, config, args, seed))
+        return report, (generator, (config["latent_dim"],))
+
+
+class GANEvaluation:
+    """One GAN evaluation: the first ``fid_samples`` real validation images, then (in
+    ``result``) as many of the generator's images from the fixed latents, their FID and
+    KID (gan_metrics.measure) and a grid of the first ``GAN.grid``. Under DDP the real
+    images are gathered (the shards are contiguous: in rank order they are the set's
+    order), process 0 measures and the others take its figures: every process decides
+    alike and the figures are those of the generator process 0 saves.
+
+    Args:
+        task: the ``GAN``.
+        model: what is evaluated: the run's networks (``nn.ModuleDict``) or the moving
+            average of the generator.
+    """
+
+    def __init__(self, task, model):
+        self.task, self.real, self.have = task, [], 0
+        generator = model["generator"] if isinstance(model, torch.nn.ModuleDict) else model
+        self.generator = engine.bare(generator)
+        self.world, self.rank = 1, 0
+
+    def update(self, real, y, x=None):
+        want = self.task.fid_samples - self.have
+        if want > 0:
+            self.real.append(real[:want].float().cpu())
+            self.have += len(self.real[-1])
+
+    def sums(self):
+        return []
+
+    def gather(self, world_size):
+        """Every process's real images, in rank order."""
+        import torch.distributed as dist
+
+        every = [None] * world_size
+        dist.all_gather_object(every, torch.cat(self.real) if self.real else torch.zeros(0))
+        self.real = [t for t in every if len(t)]
+        self.world, self.rank = world_size, dist.get_rank()
+
+    def result(self):
+        """``fid``/``kid``/``kid_std`` (``_classifier`` with --fid-features), ``count``
+        (images on each side) and ``grid`` (an (H, W, 3) uint8 array)."""
+        task = self.task
+        real = torch.cat(self.real)[:task.fid_samples] if self.real else torch.zeros(0)
+        if len(real) < task.fid_samples:
+            raise UserError(f"--fid-samples {task.fid_samples}: the validation set has "
+                            f"{len(real)} images; lower --fid-samples")
+        result = None
+        if self.rank == 0:
+            task.features.to(next(self.generator.parameters()).device)
+            result = gan_metrics.generator_scores(  # as test.py measures a checkpoint
+                self.generator, real, task.features, task.fid_samples, task.seed)
+            result["count"] = len(real)
+            result["grid"] = dcgan.sample_grid(
+                self.generator, dcgan.fixed_latents(task.grid, task.latent_dim, task.seed))
+        if self.world > 1:
+            import torch.distributed as dist
+
+            shared = [result]
+            dist.broadcast_object_list(shared, src=0)
+            result = shared[0]
+        return result
+
+
+# ------------------------------------------------------------- test.py's generator
+
+def load_generator(state, config, path, weights):
+    """A fresh generator (dcgan.build) holding the checkpoint's ``networks["generator"]``
+    (``"raw"``) or ``ema["generator"]`` (``"ema"``): CPU, float32, eval mode."""
+    checkpoint.require(state, path, ("networks",), "a GAN's generator is in it")
+    generator, _ = dcgan.build(config, config["in_channels"])
+    held = state["ema" if weights == "ema" else "networks"]["generator"]
+    tensors = checkpoint.unwrap_state_dict(held)
+    checkpoint.check_compatible(generator, tensors, path)
+    generator.load_state_dict(tensors)
+    return generator.eval()
+
+
+def real_images(config, n, batch_size, num_workers):
+    """The first ``n`` validation images of the run's dataset, in [-1, 1] as the generator
+    makes them (gan_metrics.to_generator_range undoes the normalisation)."""
+    _, val_set = GAN.datasets(dict(config, augment=False), say)
+    if len(val_set) < n:
+        raise UserError(f"--fid-samples {n}: the validation split of {config['dataset']} "
+                        f"has only {len(val_set)} images")
+    loader = data.build_loader(val_set, batch_size=batch_size, num_workers=num_workers,
+                               sampler=range(n))
+    try:
+        return torch.cat([gan_metrics.to_generator_range(x, val_set.transform)
+                          for x, _ in loader])  # (n, C, H, W)
+    finally:
+        data.shutdown_loader(loader)
+
+
+def sample_latents(n, latent_dim, seed):
+    """dcgan.fixed_latents for --samples, refused in one line where they alone would take
+    more than half the memory available (a mistyped N)."""
+    need, free = n * latent_dim * 4, runtime.available_memory()
+    if free and need > free // 2:
+        raise UserError(f"--samples {n}: the latents alone need {need / 2**30:.1f} GiB, more "
+                        f"than half the {free / 2**30:.1f} GiB of memory available")
+    return dcgan.fixed_latents(n, latent_dim, seed)
+
+
+def write_samples(generator, latents, out_dir, batch_size):
+    """The generator's image of each latent as a PNG, ``out_dir/000000.png`` on (grey for
+    one channel, RGB for three), each written atomically; returns the file names.
+
+    Raises:
+        files.OutputError: a write failed (a full disk); files written before are whole.
+    """
+    names = []
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        for chunk in latents.split(batch_size):
+            pixels = dcgan.to_uint8(dcgan.generate(generator, chunk, batch_size)).cpu()
+            for image in pixels:  # (C, H, W) uint8
+                names.append(os.path.join(out_dir, f"{len(names):06d}.png"))
+                _write_png(image, names[-1])
+    except OSError as e:
+        raise files.output_failed("--out", names[-1] if names else out_dir, e) from None
+    older = sorted(f for f in os.listdir(out_dir)
+                   if re.fullmatch(r"\d{6,}\.png", f) and int(f[:-4]) >= len(names))
+    if older:  # kept (never deleted), but not of this run: say so
+        say(f"warning: {out_dir} also holds {len(older)} numbered PNGs that this run did "
+            f"not write ({older[0]} on)", file=sys.stderr)
+    return names
+
+
+def _write_png(image, path):
+    png = io.BytesIO()
+    Image.fromarray(image.permute(1, 2, 0).squeeze(2).numpy()).save(png, "PNG")  # L or RGB
+    files.atomic_write(path, lambda f: f.write(png.getvalue()), "wb")
+
+
+def _scores_line(scores, n, config, args, seed):
+    if args.fid_features:
+        what = (f"on the penultimate features of the classifier {args.fid_features} (not "
+                f"Inception: comparable only with the same checkpoint)")
+    else:
+        what = "on Inception-v3's pool features"
+    s = "" if args.fid_features is None else "_classifier"
+    return (f"fid{s} {scores[f'fid{s}']:.4f}  kid{s} {scores[f'kid{s}']:.6f} (std "
+            f"{scores[f'kid_std{s}']:.6f}): {n} generated images (latents of seed {seed}) "
+            f"against the first {n} validation images of {config['dataset']}, {what}")
+
+
+TASK = GAN
