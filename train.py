@@ -153,7 +153,7 @@ class Training:
 
     config: dict
     procs: runtime.Processes
-    task: object                  # what is trained: its batches, loss and figures (tasks.py)
+    task: object                  # what is trained: its batches, loss and figures (tasks/)
     net: torch.nn.Module          # the plain network (saved in checkpoints)
     model: torch.nn.Module        # what is called: maybe DDP / DataParallel / compiled
     optimizer: torch.optim.Optimizer

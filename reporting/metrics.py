@@ -206,8 +206,8 @@ def epoch_line(record, config, task, on_device=False):
         on_device: the batches are made on the device (--data-on-device), where workers
             and --prefetch do not apply.
     """
-    val = "".join(f"  {key} {record[key]:.4f}" for key in
-                  ("val_loss", best_key(task), best_key(task, True)) if key in record)
+    shown = dict.fromkeys(("val_loss", best_key(task), best_key(task, True)))  # once each
+    val = "".join(f"  {key} {record[key]:.4f}" for key in shown if key in record)
     phases = "".join(f"  train_{f} {record[f'train_{f}']:.4f}" for f in  # a GAN's losses
                      task.shown_figures if f"train_{f}" in record)
     lines = [f"epoch {record['epoch']}/{config['epochs']}  step {record['step']}  "
