@@ -304,7 +304,7 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
     engine.set_lr(optimizer, loop.lr_factor(state.step))
     tracker = tracking.open_tracker(config, run_dir, saved, procs.is_main)  # --mlflow
     run_log = runlog.RunLog(run_dir, state.step, state.epoch, procs.is_main, tracker)
-    run_log.summary(net, train_set, procs.device)
+    run_log.summary(net, task.summarised(net, train_set), procs.device)
     if state.step == 0:
         run_log.first_batch(train_set, sampler)
     saver = checkpoint.Saver(run_dir, config, net, optimizer, loop.scaler, state, procs,

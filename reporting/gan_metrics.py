@@ -184,12 +184,13 @@ def classifier_features(path):
         state = checkpoint.load_checkpoint(path)
     except checkpoint.CheckpointError as e:
         raise UserError(f"--fid-features: {e}") from None
-    config = state.get("config")
-    task = config.get("task", "classification") if isinstance(config, dict) else None
-    if task not in (None, "classification"):  # a GAN's has networks, not a model: say so
+    config = state.get("config") if isinstance(state.get("config"), dict) else None
+    one = isinstance(state.get("model"), dict)  # one network (format 2), not several
+    if config is not None and ("networks" in state or (
+            one and networks.is_segmentation(str(config.get("network"))))):  # no classifier
         raise UserError(f"--fid-features needs a classifier's checkpoint; {path!r} was "
-                        f"trained with --task {task}")
-    if task is None or not isinstance(state.get("model"), dict):
+                        f"trained with --task {config.get('task', '?')}")
+    if config is None or not one:
         raise UserError(f"--fid-features: {path!r} is not a training checkpoint of this "
                         f"project (no model and config)")
     weights = checkpoint.unwrap_state_dict(state["ema"] if isinstance(state.get("ema"), dict)

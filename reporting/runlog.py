@@ -440,10 +440,11 @@ class RunLog:
             if self.tracker is not None:
                 self.tracker.epoch(record)
 
-    def summary(self, net, train_set, device):
+    def summary(self, net, inputs, device):
         """Prints the torchinfo summary and writes it to summary.txt with parameter counts;
-        a model of named networks (a GAN's ``nn.ModuleDict``) gets one summary each, on
-        its own input (``input_shape``).
+        ``inputs`` (``Task.summarised``): ``[(name, module, one input's shape)]``, one
+        summary each (a model of named networks: each on its own input; name None: the
+        model alone).
 
         torchinfo runs the network on a random input: the global RNG is forked around
         it, so a resumed run's RNG stays as the checkpoint left it.
@@ -459,10 +460,9 @@ class RunLog:
                 self.tracker.artifacts()  # config.yaml still
             return
         trainable, frozen = ops.count_parameters(net)
-        named = net.items() if isinstance(net, torch.nn.ModuleDict) else [(None, net)]
         text = ""
-        for name, module in named:
-            shape = (1, *input_shape(module, train_set))
+        for name, module, sample in inputs:
+            shape = (1, *sample)
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 text += (f"{name}\n" if name else "") + str(torchinfo.summary(
                     module, input_size=shape, device=device, mode="eval", verbose=0,
@@ -614,9 +614,3 @@ def _quiet(message):
     """Drops a message."""
 
 
-def input_shape(module, train_set):
-    """One input sample's shape for ``module``: a latent vector for a generator (its
-    ``latent_dim``), else an image of the training set."""
-    if hasattr(module, "latent_dim"):
-        return (module.latent_dim,)
-    return (train_set.in_channels, train_set.image_size, train_set.image_size)

@@ -186,6 +186,10 @@ class Task:
     def example(dataset):
         return (dataset.in_channels, dataset.image_size, dataset.image_size)
 
+    def summarised(self, net, dataset):
+        """What summary.txt shows: ``[(name, module, one input's shape)]``."""
+        return [(None, net, self.example(dataset))]
+
     @staticmethod
     def averaged(net):
         """The network --ema-decay averages: all of it."""

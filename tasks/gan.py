@@ -230,6 +230,12 @@ class GAN(Task):
     def example(self, dataset):
         return (self.latent_dim,)
 
+    def summarised(self, net, dataset):
+        """Each network on its own input: latents, images."""
+        image = (dataset.in_channels, dataset.image_size, dataset.image_size)
+        return [("generator", net["generator"], (self.latent_dim,)),
+                ("discriminator", net["discriminator"], image)]
+
 
     # ---------------------------------------------------------------------- test.py
 

@@ -372,7 +372,7 @@ def test_fid_features_refuses_what_is_not_a_classifier_checkpoint(tmp_path, clas
     with pytest.raises(UserError, match="^--fid-features: checkpoint .* does not exist"):
         gan_metrics.build_features(str(tmp_path / "missing.pt"))
     state = checkpoint.load_checkpoint(classifier)
-    state["config"]["task"] = "segmentation"
+    state["config"].update(task="segmentation", network="unet")  # what such a run trains
     torch.save(state, tmp_path / "seg.pt")
     with pytest.raises(UserError, match="needs a classifier's checkpoint.*--task segmentation"):
         gan_metrics.build_features(str(tmp_path / "seg.pt"))
