@@ -18,7 +18,10 @@ import numpy as np
 import pytest
 import torch
 from conftest import ROOT, tiny_args, write_image_folder
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from config import with_defaults
 from pipeline import data, device_data
@@ -44,6 +47,45 @@ def stop_at_step(step, signum=signal.SIGTERM):
         yield
     finally:
         handle.remove()
+
+
+@contextlib.contextmanager
+def watch_training():
+    """What a run started inside the block computes in and how its weights move.
+
+    Yields ``(dtypes, start)``, filled as the run goes: ``dtypes``, the output dtypes of
+    the convolutions and linear layers called with gradients on (the training step's;
+    validation runs without), and ``start``, ``[(parameter, its value before its first
+    optimizer step)]`` in the order the optimizers first step them (the same in two runs
+    of one network). ``update(start)`` is then the whole training's change, one vector.
+    """
+    dtypes, start, seen = set(), [], set()
+    layers = (torch.nn.Conv2d, torch.nn.ConvTranspose2d, torch.nn.Linear)
+
+    def after_forward(module, args, output):
+        if torch.is_grad_enabled() and isinstance(module, layers):
+            dtypes.add(output.dtype)
+
+    def before_step(optimizer, args, kwargs):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    start.append((p, p.detach().clone()))
+
+    hooks = [torch.nn.modules.module.register_module_forward_hook(after_forward),
+             register_optimizer_step_pre_hook(before_step)]
+    try:
+        yield dtypes, start
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def update(start):
+    """The change of every parameter ``watch_training`` saw, since its first step: one
+    float32 vector."""
+    return torch.cat([(p.detach().float() - p0.float()).flatten() for p, p0 in start])
 
 
 # mlp without augmentation and with a constant LR, so runs of different lengths share a

@@ -2,6 +2,7 @@
 
 import glob
 import json
+import math
 import os
 import signal
 
@@ -16,7 +17,7 @@ from conftest import (
     read_metrics,
     seg_args,
 )
-from helpers import stop_at_step, torchrun
+from helpers import stop_at_step, torchrun, update, watch_training
 
 import tasks
 import train
@@ -133,9 +134,20 @@ def test_two_processes_of_8_train_like_one_of_16(tmp_path):
 
 
 def test_bf16_on_the_cpu_trains(tmp_path):
-    assert train.main(seg_args(tmp_path, "--amp", "bf16")) == 0
-    record = read_metrics(tmp_path)[-1]
-    assert record["train_loss"] == record["train_loss"] and 0 <= record["val_miou"] <= 1
+    """--amp bf16: the unet's layers compute in bfloat16 in the training step, its weights
+    stay float32 and move as full precision moves them (close, not equal)."""
+    updates = {}
+    for amp in ("bf16", "none"):
+        with watch_training() as (dtypes, start):
+            assert train.main(seg_args(tmp_path / amp, "--amp", amp)) == 0
+        assert (torch.bfloat16 in dtypes) == (amp == "bf16"), (amp, dtypes)
+        assert start and all(p.dtype == torch.float32 for p, _ in start)
+        updates[amp] = update(start)
+    bf16, full = updates["bf16"], updates["none"]
+    assert not torch.equal(bf16, full)
+    assert full.norm() > 0 and torch.cosine_similarity(bf16, full, dim=0) > 0.98
+    record = read_metrics(tmp_path / "bf16")[-1]
+    assert math.isfinite(record["train_loss"]) and 0 <= record["val_miou"] <= 1
 
 
 def test_freeze_the_backbone_then_unfreeze_it(tmp_path, capsys):
