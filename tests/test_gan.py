@@ -122,12 +122,30 @@ def test_an_early_stop_says_the_lowest_fid():
     assert "the best was epoch 2 (val_fid 12.5000)" in line
 
 
-def test_best_pt_follows_the_lowest_fid(trained):
-    records = read_metrics(trained)
-    fids = [r["val_fid_classifier_ema"] for r in records]  # the EMA's: --ema-decay is on
-    best = torch.load(trained / "checkpoints" / "best.pt", weights_only=True)
-    assert best["epoch"] == records[fids.index(min(fids))]["epoch"]
-    assert best["progress"]["best_val_acc"] == -min(fids)
+def test_best_pt_follows_the_lowest_fid(tmp_path, features, monkeypatch):
+    """Three epochs whose FIDs are given (two evaluations an epoch: the generator's and
+    its moving average's): best.pt is the epoch of the average's lowest, which is neither
+    the last epoch nor that of the generator's own lowest."""
+    from reporting import gan_metrics
+
+    given = iter([5.0, 1.0, 2.0, 8.0, 7.0, 9.0])  # in turn: minima at different epochs
+    scores = gan_metrics.generator_scores
+
+    def given_fid(*args, **kwargs):
+        return {**scores(*args, **kwargs), "fid_classifier": next(given)}
+
+    monkeypatch.setattr(gan_metrics, "generator_scores", given_fid)
+    assert train.main(gan_args(tmp_path, features, "--ema-decay", "0.9", epochs=3)) == 0
+    assert next(given, None) is None  # each of the six was logged
+    records = read_metrics(tmp_path)
+    ema = [r["val_fid_classifier_ema"] for r in records]
+    own = [r["val_fid_classifier"] for r in records]
+    assert sorted(ema + own) == [1.0, 2.0, 5.0, 7.0, 8.0, 9.0]
+    lowest = ema.index(min(ema))
+    assert lowest != len(records) - 1 and lowest != own.index(min(own))
+    best = torch.load(tmp_path / "checkpoints" / "best.pt", weights_only=True)
+    assert best["epoch"] == records[lowest]["epoch"] != final_state(tmp_path)["epoch"]
+    assert best["progress"]["best_val_acc"] == -min(ema)
 
 
 def test_a_nan_fid_is_never_the_best():
