@@ -10,7 +10,7 @@ import signal
 import pytest
 import torch
 from conftest import assert_states_equal, events, final_state, load_test_py, read_metrics
-from helpers import stop_at_step, torchrun, update, watch_training
+from helpers import stop_at_step, torchrun, update, watch_training, write_launcher
 
 import config as config_module
 import dcgan
@@ -217,13 +217,30 @@ def test_two_processes_of_8_train_like_one_of_16(tmp_path, features):
         assert a[key] == pytest.approx(b[key], rel=1e-4), key
 
 
+# In train.py under torchrun: DDP's buffer broadcast before a forward fails, as cuDNN's
+# BatchNorm backward fails after it on a GPU (pytorch #175024); the CPU's BatchNorm keeps
+# no running statistics for its backward, so without this a broadcast passes here.
+BROADCAST_FAILS = """
+import torch
+DDP = torch.nn.parallel.DistributedDataParallel
+assert hasattr(DDP, "_sync_buffers"), "DDP's buffer broadcast moved: follow it"
+def broadcast(self):
+    raise RuntimeError(f"a buffer broadcast before a forward of {type(self.module).__name__}")
+DDP._sync_buffers = broadcast
+"""
+
+
 def test_a_batchnorm_discriminator_trains_under_torchrun(tmp_path, features):
     """Its BatchNorm sees real and generated images in two calls before one backward: a
-    buffer broadcast between them would fail the backward (pytorch #175024)."""
-    torchrun(gan_args(tmp_path, features, epochs=1, batch=8))
-    state = final_state(tmp_path)
+    buffer broadcast between them would fail the backward (pytorch #175024). Here any
+    broadcast fails the run (``BROADCAST_FAILS``), so it bites on the CPU too."""
+    run_dir = tmp_path / "run"
+    torchrun(gan_args(run_dir, features, epochs=1, batch=8),
+             script=write_launcher(tmp_path / "launch.py", BROADCAST_FAILS))
+    state = final_state(run_dir)
     assert any("running_mean" in k for k in state["networks"]["discriminator"])
-    assert read_metrics(tmp_path)[-1]["val_fid_classifier"] > 0
+    assert any("running_mean" in k for k in state["networks"]["generator"])
+    assert read_metrics(run_dir)[-1]["val_fid_classifier"] > 0
 
 
 def test_each_network_gets_its_own_ddp_without_buffer_broadcasts(tmp_path, features):
