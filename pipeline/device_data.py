@@ -254,23 +254,12 @@ class DeviceLoader:
         batches, epoch = self.epoch_batches()
         if not batches:
             return
-        index = torch.cat(batches)
-        columns = [index]
         p = self.pipeline
         if p.photo is not None:
-            yield from self._photo_batches(batches, index, epoch)
+            yield from self._photo_batches(batches, torch.cat(batches), epoch)
             return
-        if p.random:
-            zero = torch.zeros_like(index)
-            top, left = sample_transforms.crop_offsets(
-                self.dataset.seed, epoch, index, p.padding) if p.padding else (zero, zero)
-            flip = sample_transforms.flip_draw(self.dataset.seed, epoch, index) if p.flip else zero
-            columns += [top, left, flip]
-        packed = torch.stack(columns)  # one copy for the whole epoch, from pinned memory:
-        if self.device.type == "cuda":  # a copy from pageable memory waits for the GPU
-            packed = packed.pin_memory()
-        packed = packed.to(self.device, non_blocking=True)
-        for part in packed.split([len(b) for b in batches], dim=1):
+        for part in draws_on_device(batches, epoch, self.dataset.seed, p.padding, p.flip,
+                                    p.random, self.device):
             yield self._batch(part)
 
     def _photo_batches(self, batches, index, epoch):
@@ -284,12 +273,8 @@ class DeviceLoader:
         boxes = [b.tolist() for b in presets.crop_boxes(
             seed, epoch, index, shapes[:, 1], shapes[:, 2], p.min_scale)] \
             if p.photo == "train" and p.random else None
-        packed = torch.stack([index, flip])
-        if self.device.type == "cuda":
-            packed = packed.pin_memory()
-        packed = packed.to(self.device, non_blocking=True)
         where, start = index.tolist(), 0
-        for part in packed.split([len(b) for b in batches], dim=1):
+        for part in columns_on_device([index, flip], batches, self.device):
             crops = []
             for k in range(start, start + part.shape[1]):
                 image = self._image(where[k])
@@ -319,6 +304,32 @@ class DeviceLoader:
         if self._stats is not None:
             x = sample_transforms.normalise(x, *self._stats)
         return x, self.labels.index_select(0, part[0])
+
+
+def columns_on_device(columns, batches, device):
+    """The epoch's columns (1-d int64 tensors, one entry per sample of ``batches``) on
+    ``device`` in one copy, from pinned memory on CUDA (a copy from pageable memory waits
+    for the GPU): a ``(len(columns), len(batch))`` tensor per batch."""
+    packed = torch.stack(columns)
+    if device.type == "cuda":
+        packed = packed.pin_memory()
+    packed = packed.to(device, non_blocking=True)
+    return packed.split([len(b) for b in batches], dim=1)
+
+
+def draws_on_device(batches, epoch, seed, padding, flip, random, device):
+    """Each batch's indices and their crop and flip draws on ``device``, the epoch's in one
+    copy (``columns_on_device``): rows index, top, left, flip, the offsets zero without
+    ``padding`` and the flips zero without ``flip``; the index row alone when not
+    ``random``. Both device paths' (this one's and segmentation_data.py's)."""
+    index = torch.cat(batches)
+    columns = [index]
+    if random:
+        zero = torch.zeros_like(index)
+        top, left = sample_transforms.crop_offsets(
+            seed, epoch, index, padding) if padding else (zero, zero)
+        columns += [top, left, sample_transforms.flip_draw(seed, epoch, index) if flip else zero]
+    return columns_on_device(columns, batches, device)
 
 
 def device_data_decision(config, train_set, val_set, device):

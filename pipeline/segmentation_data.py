@@ -804,30 +804,14 @@ class DeviceLoader(device_data.DeviceLoader):
         if not batches:
             return
         random = self.dataset.random
-        parts = batches if self.photo else self._columns(batches, epoch, random)
+        parts = batches if self.photo else device_data.draws_on_device(
+            batches, epoch, self.dataset.seed, self.padding, self.flip, random, self.device)
         for part in parts:
             x, y = self._photos(part, epoch, random) if self.photo else self._gather(part)
             x = x.contiguous(memory_format=self.memory_format)
             if self.stats is not None:
                 x = sample_transforms.normalise(x, *self.stats)
             yield x, y.to(torch.long)
-
-    def _columns(self, batches, epoch, random):
-        """Each batch's indices and draws (rows: index, top, left, flip) on the device:
-        the whole epoch's in one copy, from pinned memory on CUDA (as device_data's)."""
-        index = torch.cat(batches)
-        zero = torch.zeros_like(index)
-        top = left = flip = zero
-        if random and self.padding:
-            top, left = sample_transforms.crop_offsets(self.dataset.seed, epoch, index,
-                                                       self.padding)
-        if random and self.flip:
-            flip = sample_transforms.flip_draw(self.dataset.seed, epoch, index)
-        packed = torch.stack([index, top, left, flip])
-        if self.device.type == "cuda":
-            packed = packed.pin_memory()
-        packed = packed.to(self.device, non_blocking=True)
-        return packed.split([len(b) for b in batches], dim=1)
 
     def _gather(self, part):
         x, y = self.images.index_select(0, part[0]), self.masks.index_select(0, part[0])
