@@ -495,7 +495,7 @@ def build_datasets(config, log=say, should_stop=None):
     if name not in TORCHVISION_SETS:
         raise UserError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
     train, val = (_torchvision_split(name, data_dir, split) for split in (True, False))
-    side, channels = (28, 1) if "mnist" in name else (32, 3)
+    side, channels = (28, 1) if name in recipes.DIGITS else (32, 3)
     t_train, t_eval = _transforms(name, side, augment, policy=policy)
     return (SeededDataset(train, t_train, seed, augment, train.classes, channels, side),
             SeededDataset(val, t_eval, seed, False, val.classes, channels, side))

@@ -30,7 +30,10 @@ from machinery.checkpoint import check_compatible, unwrap_state_dict
 from ops import UserError
 
 POLICIES = ("none", "trivialaugment", "randaugment", "autoaugment")
-DIGITS = ("mnist", "fashion_mnist")  # one channel, centred on black: no flips (data.py)
+# The digit sets: 28x28, one channel, centred on black; a mirrored digit is another digit,
+# so no flips and no --tta flip. The one spelling: data.py (their shape, mirror_keeps_class),
+# the policies below and gan_metrics.py (a GAN's channels) read it.
+DIGITS = ("mnist", "fashion_mnist")
 
 
 # --------------------------------------------------------------------------------- EMA

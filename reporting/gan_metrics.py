@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import dcgan
 from machinery import checkpoint
 from ops import UserError
-from pipeline import sample_transforms
+from pipeline import recipes, sample_transforms
 
 INCEPTION_FILE = "weights-inception-2015-12-05-6726825d.pth"  # torch-fidelity's URL's name
 INCEPTION_URL = ("https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/"
@@ -161,7 +161,7 @@ class ClassifierFeatures(nn.Module):
 def _channels(config):
     if config.get("in_channels"):
         return int(config["in_channels"])
-    return 1 if config.get("dataset") in ("mnist", "fashion_mnist") else 3
+    return 1 if config.get("dataset") in recipes.DIGITS else 3
 
 
 def classifier_features(path):
