@@ -1,5 +1,8 @@
 """The training step as a generator (``steps``), ``evaluate``, the run state and timing.
 
+The counters the step adds to and the log window read from them (``Counters``,
+``LossMeter``) are meters.py's.
+
 Compute efficiency = compute_time / (compute_time + data_time). On the CPU both are
 measured with a wall clock: data_time is the wait for the next batch (copy to the device
 included), compute_time is forward, backward and optimizer step. On CUDA the work is
@@ -12,7 +15,6 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-import math
 import threading
 import time
 
@@ -21,6 +23,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import ops
+from machinery.meters import Counters
+from machinery.meters import LossMeter as LossMeter  # read as engine.LossMeter (train.py)
 from ops import OutOfMemory, UserError, keep_frozen_norms_eval, memory_error
 
 
@@ -224,237 +228,6 @@ class Autocast(torch.nn.Module):
             return self.module(*args, **kwargs)
         with torch.autocast(self.device_type, dtype=self.dtype):
             return self.module(*args, **kwargs)
-
-
-FOLD_NORMS = 64  # Counters keeps at most this many per-step norms (and loss flags) as tensors
-
-
-class Counters:
-    """Running sums kept on the device and read (one transfer) only when logging or saving.
-
-    Per micro-batch and per optimizer step they only append to lists (no kernel, no sync);
-    every ``FOLD_NORMS`` entries the lists are folded into sums on the device, so a long
-    --log-every keeps few tensors alive.
-
-    Args:
-        device: where the sums live.
-        clip: --grad-clip (0: off), to count the steps it clipped.
-    """
-
-    def __init__(self, device, clip=0.0):
-        self.device, self.clip = device, clip
-        self.streak = torch.zeros((), device=device, dtype=torch.long)
-        self.reset()
-
-    def reset(self):
-        self.loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
-        self.loss_count = torch.zeros((), device=self.device, dtype=torch.long)
-        self.samples = 0
-        self.worst = torch.zeros((), device=self.device, dtype=torch.long)
-        self.skips = torch.zeros((), device=self.device)
-        self.grad_norms = []  # the latest steps' norms, 0-d tensors on the device ...
-        self.finite = []      # ... the latest micro-batches' "loss was finite" flags ...
-        # ... and the earlier ones', folded in: the finite norms' sum, their count, the
-        # clipped, the index of the first non-finite norm and of the first non-finite loss
-        # (NONE_YET while there is none)
-        self.folded = torch.tensor([0.0, 0.0, 0.0, NONE_YET, NONE_YET], device=self.device,
-                                   dtype=torch.float64)
-        self.steps = self.micro_batches = 0  # since the last read
-        self.figures = {}  # a task's own figures (a GAN's loss_d, ...): name -> (sum, count)
-
-    def add_figures(self, figures, count):
-        """Adds a micro-batch's figures (0-d tensors, means over its ``count`` samples; a
-        GAN's ``loss_d``, ``d_real``, ...) to their sums, on the device; a non-finite one
-        adds nothing (its mean is that of the finite ones)."""
-        for name, value in figures.items():
-            value = value.detach().double()
-            finite = torch.isfinite(value)
-            total, n = self.figures.get(name, (0.0, 0))
-            self.figures[name] = (total + torch.where(finite, value * count, 0.0),
-                                  n + finite * count)
-
-    def add_loss(self, loss, count):
-        """Adds a batch's mean loss for ``count`` samples; tracks non-finite streaks.
-
-        A non-finite loss adds nothing to the sums (the mean stays the mean of the
-        finite ones) and lengthens the streak.
-        """
-        loss = loss.detach()
-        finite = torch.isfinite(loss)
-        self.loss_sum += torch.where(finite, loss.double() * count, 0.0)
-        self.loss_count += finite * count
-        self.samples += count
-        self.streak = torch.where(finite, 0, self.streak + 1)
-        self.worst = torch.maximum(self.worst, self.streak)
-        self.finite.append(finite)  # no kernel: folded every FOLD_NORMS micro-batches
-        self.micro_batches += 1
-        if len(self.finite) >= FOLD_NORMS:
-            self._fold()
-
-    def add_grad_norm(self, norm):
-        """Keeps an optimizer step's total gradient norm (before clipping): a list append
-        per step, no kernel; every ``FOLD_NORMS`` steps they are summed on the device (a
-        few kernels, no sync)."""
-        self.grad_norms.append(norm.detach())
-        self.steps += 1
-        if len(self.grad_norms) >= FOLD_NORMS:
-            self._fold()
-
-    def _fold(self):
-        """Folds the kept norms and flags into ``folded``, on the device: the non-finite
-        norms (an fp16 step the GradScaler skipped) left out of the sum and count and not
-        counted as clipped; the first non-finite norm's and loss's index kept."""
-        parts = []
-        if self.grad_norms:
-            norms = torch.stack(self.grad_norms).double()
-            finite = torch.isfinite(norms)
-            clipped = finite & (norms > self.clip) if self.clip > 0 else \
-                torch.zeros_like(finite)
-            first = self.steps - len(self.grad_norms)  # the index of norms[0]
-            parts.append((torch.stack([torch.where(finite, norms, 0.0).sum(),
-                                       finite.sum().double(), clipped.sum().double()]),
-                          _first_false(finite, first), 3))
-            self.grad_norms = []
-        if self.finite:
-            first = self.micro_batches - len(self.finite)
-            parts.append((None, _first_false(torch.stack(self.finite), first), 4))
-            self.finite = []
-        for sums, bad, at in parts:
-            if sums is not None:
-                self.folded[:3] += sums
-            self.folded[at] = torch.minimum(self.folded[at], bad)
-
-    def read(self):
-        """Returns the sums since the last read as numbers (one read from the device),
-        and starts new ones.
-
-        Returns:
-            A dict with ``loss_sum`` and ``loss_count`` (finite losses only),
-            ``samples`` (all), ``worst_streak`` (longest run of non-finite losses),
-            ``streak`` (the current one), ``scaler_skips``, and the gradient norms:
-            ``grad_norm_sum`` over ``grad_norm_count`` steps, ``grad_clipped`` of them
-            above the clip (--grad-clip). Where the first non-finite value was (replay.py):
-            ``micro_batches`` and ``steps`` since the last read, ``first_nonfinite_loss``
-            (a micro-batch's index among them) and ``first_nonfinite_grad_norm`` (an
-            optimizer step's), each None when all were finite. ``figures``: the task's own
-            figures (``add_figures``), name -> (finite sum, count).
-        """
-        self._fold()
-        names = sorted(self.figures)
-        figures = [torch.as_tensor(v, device=self.device, dtype=torch.float64).reshape(1)
-                   for name in names for v in self.figures[name]]
-        (loss_sum, loss_count, worst, streak, skips, grad_sum, grad_count, clipped,
-         first_grad, first_loss, *figure_values) = torch.cat([torch.stack([t.double() for t in (
-             self.loss_sum, self.loss_count, self.worst, self.streak, self.skips)]),
-             self.folded, *figures]).tolist()
-        values = {"loss_sum": loss_sum, "loss_count": int(loss_count),
-                  "samples": self.samples, "worst_streak": int(worst),
-                  "streak": int(streak), "scaler_skips": int(skips),
-                  "grad_norm_sum": grad_sum, "grad_norm_count": int(grad_count),
-                  "grad_clipped": int(clipped), "micro_batches": self.micro_batches,
-                  "steps": self.steps,
-                  "first_nonfinite_grad_norm": None if first_grad == NONE_YET
-                  else int(first_grad),
-                  "first_nonfinite_loss": None if first_loss == NONE_YET else int(first_loss),
-                  "figures": {name: (figure_values[2 * i], figure_values[2 * i + 1])
-                              for i, name in enumerate(names)}}
-        self.reset()
-        return values
-
-
-NONE_YET = 2.0 ** 52  # Counters' "no non-finite value yet" (an index no window reaches)
-
-
-def _first_false(flags, offset=0):
-    """``offset`` plus the index of the first False in a 1-d bool tensor, or ``NONE_YET``:
-    a 0-d float64 tensor on its device (no sync)."""
-    index = torch.arange(len(flags), device=flags.device, dtype=torch.float64) + offset
-    return torch.where(flags, NONE_YET, index).min()
-
-
-class LossMeter:
-    """The training loss and throughput since the last log, read from the counters.
-
-    ``collect`` moves the device counters into the run's epoch sums (``TrainState``) and
-    into this window; ``restart`` begins a new window after a log.
-
-    Args:
-        counters: the loop's ``Counters``.
-        world_size: number of processes (samples/s counts all of them).
-    """
-
-    def __init__(self, counters, world_size=1):
-        self.counters, self.world_size = counters, world_size
-        self.nonfinite = None  # set by collect
-        self.restart()
-
-    def restart(self, step=0):
-        """Begins a new window after optimizer step ``step``."""
-        self.loss_sum, self.loss_count, self.samples = 0.0, 0, 0
-        self.grad_norm_sum, self.grad_norm_count, self.grad_clipped = 0.0, 0, 0
-        self.figure_sums = {}  # the task's own figures (a GAN's loss_d, ...): (sum, count)
-        self.since, self.step = time.perf_counter(), step
-
-    def collect(self, state):
-        """Reads the counters (one sync) into ``state`` and the window.
-
-        Returns:
-            ``(streak, worst_streak)`` of non-finite losses, the worst over all
-            processes: every process must take the same decision (skip a save, stop).
-            ``self.nonfinite`` then says where the first non-finite loss (any process)
-            or gradient norm of the window was, or is None.
-        """
-        values = self.counters.read()
-        streaks = (values["streak"], values["worst_streak"])
-        first_loss = values["first_nonfinite_loss"]
-        if self.world_size > 1:  # the first bad micro-batch of any process rides along
-            both = torch.tensor([*streaks, -(first_loss if first_loss is not None else 2**62)],
-                                device=self.counters.device)
-            dist.all_reduce(both, op=dist.ReduceOp.MAX)
-            streaks = (int(both[0]), int(both[1]))
-            first_loss = -int(both[2]) if int(both[2]) > -2**62 else None
-        self.nonfinite = None  # where the window's first non-finite value was (replay.py)
-        if first_loss is not None or values["first_nonfinite_grad_norm"] is not None:
-            self.nonfinite = {"micro_batches": values["micro_batches"],
-                              "steps": values["steps"], "loss": first_loss,
-                              "grad_norm": values["first_nonfinite_grad_norm"]}
-        state.loss_sum += values["loss_sum"]
-        state.loss_count += values["loss_count"]
-        state.scaler_skips += values["scaler_skips"]
-        for key in ("grad_norm_sum", "grad_norm_count", "grad_clipped"):
-            # the same on every process (the gradients are all-reduced): not summed over them
-            setattr(state, key, getattr(state, key) + values[key])
-            setattr(self, key, getattr(self, key) + values[key])
-        self.loss_sum += values["loss_sum"]
-        self.loss_count += values["loss_count"]
-        self.samples += values["samples"]
-        for name, (total, count) in values["figures"].items():
-            for sums in (self.figure_sums, state.figures):
-                before = sums.get(name, (0.0, 0))
-                sums[name] = (before[0] + total, before[1] + int(count))
-        return streaks
-
-    def figures(self):
-        """The means of the task's own figures since the window began (this process's),
-        by name."""
-        return {name: total / count if count else math.nan
-                for name, (total, count) in self.figure_sums.items()}
-
-    def pending(self, state):
-        """Whether optimizer steps were taken since the window began (the same answer on
-        every process, so they all log, and all-reduce, together)."""
-        return state.step > self.step
-
-    def mean(self):
-        return self.loss_sum / self.loss_count if self.loss_count else math.nan
-
-    def grad_norm(self):
-        """The mean total gradient norm (before clipping) of the window's steps."""
-        return self.grad_norm_sum / self.grad_norm_count if self.grad_norm_count else math.nan
-
-    def rate(self):
-        """Samples per second (all processes) since the window began."""
-        return self.samples * self.world_size / max(time.perf_counter() - self.since, 1e-9)
 
 
 def steps(model, loader, optimizer, task, loop, state, bar):

@@ -33,7 +33,7 @@ from torchvision.transforms import v2
 import networks
 import tasks
 from config import with_defaults
-from machinery import engine
+from machinery import engine, meters
 from ops import UserError
 from pipeline import data, decoded_cache, device_data, sample_transforms
 
@@ -240,7 +240,7 @@ def test_training_on_both_paths_gives_the_same_weights(tmp_path, accum):
         loop = engine.LoopSettings(device=device, accum=accum, show_progress=False,
                                    scaler=torch.amp.GradScaler("cpu", enabled=False),
                                    timer=engine.StepTimer(device),
-                                   counters=engine.Counters(device))
+                                   counters=meters.Counters(device))
         progress = engine.TrainState()
         for epoch in range(2):
             sampler.set_epoch(epoch)

@@ -16,7 +16,7 @@ import config as config_module
 import dcgan
 import tasks
 import train
-from machinery import engine
+from machinery import engine, meters
 from reporting import metrics
 
 # What every state of a GAN checkpoint holds that an exact resume restores.
@@ -328,7 +328,7 @@ def test_each_phase_gives_gradients_to_its_own_network_only(features):
             p.register_hook(lambda g, name=name: calls.__setitem__(name, calls[name] + 1))
     optimizer = train.ops.build_optimizer(net, config, torch.device("cpu"))
     loop = engine.LoopSettings(device=torch.device("cpu"), scaler=torch.amp.GradScaler(
-        "cpu", enabled=False), counters=engine.Counters(torch.device("cpu")))
+        "cpu", enabled=False), counters=meters.Counters(torch.device("cpu")))
     x = torch.rand(4, 3, 32, 32) * 2 - 1
     where = engine.Where(epoch=0, first=0, offset=0, count=4, step_samples=4)
     engine._phase_steps(net, optimizer, task, loop, [(x, None, 4, where)])

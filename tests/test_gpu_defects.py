@@ -17,7 +17,7 @@ import ops
 import tasks
 import train
 from config import with_defaults
-from machinery import checkpoint, elastic, engine, runtime
+from machinery import checkpoint, elastic, meters, runtime
 from networks import build_network
 from pipeline import data, device_data
 from reporting import lr_finder, metrics, profiling, runlog
@@ -194,7 +194,7 @@ def test_grad_clipped_leaves_out_the_steps_the_scaler_skipped():
     # A step whose fp16 gradients overflowed has an inf (or NaN) norm; the GradScaler skips
     # it, so it was not clipped. (On the CPU an overflowing mlp gives NaN, which never
     # compared above the clip; CUDA's kernels can give inf.)
-    counters = engine.Counters(torch.device("cpu"), clip=1.0)
+    counters = meters.Counters(torch.device("cpu"), clip=1.0)
     for norm in (float("inf"), 2.0, float("nan"), 0.5, float("-inf")):
         counters.add_grad_norm(torch.tensor(norm))
     values = counters.read()
@@ -205,13 +205,13 @@ def test_grad_clipped_leaves_out_the_steps_the_scaler_skipped():
 # -------------------------- N18: the counters read back once, and keep a bounded list
 
 def test_counters_read_the_device_once_and_keep_few_norms(monkeypatch):
-    counters = engine.Counters(torch.device("cpu"), clip=3.0)
-    norms = [float(1 + i % 5) for i in range(3 * engine.FOLD_NORMS + 7)]
+    counters = meters.Counters(torch.device("cpu"), clip=3.0)
+    norms = [float(1 + i % 5) for i in range(3 * meters.FOLD_NORMS + 7)]
     norms[5] = float("inf")
     for i, norm in enumerate(norms):
         counters.add_grad_norm(torch.tensor(norm))
         counters.add_loss(torch.tensor(2.0 if i != 9 else float("nan")), 4)
-        assert len(counters.grad_norms) < engine.FOLD_NORMS  # bounded, whatever --log-every
+        assert len(counters.grad_norms) < meters.FOLD_NORMS  # bounded, whatever --log-every
     reads = []
     for name in ("item", "tolist", "__float__", "__int__", "__bool__", "__index__"):
         real = getattr(torch.Tensor, name)

@@ -13,7 +13,7 @@ import torch
 from conftest import ROOT, assert_states_equal, final_state, load_test_py, tiny_args
 from PIL import Image
 
-from machinery import engine
+from machinery import engine, meters
 
 
 def events(run_dir):
@@ -39,7 +39,7 @@ def _one_step(scaled, clip):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", enabled=scaled, init_scale=1024.0)
     loop = engine.LoopSettings(device=torch.device("cpu"), scaler=scaler, grad_clip=clip,
-                               counters=engine.Counters(torch.device("cpu"), clip))
+                               counters=meters.Counters(torch.device("cpu"), clip))
     x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
     scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
     grads = [p.grad / (1024.0 if scaled else 1.0) for p in model.parameters()]

@@ -16,7 +16,7 @@ import ops
 import tasks
 import train
 from config import parse_config, with_defaults
-from machinery import checkpoint, engine
+from machinery import checkpoint, engine, meters
 from networks import build_network
 from pipeline import data
 
@@ -46,7 +46,7 @@ def _synthetic(size, image=8, augment=True):
 def _run_settings(accum=1, **kwargs):
     kwargs.setdefault("scaler", torch.amp.GradScaler("cpu", enabled=False))
     return engine.LoopSettings(device=CPU, accum=accum, show_progress=False,
-                               timer=engine.StepTimer(CPU), counters=engine.Counters(CPU),
+                               timer=engine.StepTimer(CPU), counters=meters.Counters(CPU),
                                **kwargs)
 
 

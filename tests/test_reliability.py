@@ -15,7 +15,7 @@ import torch
 from conftest import ROOT, assert_states_equal, final_state, tiny_args, write_image_folder
 
 import train
-from machinery import checkpoint, engine
+from machinery import checkpoint, meters
 from reporting import runlog
 
 
@@ -84,7 +84,7 @@ def test_weights_gone_non_finite_after_a_finite_loss_are_never_saved(tmp_path, c
 
 
 def test_nonfinite_losses_are_left_out_of_the_logged_mean():
-    counters = engine.Counters(torch.device("cpu"))
+    counters = meters.Counters(torch.device("cpu"))
     counters.add_loss(torch.tensor(float("nan")), 4)
     counters.add_loss(torch.tensor(2.0), 4)
     counters.add_loss(torch.tensor(float("inf")), 4)

@@ -26,7 +26,7 @@ from helpers import write_idx
 import tasks
 import train
 from config import build_parser, check_config, parse_config
-from machinery import engine
+from machinery import engine, meters
 from pipeline import data
 from reporting import runlog
 
@@ -386,7 +386,7 @@ def test_efficiency_measures_data_and_compute_time():
     run = engine.LoopSettings(device=device,
                               scaler=torch.amp.GradScaler("cpu", enabled=False),
                               timer=engine.StepTimer(device),
-                              counters=engine.Counters(device), show_progress=False)
+                              counters=meters.Counters(device), show_progress=False)
     progress = engine.TrainState()
     engine.train_one_epoch(model, loader, optimizer, tasks.Classification(2), run, progress)
     data_t, compute_t, wall = run.timer.totals()
