@@ -19,7 +19,6 @@ import threading
 import time
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 import ops
@@ -500,15 +499,11 @@ def evaluate(model, loader, loop, task, tta=False):
     """
     model.eval()
     device = loop.device
-    sums = task.evaluation(device, model)
+    evaluation = task.evaluation(device, model)  # a tasks.Evaluation (torchmetrics)
     for batch in loader:
         x, y = task.to_device(batch, device, loop.memory_format)
-        sums.update(_forward_or_out_of_memory(task, model, x, loop, tta), y, x)
-    if loop.world_size > 1:
-        for tensor in sums.sums():
-            dist.all_reduce(tensor)
-        sums.gather(loop.world_size)  # what is not a sum (a classifier's many classes)
-    return sums.result()
+        evaluation.update(_forward_or_out_of_memory(task, model, x, loop, tta), y, x)
+    return evaluation.compute()  # reduced over the processes first
 
 
 def _forward_or_out_of_memory(task, model, x, loop, tta):

@@ -30,9 +30,9 @@ writes one):
     prepare(inputs, targets, epoch, batch)  -> (inputs, targets)   before the step's clock
     loss(model, inputs, targets)            -> the mean loss of the micro-batch
     predict(model, inputs, tta)             -> outputs for evaluation (--tta flip)
-    evaluation(device, model)               -> an accumulator: update / sums / gather /
-                                               result (sums are all-reduced; gather
-                                               collects what is not a sum)
+    evaluation(device, model)               -> an ``Evaluation`` (a torchmetrics Metric):
+                                               update per batch, compute the figures,
+                                               reduced over the processes
     extra_figures(result, names, suffix)    -> metrics.jsonl figures beyond the scalars
     images(result, names, title)            -> [(tag, HxWx3 uint8)] for TensorBoard
     example(dataset)                        -> one input sample's shape (FLOPs, summary)
@@ -57,6 +57,9 @@ import importlib.util
 import os
 import sys
 
+import torch
+import torchmetrics
+
 import networks
 from ops import UserError
 from pipeline import data, device_data
@@ -78,6 +81,83 @@ def to_device(batch, device, memory_format):
     x, y = batch
     return (x.to(device, non_blocking=True, memory_format=memory_format),
             y.to(device, non_blocking=True))
+
+
+IGNORE_INDEX = 255  # mask pixels that count nowhere (VOC's object borders, padding)
+
+
+def new_confusion(num_classes, device=None):
+    """A ``(num_classes, num_classes)`` int64 zero matrix on ``device``."""
+    return torch.zeros(num_classes, num_classes, dtype=torch.long, device=device)
+
+
+def update_confusion(confusion, pred, target, ignore_index=IGNORE_INDEX):
+    """Adds a batch into the confusion matrix, in place, on its device (no host read).
+
+    Args:
+        confusion: the ``(C, C)`` int64 matrix (``new_confusion``).
+        pred: ``(N, C, H, W)`` logits or ``(N, H, W)`` predicted classes.
+        target: ``(N, H, W)`` integer classes (any integer dtype: uint8 masks too);
+            ``ignore_index`` pixels are not counted.
+        ignore_index: the target value that counts nowhere.
+
+    Returns:
+        A 0-d int64 tensor on the device: the pixels whose target is neither a class in
+        ``[0, C)`` nor ``ignore_index`` (a mask that does not match the number of
+        classes). They are not counted; sum them over the batches and read the sum once,
+        after the loop, to say so.
+    """
+    n = confusion.shape[0]
+    if pred.dim() == target.dim() + 1:
+        pred = pred.argmax(dim=1)
+    if pred.shape != target.shape:
+        raise ValueError(f"predictions {tuple(pred.shape)} and targets "
+                         f"{tuple(target.shape)} differ in shape")
+    # int64: a uint8 mask times C would wrap around at 256
+    pred, target = pred.reshape(-1).long(), target.reshape(-1).to(pred.device, torch.long)
+    valid = (target >= 0) & (target < n)
+    invalid = (~valid & (target != ignore_index)).sum()
+    # Ignored and invalid pixels add 0 at index 0: the same kernel and no boolean
+    # indexing (whose output size would be read back to the host).
+    index = torch.where(valid, target * n + pred, 0)
+    confusion.view(-1).index_add_(0, index, valid.to(confusion.dtype))
+    return invalid
+
+
+class Evaluation(torchmetrics.Metric):
+    """One validation of a task, counted on the device: ``update(outputs, targets,
+    inputs)`` per batch, ``compute()`` its figures (a dict). Its states are torchmetrics'
+    (``add_state(name, default, dist_reduce_fx="sum")``, or ``"cat"`` for a list of what is
+    not a sum): under torchrun ``compute`` first reduces them over the processes, in rank
+    order, so every process gets the whole set's figures. A subclass adds its states in
+    ``__init__`` and moves them to the device there (``self.to(device)``).
+
+    Args:
+        gather_objects: gather through ``all_gather_object`` (CPU tensors under NCCL)
+            instead of ``all_gather``.
+    """
+
+    full_state_update = False
+
+    def __init__(self, gather_objects=False):
+        super().__init__(**({"dist_sync_fn": _gather_objects} if gather_objects else {}))
+
+
+def _gather_objects(tensor, group=None):
+    """torchmetrics' ``dist_sync_fn`` for tensors NCCL cannot gather (on the CPU)."""
+    import torch.distributed as dist
+
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, tensor, group=group)
+    return every
+
+
+def joined(state):
+    """A ``"cat"`` state as one tensor (None: empty): a list before a reduction, a tensor
+    after one."""
+    if isinstance(state, torch.Tensor):
+        return state
+    return torch.cat(state) if state else None
 
 
 @dataclasses.dataclass(frozen=True)

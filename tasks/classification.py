@@ -12,7 +12,7 @@ import losses
 import networks
 from ops import UserError
 from pipeline import data, recipes
-from tasks import Task
+from tasks import Evaluation, Task, joined, new_confusion, update_confusion
 
 TOP_K = 5  # acc5: counted where there are more classes than this
 DENSE_CLASSES = 2048  # up to this many classes a C x C confusion matrix (32 MiB at most);
@@ -146,8 +146,10 @@ class Classification(Task):
         return "\n".join(lines)
 
 
-class ClassificationEvaluation:
-    """Sums of one evaluation, counted on the device (no host read per batch).
+class ClassificationEvaluation(Evaluation):
+    """One evaluation's sums, counted on the device (no host read per batch): the loss,
+    the confusion matrix (``tasks.update_confusion``) or, beyond ``DENSE_CLASSES``, each
+    sample's ``label * C + prediction`` (gathered, not summed), the top-5 hits.
 
     Args:
         num_classes: classes of the set (the confusion matrix's side).
@@ -155,42 +157,28 @@ class ClassificationEvaluation:
     """
 
     def __init__(self, num_classes, device):
+        super().__init__()
         self.num_classes = num_classes
-        self.loss_sum = torch.zeros((), device=device, dtype=torch.float64)
         self.dense = num_classes <= DENSE_CLASSES
-        self.confusion = torch.zeros(num_classes * num_classes if self.dense else 1,
-                                     device=device, dtype=torch.long)
-        self.pairs = []  # beyond DENSE_CLASSES: each batch's label * C + prediction
-        self.in_top = torch.zeros((), device=device, dtype=torch.long)
+        side = num_classes if self.dense else 1
+        self.add_state("loss_sum", torch.zeros((), dtype=torch.float64), "sum")
+        self.add_state("confusion", new_confusion(side), "sum")
+        self.add_state("pairs", [], "cat")  # beyond DENSE_CLASSES
+        self.add_state("in_top", torch.zeros((), dtype=torch.long), "sum")
+        self.to(device)
 
     def update(self, logits, y, x=None):
         c = self.num_classes
         self.loss_sum += F.cross_entropy(logits.float(), y, reduction="sum")
-        pred = logits.argmax(dim=1)  # counted on the device (bincount reads back its size)
         if self.dense:
-            self.confusion.index_add_(0, y * c + pred, torch.ones_like(pred))
+            update_confusion(self.confusion, logits, y)
         else:
-            self.pairs.append(y * c + pred)
+            self.pairs.append(y * c + logits.argmax(dim=1))
         if c > TOP_K:
             top = logits.topk(TOP_K, dim=1).indices  # (N, 5)
             self.in_top += (top == y[:, None]).any(dim=1).sum()
 
-    def sums(self):
-        """The tensors to sum over processes."""
-        return [self.loss_sum, self.confusion, self.in_top]
-
-    def gather(self, world_size):
-        """Beyond ``DENSE_CLASSES``: every process's pairs, gathered (they are not sums)."""
-        if self.dense:
-            return
-        import torch.distributed as dist
-
-        mine = torch.cat(self.pairs).cpu() if self.pairs else torch.zeros(0, dtype=torch.long)
-        every = [None] * world_size
-        dist.all_gather_object(every, mine)
-        self.pairs = every
-
-    def result(self):
+    def compute(self):
         """``loss`` (mean cross-entropy), ``acc`` (0..1), ``count``, ``class_total`` and
         ``class_correct`` (per class), and ``confusion`` (rows: true classes; up to
         ``DENSE_CLASSES`` classes, else None) or ``top_confused`` (``TOP_CONFUSED`` pairs
@@ -204,8 +192,8 @@ class ClassificationEvaluation:
             pairs, counts = wrong.nonzero().flatten(), wrong[wrong > 0]
         else:
             confusion = None
-            flat = torch.cat([p.cpu() for p in self.pairs]) if self.pairs else \
-                torch.zeros(0, dtype=torch.long)
+            pairs = joined(self.pairs)
+            flat = torch.zeros(0, dtype=torch.long) if pairs is None else pairs.cpu().long()
             label, pred = flat // c, flat % c
             total = torch.bincount(label, minlength=c)
             correct = torch.bincount(label[label == pred], minlength=c)

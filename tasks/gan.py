@@ -19,7 +19,7 @@ from machinery.runtime import say
 from ops import UserError
 from pipeline import data
 from reporting import gan_metrics
-from tasks import Phase, Task
+from tasks import Evaluation, Phase, Task, joined
 
 
 def _int_at_least(low):
@@ -292,13 +292,14 @@ class GAN(Task):
         return report, (generator, (config["latent_dim"],))
 
 
-class GANEvaluation:
+class GANEvaluation(Evaluation):
     """One GAN evaluation: the first ``fid_samples`` real validation images, then (in
-    ``result``) as many of the generator's images from the fixed latents, their FID and
+    ``compute``) as many of the generator's images from the fixed latents, their FID and
     KID (gan_metrics.measure) and a grid of the first ``GAN.grid``. Under DDP the real
-    images are gathered (the shards are contiguous: in rank order they are the set's
-    order), process 0 measures and the others take its figures: every process decides
-    alike and the figures are those of the generator process 0 saves.
+    images are gathered on the CPU (``all_gather_object``; the shards are contiguous: in
+    rank order they are the set's order), process 0 measures and the others take its
+    figures: every process decides alike and the figures are those of the generator
+    process 0 saves.
 
     Args:
         task: the ``GAN``.
@@ -307,10 +308,11 @@ class GANEvaluation:
     """
 
     def __init__(self, task, model):
-        self.task, self.real, self.have = task, [], 0
+        super().__init__(gather_objects=True)
+        self.task, self.have = task, 0
+        self.add_state("real", [], "cat")
         generator = model["generator"] if isinstance(model, torch.nn.ModuleDict) else model
-        self.generator = engine.bare(generator)
-        self.world, self.rank = 1, 0
+        self.measured = (engine.bare(generator),)  # (a tuple: not a submodule of the metric)
 
     def update(self, real, y, x=None):
         want = self.task.fid_samples - self.have
@@ -318,37 +320,27 @@ class GANEvaluation:
             self.real.append(real[:want].float().cpu())
             self.have += len(self.real[-1])
 
-    def sums(self):
-        return []
-
-    def gather(self, world_size):
-        """Every process's real images, in rank order."""
-        import torch.distributed as dist
-
-        every = [None] * world_size
-        dist.all_gather_object(every, torch.cat(self.real) if self.real else torch.zeros(0))
-        self.real = [t for t in every if len(t)]
-        self.world, self.rank = world_size, dist.get_rank()
-
-    def result(self):
+    def compute(self):
         """``fid``/``kid``/``kid_std`` (``_classifier`` with --fid-features), ``count``
         (images on each side) and ``grid`` (an (H, W, 3) uint8 array)."""
-        task = self.task
-        real = torch.cat(self.real)[:task.fid_samples] if self.real else torch.zeros(0)
+        import torch.distributed as dist
+
+        task, (generator,) = self.task, self.measured
+        real = joined(self.real)
+        real = torch.zeros(0) if real is None else real[:task.fid_samples]
         if len(real) < task.fid_samples:
             raise UserError(f"--fid-samples {task.fid_samples}: the validation set has "
                             f"{len(real)} images; lower --fid-samples")
+        several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         result = None
-        if self.rank == 0:
-            task.features.to(next(self.generator.parameters()).device)
+        if not several or dist.get_rank() == 0:
+            task.features.to(next(generator.parameters()).device)
             result = gan_metrics.generator_scores(  # as test.py measures a checkpoint
-                self.generator, real, task.features, task.fid_samples, task.seed)
+                generator, real, task.features, task.fid_samples, task.seed)
             result["count"] = len(real)
             result["grid"] = dcgan.sample_grid(
-                self.generator, dcgan.fixed_latents(task.grid, task.latent_dim, task.seed))
-        if self.world > 1:
-            import torch.distributed as dist
-
+                generator, dcgan.fixed_latents(task.grid, task.latent_dim, task.seed))
+        if several:
             shared = [result]
             dist.broadcast_object_list(shared, src=0)
             result = shared[0]

@@ -25,47 +25,7 @@ import torch.nn.functional as F
 import networks
 from ops import UserError
 from pipeline import device_data, segmentation_data
-from tasks import Task
-
-IGNORE_INDEX = 255  # mask pixels that count nowhere (VOC's object borders, padding)
-
-
-def new_confusion(num_classes, device=None):
-    """A ``(num_classes, num_classes)`` int64 zero matrix on ``device``."""
-    return torch.zeros(num_classes, num_classes, dtype=torch.long, device=device)
-
-
-def update_confusion(confusion, pred, target, ignore_index=IGNORE_INDEX):
-    """Adds a batch into the confusion matrix, in place, on its device (no host read).
-
-    Args:
-        confusion: the ``(C, C)`` int64 matrix (``new_confusion``).
-        pred: ``(N, C, H, W)`` logits or ``(N, H, W)`` predicted classes.
-        target: ``(N, H, W)`` integer classes (any integer dtype: uint8 masks too);
-            ``ignore_index`` pixels are not counted.
-        ignore_index: the target value that counts nowhere.
-
-    Returns:
-        A 0-d int64 tensor on the device: the pixels whose target is neither a class in
-        ``[0, C)`` nor ``ignore_index`` (a mask that does not match the number of
-        classes). They are not counted; sum them over the batches and read the sum once,
-        after the loop, to say so.
-    """
-    n = confusion.shape[0]
-    if pred.dim() == target.dim() + 1:
-        pred = pred.argmax(dim=1)
-    if pred.shape != target.shape:
-        raise ValueError(f"predictions {tuple(pred.shape)} and targets "
-                         f"{tuple(target.shape)} differ in shape")
-    # int64: a uint8 mask times C would wrap around at 256
-    pred, target = pred.reshape(-1).long(), target.reshape(-1).to(pred.device, torch.long)
-    valid = (target >= 0) & (target < n)
-    invalid = (~valid & (target != ignore_index)).sum()
-    # Ignored and invalid pixels add 0 at index 0: the same kernel and no boolean
-    # indexing (whose output size would be read back to the host).
-    index = torch.where(valid, target * n + pred, 0)
-    confusion.view(-1).index_add_(0, index, valid.to(confusion.dtype))
-    return invalid
+from tasks import IGNORE_INDEX, Evaluation, Task, new_confusion, update_confusion
 
 
 def class_iou(confusion):
@@ -343,9 +303,10 @@ def _out(output):
     return output["out"] if isinstance(output, dict) else output
 
 
-class SegmentationEvaluation:
+class SegmentationEvaluation(Evaluation):
     """Sums of one segmentation evaluation, counted on the device (no host read per
-    batch): the loss over the counted pixels and the confusion matrix.
+    batch): the loss over the counted pixels, the confusion matrix, the pixels of no class
+    (summed over the processes); the first images of this process, for the picture.
 
     Args:
         num_classes: the classes (the matrix's side).
@@ -354,11 +315,13 @@ class SegmentationEvaluation:
     """
 
     def __init__(self, num_classes, device, examples=4):
+        super().__init__()
         self.num_classes, self.want = num_classes, examples
-        self.loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-        self.confusion = new_confusion(num_classes, device)
-        self.invalid = torch.zeros((), device=device, dtype=torch.long)
+        self.add_state("loss_sum", torch.zeros((), dtype=torch.float64), "sum")
+        self.add_state("confusion", new_confusion(num_classes), "sum")
+        self.add_state("invalid", torch.zeros((), dtype=torch.long), "sum")
         self.kept = None
+        self.to(device)
 
     def update(self, logits, y, x=None):
         self.loss_sum += F.cross_entropy(logits.float(), y, reduction="sum",
@@ -368,13 +331,7 @@ class SegmentationEvaluation:
             n = self.want
             self.kept = (x[:n].detach().clone(), y[:n].clone(), logits[:n].argmax(dim=1))
 
-    def sums(self):
-        return [self.loss_sum, self.confusion, self.invalid]
-
-    def gather(self, world_size):
-        """Nothing beyond the sums."""
-
-    def result(self):
+    def compute(self):
         """``loss`` (mean per counted pixel), ``miou``, ``pixel_acc``, ``class_iou`` (by
         class number), ``count`` (pixels), ``confusion`` and ``examples``."""
         counted = figures(self.confusion)

@@ -251,8 +251,8 @@ def _is_zombie(pid):
 
 
 NAN_ON_RANK_1 = """
-import tasks
-real_build = tasks.losses.build_criterion
+import losses  # what tasks/classification.py builds its criterion with
+real_build = losses.build_criterion
 def build_criterion(config):  # rank 1's loss turns NaN at its 4th batch; rank 0's later
     criterion, calls = real_build(config), []
     def nan_on_rank_1(logits, labels):
@@ -260,7 +260,7 @@ def build_criterion(config):  # rank 1's loss turns NaN at its 4th batch; rank 0
         loss = criterion(logits, labels)
         return loss * float("nan") if os.environ["RANK"] == "1" and len(calls) >= 4 else loss
     return nan_on_rank_1
-tasks.losses.build_criterion = build_criterion
+losses.build_criterion = build_criterion
 """
 
 

@@ -63,9 +63,9 @@ def test_best_pt_is_the_lowest_loss_when_it_is_not_the_last(tmp_path, task_file,
     assert train.main(["--task", task_file, *tiny_args(tmp_path / "warm")]) == 0
     import user_task_my_tasks  # as the run above loaded it; patched for the one below
     losses = iter([3.0, 1.0, 2.0])
-    result = user_task_my_tasks.RegressionEvaluation.result
-    monkeypatch.setattr(user_task_my_tasks.RegressionEvaluation, "result",
-                        lambda self: {**result(self), "loss": next(losses)})
+    compute = user_task_my_tasks.RegressionEvaluation.compute
+    monkeypatch.setattr(user_task_my_tasks.RegressionEvaluation, "compute",
+                        lambda self: {**compute(self), "loss": next(losses)})
     assert train.main(["--task", task_file, *tiny_args(tmp_path / "run", epochs=3),
                        "--optimizer", "adam", "--lr", "1e-3"]) == 0
     best = torch.load(tmp_path / "run" / "checkpoints" / "best.pt", weights_only=True)
