@@ -45,29 +45,22 @@ from torchvision.transforms.v2 import functional as TF
 from machinery.runtime import say
 from ops import UserError
 from pipeline import data, decoded_cache, device_data, images, sample_transforms
+from pipeline.pair_transforms import (  # noqa: F401 (the transforms were this module's)
+    IGNORE,
+    Flip,
+    PadCrop,
+    RandomResize,
+    eval_canvas,
+    pair_transforms,
+    resized_size,
+)
 
-IGNORE = 255                 # the mask value of pixels no class counts at
 DATASETS = ("maskfolder", "synthetic", "voc")
 VOC_CLASSES = ("background", "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car",
                "cat", "chair", "cow", "diningtable", "dog", "horse", "motorbike", "person",
                "pottedplant", "sheep", "sofa", "train", "tvmonitor")
-BASE_PER_CROP = 520 / 480    # the reference's base size for its crop
-RESIZE_RANGE = (0.5, 2.0)    # the reference's random resize of the short side, x base
-EVAL_ASPECT = 4 / 3          # evaluation: the long side at most this x base (the canvas)
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 MASK_MODES = ("P", "L", "1", "I;16", "I;16L", "I;16B", "I")  # palette or grayscale indices
-# Streams of sample_transforms.sample_hash (data.py uses 1-3, presets.py 100-139).
-STREAM_SIZE, STREAM_TOP, STREAM_LEFT = 200, 201, 202
-
-
-def base_size(crop):
-    """The photo base size of a crop: ``round(crop * 520 / 480)`` (520 for 480)."""
-    return round(crop * BASE_PER_CROP)
-
-
-def eval_canvas(crop):
-    """The side of the square evaluation images are padded to at photo sizes."""
-    return round(base_size(crop) * EVAL_ASPECT)
 
 
 def check_config(config):
@@ -90,172 +83,6 @@ def check_config(config):
     if config["dataset"] not in DATASETS:
         raise UserError(f"--dataset {config['dataset']} has no masks: --task segmentation "
                         f"takes one of {', '.join(DATASETS)}")
-
-
-# ------------------------------------------------------------------ the joint transforms
-
-def resized_size(height, width, size, max_size=None):
-    """``(height, width)`` with the short side at ``size`` and the long one in proportion,
-    truncated (torchvision's ``Resize(size, max_size=max_size)``: where the long side
-    would pass ``max_size`` it is ``max_size``), no side below 1 px."""
-    short, long = sorted((height, width))
-    new_short, new_long = size, int(size * long / short)
-    if max_size is not None and new_long > max_size:
-        new_short, new_long = max(int(max_size * new_short / new_long), 1), max_size
-    return (new_short, new_long) if height <= width else (new_long, new_short)
-
-
-def _resize_pair(image, mask, size, max_size=None):
-    """Image (bilinear, antialiased) and mask (nearest: the reference's and tv_tensors.Mask's
-    interpolation) with the short side at ``size`` (``resized_size``)."""
-    shape = list(resized_size(*image.shape[-2:], size, max_size))
-    image = TF.resize(image, shape, interpolation=v2.InterpolationMode.BILINEAR,
-                      antialias=True)
-    mask = TF.resize(mask[None], shape, interpolation=v2.InterpolationMode.NEAREST)[0]
-    return image, mask
-
-
-def _pad_pair(image, mask, pads):
-    """Pads (left, right, top, bottom): the image with 0, the mask with ``IGNORE``."""
-    if not any(pads):
-        return image, mask
-    image = torch.nn.functional.pad(image, pads)
-    mask = torch.nn.functional.pad(mask, pads, value=IGNORE)
-    return image, mask
-
-
-class PadCrop:
-    """Small sizes: the classifier's crop (``sample_transforms.SampleCrop``: zero padding,
-    offsets from ``sample_transforms.crop_offsets``) of the image and the same crop of the
-    mask, padded with 255."""
-
-    def __init__(self, padding):
-        self.padding = padding
-
-    def __call__(self, image, mask):
-        top, left = sample_transforms.crop_offsets(*sample_transforms.current_sample(),
-                                                   self.padding)
-        h, w = image.shape[-2:]
-        image, mask = _pad_pair(image, mask, [self.padding] * 4)
-        return (image[..., top:top + h, left:left + w], mask[top:top + h, left:left + w])
-
-    def __repr__(self):
-        return f"PadCrop(padding={self.padding})"
-
-
-class Flip:
-    """Flips image and mask horizontally for half the samples (``sample_transforms.flip_draw``)."""
-
-    def __call__(self, image, mask):
-        if not sample_transforms.flip_draw(*sample_transforms.current_sample()):
-            return image, mask
-        return image.flip(-1), mask.flip(-1)
-
-    def __repr__(self):
-        return "Flip()"
-
-
-class RandomResize:
-    """Photo training: the short side resized to a size drawn uniformly from
-    ``[low, high]`` (stream ``STREAM_SIZE``), as the reference's ``RandomResize``."""
-
-    def __init__(self, low, high):
-        self.low, self.high = low, high
-
-    def __call__(self, image, mask):
-        seed, epoch, index = sample_transforms.current_sample()
-        size = self.low + sample_transforms.sample_hash(seed, epoch, index, STREAM_SIZE) % (
-            self.high - self.low + 1)
-        return _resize_pair(image, mask, size)
-
-    def __repr__(self):
-        return f"RandomResize(low={self.low}, high={self.high})"
-
-
-class RandomCrop:
-    """Photo training: a ``size`` x ``size`` crop at offsets drawn from (seed, epoch,
-    index); an image smaller than that is padded right and bottom first (0, and 255 in
-    the mask), as the reference's ``RandomCrop``."""
-
-    def __init__(self, size):
-        self.size = size
-
-    def __call__(self, image, mask):
-        seed, epoch, index = sample_transforms.current_sample()
-        h, w = image.shape[-2:]
-        image, mask = _pad_pair(image, mask, [0, max(self.size - w, 0), 0,
-                                              max(self.size - h, 0)])
-        h, w = image.shape[-2:]
-        top = sample_transforms.sample_hash(seed, epoch, index, STREAM_TOP) % (h - self.size + 1)
-        left = sample_transforms.sample_hash(seed, epoch, index, STREAM_LEFT) % (w - self.size + 1)
-        return (image[..., top:top + self.size, left:left + self.size],
-                mask[top:top + self.size, left:left + self.size])
-
-    def __repr__(self):
-        return f"RandomCrop(size={self.size})"
-
-
-class EvalResize:
-    """Photo evaluation: the short side at ``base`` (the long side at most ``canvas``),
-    padded right and bottom to ``canvas`` x ``canvas`` (0, and 255 in the mask)."""
-
-    def __init__(self, base, canvas):
-        self.base, self.canvas = base, canvas
-
-    def __call__(self, image, mask):
-        image, mask = _resize_pair(image, mask, self.base, self.canvas)
-        h, w = image.shape[-2:]
-        return _pad_pair(image, mask, [0, self.canvas - w, 0, self.canvas - h])
-
-    def __repr__(self):
-        return f"EvalResize(base={self.base}, canvas={self.canvas})"
-
-
-class PairCompose:
-    """Joint steps on ``(image, mask)``, then the image normalised
-    (``sample_transforms.normalise``; ``mean`` None: kept as it is) and the mask as int64.
-
-    Attributes:
-        transforms: the joint steps, in order.
-        mean, std: the normalisation, or None.
-    """
-
-    def __init__(self, transforms, mean=None, std=None):
-        self.transforms, self.mean, self.std = list(transforms), mean, std
-
-    def __call__(self, image, mask):
-        image, mask = image.as_subclass(torch.Tensor), mask.as_subclass(torch.Tensor)
-        for step in self.transforms:
-            image, mask = step(image, mask)
-        if self.mean is not None:
-            image = sample_transforms.normalise(image, self.mean, self.std)
-        return image.contiguous(), mask.to(torch.long)
-
-    def __repr__(self):
-        return f"PairCompose({self.transforms}, mean={self.mean}, std={self.std})"
-
-
-def pair_transforms(image_size, augment, stats=None):
-    """The training and evaluation ``PairCompose`` of a set.
-
-    Args:
-        image_size: ``--image-size``: the side of the samples (photo sizes: the crop).
-        augment: whether training augments (small: pad-crop and flip; photos: random
-            resize, flip and crop; without, training takes the evaluation geometry).
-        stats: ``(mean, std)`` of the uint8 images, or None (float images as they are).
-
-    Returns:
-        ``(train, evaluation)``.
-    """
-    mean, std = stats if stats is not None else (None, None)
-    if image_size < sample_transforms.PHOTO_SIDE:
-        train = [PadCrop(max(image_size // 8, 1)), Flip()] if augment else []
-        return PairCompose(train, mean, std), PairCompose([], mean, std)
-    base = base_size(image_size)
-    evaluation = [EvalResize(base, eval_canvas(image_size))]
-    train = [RandomResize(int(RESIZE_RANGE[0] * base), int(RESIZE_RANGE[1] * base)),
-             Flip(), RandomCrop(image_size)] if augment else evaluation
-    return PairCompose(train, mean, std), PairCompose(evaluation, mean, std)
 
 
 class SegmentationSet(data.SeededDataset):
