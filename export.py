@@ -20,11 +20,13 @@ test.py is the command line over this module: it evaluates the checkpoint, calls
 import contextlib
 import functools
 import importlib.util
+import io
 import json
 import logging
 import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -60,6 +62,10 @@ GAN_CONFIG = ("latent_dim", "image_size", "in_channels", "gan_loss", "gan_width"
 class QuantizationError(Exception):
     """onnxruntime could not quantize the network, or its int8 file does not run; exit 1."""
 
+
+THROUGHPUT_BATCH = 64       # samples/s are measured at this batch size, on the CPU
+THROUGHPUT_SECONDS = 0.5    # ... for at least this long and THROUGHPUT_MIN_BATCHES batches
+THROUGHPUT_MIN_BATCHES = 5
 
 def int8_path(path):
     """Where --quantize writes: next to OUT, ``model.onnx`` -> ``model.int8.onnx``."""
@@ -561,3 +567,68 @@ def _save_and_try(model, path, flag):
     except Exception as e:
         raise QuantizationError(f"{flag}: the int8 file does not run in onnxruntime "
                                 f"({_error_line(e)}); nothing was written") from None
+
+
+# ------------------------------------------------------ an exported file, measured
+
+def samples_per_second(run, sample_shape, batch=THROUGHPUT_BATCH):
+    """CPU throughput of ``run`` on random float32 batches of ``batch``: batch / the median
+    time of a batch, over at least THROUGHPUT_MIN_BATCHES batches and THROUGHPUT_SECONDS,
+    after one warm-up batch."""
+    x = torch.randn(batch, *sample_shape, generator=torch.Generator().manual_seed(0))
+    times = []
+    with torch.no_grad():
+        run(x)
+        start = time.perf_counter()
+        while len(times) < THROUGHPUT_MIN_BATCHES or \
+                time.perf_counter() - start < THROUGHPUT_SECONDS:
+            began = time.perf_counter()
+            run(x)
+            times.append(time.perf_counter() - began)
+    return batch / statistics.median(times)
+
+
+def weights_bytes(net):
+    """The size of the network's state_dict saved with torch.save (the eager 'file')."""
+    buffer = io.BytesIO()
+    torch.save(net.state_dict(), buffer)
+    return buffer.tell()
+
+
+def size_text(n):
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def measured(report, size, speed, reference=None, file=None):
+    """A row of the comparison: the report's metrics, the file and its size, samples/s and
+    the accuracy delta against ``reference`` (the eager row)."""
+    row = {"file": file, "bytes": size, "samples_per_sec": speed,
+           **{k: report[k] for k in ("loss", "accuracy", "per_class", "confusion", "count")
+              if k in report}}
+    row["accuracy_delta"] = 0.0 if reference is None else \
+        report["accuracy"] - reference["accuracy"]
+    return row
+
+
+def format_comparison(rows, batch):
+    """The comparison as text: size, loss, accuracy, delta, samples/s; per-class accuracy."""
+    width = max(len(name) for name in rows)
+    lines = [f"the exported files evaluated on the validation split (onnxruntime, CPU) next "
+             f"to the eager network; samples/s on the CPU at batch {batch}, "
+             f"{torch.get_num_threads()} threads:",
+             f"  {'':<{width}}  {'size':>10}  {'loss':>7}  {'accuracy':>8}  {'delta':>7}  "
+             f"{'samples/s':>10}"]
+    for name, row in rows.items():
+        delta = "-" if row is next(iter(rows.values())) else f"{row['accuracy_delta']:+.4f}"
+        lines.append(f"  {name:<{width}}  {size_text(row['bytes']):>10}  {row['loss']:7.4f}  "
+                     f"{row['accuracy']:8.4f}  {delta:>7}  {row['samples_per_sec']:10.1f}")
+    classes = list(next(iter(rows.values()))["per_class"])
+    cw = max(len(c) for c in classes)
+    cols = [max(len(name), 6) for name in rows]
+    lines.append("  per-class accuracy:")
+    lines.append(f"  {'':<{cw}}  " + "  ".join(f"{n:>{w}}" for n, w in zip(rows, cols)))
+    for c in classes:
+        cells = [row["per_class"][c] for row in rows.values()]
+        lines.append(f"  {c:<{cw}}  " + "  ".join(
+            f"{'-' if v is None else f'{v:.4f}':>{w}}" for v, w in zip(cells, cols)))
+    return "\n".join(lines)

@@ -38,12 +38,9 @@ or load it by path as tests/conftest.py does.
 
 import argparse
 import copy
-import io
 import json
 import os
-import statistics
 import sys
-import time
 import warnings
 
 import torch
@@ -51,16 +48,25 @@ import torch
 import export
 import tasks
 from config import OneLineParser, with_defaults
-from export import EXPORT_BATCHES, EXPORT_KINDS, QUANTIZE_KINDS, OutputError, QuantizationError
+from export import (  # noqa: F401
+    EXPORT_BATCHES,
+    EXPORT_KINDS,
+    QUANTIZE_KINDS,
+    THROUGHPUT_BATCH,
+    OutputError,
+    QuantizationError,
+    format_comparison,
+    measured,
+    samples_per_second,
+    size_text,  # (test.py's names: bench/export.py)
+    weights_bytes,
+)
 from machinery import checkpoint, engine, files, runtime
 from machinery.runtime import say, shown
 from ops import UserError
 from pipeline import data
 
 EXIT_USER_ERROR, EXIT_FAILED = 2, 1
-THROUGHPUT_BATCH = 64       # samples/s are measured at this batch size, on the CPU
-THROUGHPUT_SECONDS = 0.5    # ... for at least this long and THROUGHPUT_MIN_BATCHES batches
-THROUGHPUT_MIN_BATCHES = 5
 
 
 # ----------------------------------------------------------------------------- flags
@@ -503,69 +509,6 @@ def evaluate_exported(run, val_set, batch_size, num_workers, task):
         data.shutdown_loader(loader)
 
 
-def samples_per_second(run, sample_shape, batch=THROUGHPUT_BATCH):
-    """CPU throughput of ``run`` on random float32 batches of ``batch``: batch / the median
-    time of a batch, over at least THROUGHPUT_MIN_BATCHES batches and THROUGHPUT_SECONDS,
-    after one warm-up batch."""
-    x = torch.randn(batch, *sample_shape, generator=torch.Generator().manual_seed(0))
-    times = []
-    with torch.no_grad():
-        run(x)
-        start = time.perf_counter()
-        while len(times) < THROUGHPUT_MIN_BATCHES or \
-                time.perf_counter() - start < THROUGHPUT_SECONDS:
-            began = time.perf_counter()
-            run(x)
-            times.append(time.perf_counter() - began)
-    return batch / statistics.median(times)
-
-
-def weights_bytes(net):
-    """The size of the network's state_dict saved with torch.save (the eager 'file')."""
-    buffer = io.BytesIO()
-    torch.save(net.state_dict(), buffer)
-    return buffer.tell()
-
-
-def _size(n):
-    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
-
-
-def measured(report, size, speed, reference=None, file=None):
-    """A row of the comparison: the report's metrics, the file and its size, samples/s and
-    the accuracy delta against ``reference`` (the eager row)."""
-    row = {"file": file, "bytes": size, "samples_per_sec": speed,
-           **{k: report[k] for k in ("loss", "accuracy", "per_class", "confusion", "count")
-              if k in report}}
-    row["accuracy_delta"] = 0.0 if reference is None else \
-        report["accuracy"] - reference["accuracy"]
-    return row
-
-
-def format_comparison(rows, batch):
-    """The comparison as text: size, loss, accuracy, delta, samples/s; per-class accuracy."""
-    width = max(len(name) for name in rows)
-    lines = [f"the exported files evaluated on the validation split (onnxruntime, CPU) next "
-             f"to the eager network; samples/s on the CPU at batch {batch}, "
-             f"{torch.get_num_threads()} threads:",
-             f"  {'':<{width}}  {'size':>10}  {'loss':>7}  {'accuracy':>8}  {'delta':>7}  "
-             f"{'samples/s':>10}"]
-    for name, row in rows.items():
-        delta = "-" if row is next(iter(rows.values())) else f"{row['accuracy_delta']:+.4f}"
-        lines.append(f"  {name:<{width}}  {_size(row['bytes']):>10}  {row['loss']:7.4f}  "
-                     f"{row['accuracy']:8.4f}  {delta:>7}  {row['samples_per_sec']:10.1f}")
-    classes = list(next(iter(rows.values()))["per_class"])
-    cw = max(len(c) for c in classes)
-    cols = [max(len(name), 6) for name in rows]
-    lines.append("  per-class accuracy:")
-    lines.append(f"  {'':<{cw}}  " + "  ".join(f"{n:>{w}}" for n, w in zip(rows, cols)))
-    for c in classes:
-        cells = [row["per_class"][c] for row in rows.values()]
-        lines.append(f"  {c:<{cw}}  " + "  ".join(
-            f"{'-' if v is None else f'{v:.4f}':>{w}}" for v, w in zip(cells, cols)))
-    return "\n".join(lines)
-
-
 # ---------------------------------------------------------------------- quantization
 
 
@@ -678,7 +621,7 @@ def evaluate_model_file(args):
              f"{', ' + report['quantization'] if quantized else ''}{origin}): "
              f"{config['network']} on {config['dataset']}")
     say(task.format_report(report, title))
-    say(f"file {_size(report['bytes'])}; {report['samples_per_sec']:.1f} samples/s on the "
+    say(f"file {size_text(report['bytes'])}; {report['samples_per_sec']:.1f} samples/s on the "
         f"CPU at batch {THROUGHPUT_BATCH}, {torch.get_num_threads()} threads")
     if args.json:
         write_json(report, args.json)
@@ -818,7 +761,7 @@ def export_checked(args, suffix, net, shape, metadata, report, names=None):
     size = os.path.getsize(args.export)
     report["export"] = {"format": EXPORT_KINDS[suffix], "file": args.export, "bytes": size,
                         "max_abs_diff": worst}
-    say(f"exported {EXPORT_KINDS[suffix]} to {args.export} ({_size(size)}, dynamic batch); "
+    say(f"exported {EXPORT_KINDS[suffix]} to {args.export} ({size_text(size)}, dynamic batch); "
         f"max abs difference from the eager network {worst:.3g} at batch sizes {sizes}")
     return True
 

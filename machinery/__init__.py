@@ -3,6 +3,7 @@
     engine.py       the training step (a generator), evaluation, the run state, timing
     meters.py       the step's counters on the device, the log window read from them
     checkpoint.py   checksummed checkpoints written in the background, safe loads, RNG
+    checksum.py     the checkpoint's checksum
     runtime.py      torchrun processes, devices, AMP dtype, seeds, signals, output
     elastic.py      torchrun's restarts: joining a round, the job's lock
     watchdog.py     --hang-timeout: a step that stopped
