@@ -89,14 +89,15 @@ def memory_error(error):
     return f"{first}: it tried to allocate {match[1]} more" if match else first
 
 
-def out_of_memory_message(error, config=None, training=None, snapshot=None):
+def out_of_memory_message(error, config=None, net=None, last_saved=None, snapshot=None):
     """One line for an out-of-memory error: where it happened, the batch, that the
     checkpoints are intact, and what to try (each only where it is not on already).
 
     Args:
         error: an ``OutOfMemory`` from a step or a validation, or the allocator's
             words (``memory_error``) for one elsewhere (set-up, a checkpoint).
-        config, training: the run's, when it got that far.
+        config, net: the run's config and plain network, when it got that far.
+        last_saved: the path of the last checkpoint written, or None.
         snapshot: the path of the --memory-snapshot file written, or None.
     """
     if not isinstance(error, OutOfMemory):
@@ -109,13 +110,13 @@ def out_of_memory_message(error, config=None, training=None, snapshot=None):
     if smaller < batch:
         tries.append(f"--batch-size {smaller} --virtual-batch-size {effective} (the same "
                      f"{effective} samples an optimizer step)")
-    if not config["grad_checkpointing"] and hasattr(training.net, "set_grad_checkpointing"):
+    if not config["grad_checkpointing"] and hasattr(net, "set_grad_checkpointing"):
         tries.append("--grad-checkpointing")
     if config["amp"] == "none":
         tries.append("--amp bf16")
     if not config["channels_last"]:
         tries.append("--channels-last")
-    saved = training.saver.last_saved
+    saved = last_saved
     return (f"{error}; the checkpoints are intact ("
             f"{'the last: ' + saved if saved else 'none was written yet'})"
             f"{'; the allocator history is in ' + snapshot if snapshot else ''}"

@@ -9,7 +9,7 @@ Two halves:
   turns that into the step, the epoch and the sample indices of the step's micro-batches,
   for every process. One record per run, ``RUN_DIR/checkpoints/nonfinite-step-NNNNNNNN.json``
   (written atomically), and one line with the command that replays it. Nothing runs per
-  step for this: a list append in ``engine.Counters``.
+  step for this: a list append in ``meters.Counters``.
 - ``run`` (``python train.py --replay RECORD``): the run rebuilt at its last good
   checkpoint in a scratch run directory (deleted at the end: the recorded run and its
   checkpoints are only read), trained forward in one process to the recorded step with the
@@ -44,33 +44,34 @@ NOT_WITH_REPLAY = ("resume", "run_dir", "find_lr", "mlflow")
 
 # ----------------------------------------------------------------- keeping the batch
 
-def record_nonfinite(training):
-    """Writes the record of the first non-finite value the last counter read found (once a
-    run), and prints the command that replays it.
+def record_nonfinite(found, config, state, procs, loop, set_size, last_saved, several=False):
+    """Writes the record of the first non-finite value the last counter read found, and
+    prints the command that replays it; train.py calls it once a run.
 
     Args:
-        training: the run (train.Training); ``training.meter.nonfinite`` is set by
-            ``engine.LossMeter.collect``.
+        found: ``LossMeter.nonfinite`` (set by ``collect``): what was not finite, where.
+        config, state, procs, loop: the run's config, TrainState, Processes, LoopSettings
+            (its accumulation and GradScaler).
+        set_size: the training set's number of samples.
+        last_saved: the last checkpoint written, or None.
+        several: the task trains several networks (their phases are not replayed, yet).
 
     Returns:
-        The record's path, or None (nothing non-finite, or a record written already).
+        The record's path; "recorded" on the other processes (the main one writes every
+        process's share); None where nothing is recorded (several networks, or fp16's
+        infinite gradients alone, which the GradScaler skips).
     """
-    found = training.meter.nonfinite
-    if found is None or getattr(training, "nonfinite_record", None):
+    if several:
         return None
-    if training.task.phases:  # --replay replays one network's step; a
-        return None                              # GAN's phases are not replayed (yet)
-    if training.loop.scaler.is_enabled():  # fp16: inf gradients are the GradScaler's to skip
+    if loop.scaler.is_enabled():  # fp16: inf gradients are the GradScaler's to skip
         found = {**found, "grad_norm": None}
         if found["loss"] is None:
             return None
-    config, state, procs = training.config, training.state, training.procs
-    training.nonfinite_record = "recorded"  # once a run, on every process
-    if not procs.is_main:  # the main process writes every process's share
-        return None
-    where = locate(found, state, config["batch_size"] * procs.world_size,
-                   training.loop.accum, len(training.datasets[0]))
-    batches = [batch_samples(len(training.datasets[0]), config["batch_size"], config["seed"],
+    if not procs.is_main:
+        return "recorded"
+    where = locate(found, state, config["batch_size"] * procs.world_size, loop.accum,
+                   set_size)
+    batches = [batch_samples(set_size, config["batch_size"], config["seed"],
                              procs.world_size, state.epoch, b) for b in where["batches"]]
     path = os.path.join(config["run_dir"], "checkpoints",
                         f"nonfinite-step-{where['step']:08d}.json")
@@ -81,13 +82,11 @@ def record_nonfinite(training):
         "micro_batches": [{"batch": b, "samples": [i for part in parts for i in part],
                            "per_process": parts}
                           for b, parts in zip(where["batches"], batches)],
-        "checkpoint": os.path.abspath(training.saver.last_saved)
-        if training.saver.last_saved else None,
+        "checkpoint": os.path.abspath(last_saved) if last_saved else None,
         "run_dir": os.path.abspath(config["run_dir"]),
         "config": config,
         "command": f"python train.py --replay {shlex.quote(path)}",
     }
-    training.nonfinite_record = path
     try:
         files.atomic_write(path, lambda f: json.dump(record, f, indent=1, default=str))
     except OSError as e:  # the run goes on; its own checks decide whether it stops
@@ -110,7 +109,7 @@ def locate(found, state, global_batch, accum, size):
     ``state.epoch`` and ends at its batch ``ceil(epoch_samples / global_batch)``.
 
     Args:
-        found: ``engine.LossMeter.nonfinite``.
+        found: ``meters.LossMeter.nonfinite``.
         state: the run's ``engine.TrainState`` at the read.
         global_batch: samples in a batch, all processes together.
         accum: micro-batches per optimizer step.

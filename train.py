@@ -51,7 +51,7 @@ import ops
 import replay
 import tasks
 from config import check_config, merge_resumed_config, parse_config, with_defaults
-from machinery import checkpoint, engine, runtime, watchdog
+from machinery import checkpoint, engine, meters, runtime, watchdog
 from machinery.checkpoint import Kind
 from ops import Interrupted, RunFailed, UserError
 from pipeline import data, device_data, presets, recipes
@@ -160,7 +160,7 @@ class Training:
     ema: recipes.EMA              # the moving average of the weights, or None
     loop: engine.LoopSettings
     state: engine.TrainState
-    meter: engine.LossMeter
+    meter: meters.LossMeter
     saver: checkpoint.Saver
     run_log: runlog.RunLog
     val_loader: torch.utils.data.DataLoader
@@ -216,7 +216,8 @@ def fit(config, argv, resume_path, saved, directory, stop):
         training.run_log.failed()
         snapshot = runtime.dump_memory_snapshot(directory.path, procs.device) \
             if config["memory_snapshot"] else None
-        raise RunFailed(ops.out_of_memory_message(e, config, training, snapshot)) from None
+        raise RunFailed(ops.out_of_memory_message(
+            e, config, training.net, training.saver.last_saved, snapshot)) from None
     except Exception:  # main prints the error line; --mlflow's run is marked FAILED
         training.run_log.failed()
         raise
@@ -312,7 +313,7 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
                              averaged=task.averaged_name)
     saver.mlflow_run_id = tracking.run_id(tracker, saved)  # a resume continues that run
     training = Training(config, procs, task, net, model, optimizer, ema, loop, state,
-                        engine.LossMeter(loop.counters, procs.world_size), saver, run_log,
+                        meters.LossMeter(loop.counters, procs.world_size), saver, run_log,
                         val_loader, (train_set, val_set), flops, peak,
                         on_device=isinstance(train_loader, device_data.DeviceLoader))
     return training, train_loader
@@ -418,7 +419,11 @@ def read_losses(training):
         How many of the latest losses in a row were not finite (0: the last was fine).
     """
     streak, worst = training.meter.collect(training.state)
-    replay.record_nonfinite(training)  # nothing to do unless a value was not finite
+    if training.meter.nonfinite is not None and training.nonfinite_record is None:  # once
+        training.nonfinite_record = replay.record_nonfinite(
+            training.meter.nonfinite, training.config, training.state, training.procs,
+            training.loop, len(training.datasets[0]), training.saver.last_saved,
+            several=bool(training.task.phases))
     if worst >= training.config["max_nonfinite"]:
         raise RunFailed(
             f"the loss was not finite for {worst} steps in a row (at step "

@@ -36,9 +36,10 @@ import torch.nn.functional as F  # noqa: E402
 from common import setup_device, sync, train_defaults  # noqa: E402  (the repository's path)
 
 import ops  # noqa: E402
-from machinery import (
-    engine,  # noqa: E402
-    runtime,  # noqa: E402
+from machinery import (  # noqa: E402
+    engine,
+    meters,
+    runtime,
 )
 from networks import build_network  # noqa: E402
 from ops import UserError  # noqa: E402
@@ -96,7 +97,7 @@ def make_loop(device, amp, net):
               "momentum": 0.9, "nesterov": False, "weight_decay": 0.0}
     optimizer = ops.build_optimizer(net, config, device)
     loop = engine.LoopSettings(device=device, amp_dtype=dtype, scaler=scaler,
-                               counters=engine.Counters(device), show_progress=False)
+                               counters=meters.Counters(device), show_progress=False)
     return loop, optimizer
 
 

@@ -39,7 +39,7 @@ from common import setup_device, sync  # noqa: E402  (puts the repository on the
 import tasks  # noqa: E402
 from config import with_defaults  # noqa: E402
 from losses import build_criterion  # noqa: E402
-from machinery import engine  # noqa: E402
+from machinery import engine, meters  # noqa: E402
 from networks import build_network  # noqa: E402
 from pipeline import data  # noqa: E402
 
@@ -101,7 +101,7 @@ class Config:
         self.loop = engine.LoopSettings(
             device=device, scaler=torch.amp.GradScaler(device.type, enabled=False),
             prefetch=depth, show_progress=True, timer=engine.StepTimer(device),
-            counters=engine.Counters(device))
+            counters=meters.Counters(device))
         self.progress = engine.TrainState()
         self.times, self.peaks = [], []
         self.efficiency = []

@@ -23,7 +23,6 @@ from tqdm import tqdm
 
 import ops
 from machinery.meters import Counters
-from machinery.meters import LossMeter as LossMeter  # read as engine.LossMeter (train.py)
 from ops import OutOfMemory, UserError, keep_frozen_norms_eval, memory_error
 
 
