@@ -653,9 +653,12 @@ class DeviceLoader(device_data.DeviceLoader):
     def _photos(self, index, epoch, random):
         images, masks = [], []
         for i in index.tolist():
-            c, h, w = self.shapes[i]
-            both = self.images[self.offsets[i]:self.offsets[i] + c * h * w].view(c, h, w)
-            image, mask = both[:3], both[3]
+            if self.shapes is None:  # one size, stacked (the synthetic set at photo sizes)
+                image, mask = self.images[i], self.masks[i]
+            else:  # a photo of its own size in the flat buffer: image and mask together
+                c, h, w = self.shapes[i]
+                both = self.images[self.offsets[i]:self.offsets[i] + c * h * w].view(c, h, w)
+                image, mask = both[:3], both[3]
             with sample_transforms.seeded(self.dataset.seed, epoch, i) if random else \
                     contextlib.nullcontext():
                 for step in self.steps:

@@ -361,10 +361,10 @@ def test_what_would_move_the_image_and_not_the_mask_is_refused(flags, words):
 # ------------------------------------------------------------------ the device path
 
 
-@pytest.mark.parametrize("kind", ["synthetic", "maskfolder", "photos"])
+@pytest.mark.parametrize("kind", ["synthetic", "synthetic-photo", "maskfolder", "photos"])
 def test_the_device_path_gives_the_dataloaders_batches_bit_for_bit(tmp_path, kind):
-    if kind == "synthetic":
-        cfg = config(synthetic_size=24)
+    if kind.startswith("synthetic"):  # at 64 px: the photo geometry (round 5's F2)
+        cfg = config(synthetic_size=24, image_size=64 if kind == "synthetic-photo" else 16)
     else:
         cfg = folder_config(write_mask_folder(tmp_path / "set", counts=(("train", 7),
                                                                        ("val", 3))),
