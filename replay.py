@@ -201,13 +201,13 @@ def start_checkpoint(record, path):
         return None, None
     step = record["step"]
     if os.path.isfile(named):
-        saved = checkpoint.load_checkpoint(named)
+        saved = _training_checkpoint(named, path)
         if saved["step"] < step:
             return named, saved
     # Beside the record: its run directory may have been moved or copied since.
     beside = os.path.join(os.path.dirname(os.path.abspath(path)), os.path.basename(named))
     if beside != named and os.path.isfile(beside):
-        saved = checkpoint.load_checkpoint(beside)
+        saved = _training_checkpoint(beside, path)
         if saved["step"] < step:
             return beside, saved
     best = None, None
@@ -216,8 +216,8 @@ def start_checkpoint(record, path):
             candidate = os.path.join(folder, name)
             if not name.endswith(".pt") or candidate in (named, beside):
                 continue
-            with contextlib.suppress(UserError):
-                saved = checkpoint.load_checkpoint(candidate)
+            with contextlib.suppress(UserError):  # not a training checkpoint: not a candidate
+                saved = _training_checkpoint(candidate, path)
                 if saved["step"] < step and (best[1] is None or
                                              saved["step"] > best[1]["step"]):
                     best = candidate, saved
@@ -225,6 +225,19 @@ def start_checkpoint(record, path):
         raise UserError(f"--replay {path!r}: no checkpoint from before step {step} is left "
                         f"beside it ({named!r} was written over or removed)")
     return best
+
+
+def _training_checkpoint(candidate, path):
+    """A training checkpoint's state (``checkpoint.require``: step, weights, config...);
+    one ``UserError`` line for a file that is not one (a state_dict, --pretrained weights)."""
+    saved = checkpoint.load_checkpoint(candidate)
+    missing = ["/".join(k) if isinstance(k, tuple) else k
+               for k in checkpoint.missing_keys(saved, checkpoint.RESUME_KEYS)]
+    if missing or type(saved.get("step")) is not int:
+        raise UserError(f"--replay {path!r}: {candidate!r} is not a training checkpoint "
+                        f"(it has no {', '.join(missing) or 'step count'}); put the run's "
+                        f"checkpoint back beside the record")
+    return saved
 
 
 def replay_config(record, config, explicit):

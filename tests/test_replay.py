@@ -250,3 +250,25 @@ def test_a_missing_or_foreign_record_is_one_error_line(tmp_path, capsys):
         assert train.main(["--replay", str(path)]) == 2
         err = capsys.readouterr().err
         assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("error: ")
+
+
+@pytest.mark.parametrize("where", ["named", "beside"])
+def test_a_pt_that_is_no_training_checkpoint_is_one_error_line(tmp_path, capsys, monkeypatch,
+                                                               overflow, where):
+    """Round 5's F3: a state_dict where the record's checkpoint was (or beside it) is named
+    in one line, never a KeyError; the scan beside the record skips it."""
+    run_dir = tmp_path / "run"
+    mark_sample(monkeypatch, bad_sample(), epoch=1)
+    assert train.main(tiny_args(run_dir, *PER_SAMPLE, network="overflow_mlp", epochs=2)) == 1
+    folder = run_dir / "checkpoints"
+    for old in folder.glob("*.pt"):
+        old.unlink()
+    plain = folder / ("last.pt" if where == "named" else "init.pt")
+    torch.save({"w": torch.zeros(1)}, plain)
+    capsys.readouterr()
+    assert train.main(["--replay", str(folder / "nonfinite-step-00000007.json")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("error: --replay"), err
+    expected = f"{str(plain)!r} is not a training checkpoint" if where == "named" \
+        else "no checkpoint from before step 7 is left beside it"
+    assert expected in err[0]
