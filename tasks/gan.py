@@ -394,16 +394,20 @@ def write_samples(generator, latents, out_dir, batch_size):
     Raises:
         files.OutputError: a write failed (a full disk); files written before are whole.
     """
-    names = []
+    names, replaced = [], []
     try:
         os.makedirs(out_dir, exist_ok=True)
         for chunk in latents.split(batch_size):
             pixels = dcgan.to_uint8(dcgan.generate(generator, chunk, batch_size)).cpu()
             for image in pixels:  # (C, H, W) uint8
                 names.append(os.path.join(out_dir, f"{len(names):06d}.png"))
-                _write_png(image, names[-1])
+                if _write_png(image, names[-1]):
+                    replaced.append(os.path.basename(names[-1]))
     except OSError as e:
         raise files.output_failed("--out", names[-1] if names else out_dir, e) from None
+    if replaced:  # a file of that name held another image (a user's, another seed's)
+        say(f"warning: {len(replaced)} file(s) in {out_dir} held other images and were "
+            f"replaced ({replaced[0]}{' ...' if len(replaced) > 1 else ''})", file=sys.stderr)
     older = sorted(f for f in os.listdir(out_dir)
                    if re.fullmatch(r"\d{6,}\.png", f) and int(f[:-4]) >= len(names))
     if older:  # kept (never deleted), but not of this run: say so
@@ -413,9 +417,15 @@ def write_samples(generator, latents, out_dir, batch_size):
 
 
 def _write_png(image, path):
+    """Writes ``image`` as a PNG at ``path``; returns whether a different file was there."""
     png = io.BytesIO()
     Image.fromarray(image.permute(1, 2, 0).squeeze(2).numpy()).save(png, "PNG")  # L or RGB
+    other = False
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            other = f.read() != png.getvalue()
     files.atomic_write(path, lambda f: f.write(png.getvalue()), "wb")
+    return other
 
 
 def _scores_line(scores, n, config, args, seed):

@@ -150,7 +150,9 @@ def test_older_samples_are_kept_and_named_in_a_warning(tmp_path, test_py, capsys
     assert _run(test_py, "--checkpoint", ckpt, "--samples", 2, "--out", out,
                 "--seed", 4) == 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"warning: {out} also holds 3 numbered PNGs that this run did not "
+    assert err == [f"warning: 2 file(s) in {out} held other images and were replaced "
+                   f"(000000.png ...)",  # round 5's F10: never without a word
+                   f"warning: {out} also holds 3 numbered PNGs that this run did not "
                    f"write (000002.png on)"]
     after = snapshot(out)
     assert after.pop("notes.txt") == b"mine"
