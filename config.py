@@ -476,6 +476,10 @@ def parse_config(argv):
         config["network"] = default_network(config["dataset"], config["image_size"],
                                             config["pretrained"], config["task"])
     tasks.defaults(config, explicit)  # the task's own (a GAN's recipe)
+    foreign = tasks.foreign_flags(config, explicit)
+    if foreign:  # a recipe of another task, say: one line, not silence
+        _warn(f"{', '.join(flag for flag, _ in foreign)}: --task {foreign[0][1]}'s, ignored "
+              f"by --task {config['task']}")
     return apply_pretrained_preset(config, explicit), explicit - {"config"}
 
 

@@ -191,6 +191,7 @@ class Task:
     default_network = None    # --network's default (None: config.default_network's)
     own_networks = ()         # --network values only this task trains (refused elsewhere)
     own_networks_are = ""     # ... what they are, for that refusal
+    own_flags = ()            # config keys only this task reads (warned about elsewhere)
     stored_needs = ()         # test.py: (key, check, expected, optional) in a stored config
     measured_export = False   # test.py: an ONNX export evaluated (--quantize) beside eager
     generates = False         # test.py: images made (``test_checkpoint``), no predictions
@@ -415,6 +416,14 @@ def defaults(config, explicit):
 def default_network(task):
     """--network's default that the task ``task`` sets (None: it sets none)."""
     return task_class(task).default_network
+
+
+def foreign_flags(config, explicit):
+    """The flags the user gave (``explicit``: command line or recipe) that only another
+    task reads: ``[(flag, that task's name)]``, for one warning (round 5's F11)."""
+    task = of(config)
+    return [("--" + key.replace("_", "-"), other.name) for other in built_in()
+            if other is not task for key in other.own_flags if key in explicit]
 
 
 def owner_of(network):

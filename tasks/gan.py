@@ -116,6 +116,9 @@ class GAN(Task):
          f"one of {', '.join(dcgan.GAN_LOSSES)}", True),
         ("gan_width", _int_at_least(1), "an integer of at least 1", True),
     )
+    own_flags = ("gan_loss", "gp_weight", "gan_spectral_norm", "gan_attention", "gan_width",
+                 "gan_batch_norm", "latent_dim", "d_steps", "lr_d", "fid_samples",
+                 "fid_features")  # config.py's GAN group
     generates = True  # test.py: --samples PNGs, --fid-samples, the generator's export
 
     defaults = classmethod(lambda cls, config, explicit: gan_defaults(config, explicit))

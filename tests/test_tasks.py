@@ -77,3 +77,20 @@ def test_under_torchrun_the_pairs_of_every_process_are_counted(tmp_path):
     one, two = read_metrics(tmp_path / "one")[-1], read_metrics(tmp_path / "two")[-1]
     assert one["val_class_acc"] == pytest.approx(two["val_class_acc"])
     assert one["val_acc"] == pytest.approx(two["val_acc"])
+
+
+def test_flags_of_another_task_are_named_in_one_warning(capsys, tmp_path):
+    """Round 5's F11: a GAN's flags on a segmentation run (or in its recipe) are ignored,
+    and one warning says so; on --task gan, or left at their defaults, nothing is said."""
+    import config
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("latent_dim: 64\n")
+    config.parse_config(["--task", "segmentation", "--dataset", "synthetic", "--config",
+                         str(recipe), "--d-steps", "3", "--gan-loss", "hinge"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["warning: --gan-loss, --latent-dim, --d-steps: --task gan's, ignored by "
+                   "--task segmentation"]
+    config.parse_config(["--task", "gan", "--dataset", "synthetic", "--d-steps", "3"])
+    config.parse_config(["--task", "segmentation", "--dataset", "synthetic"])
+    assert capsys.readouterr().err == ""
