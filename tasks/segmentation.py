@@ -341,6 +341,10 @@ class SegmentationEvaluation(Evaluation):
                             f"(0-{self.num_classes - 1}) nor 255 (ignored): --num-classes "
                             f"is too small for these masks")
         pixels = counted["pixels"]
+        if not pixels:  # every mask pixel 255: nothing is learnt, nothing measured
+            raise UserError("no mask pixel of the validation set is a class: every one is 255 "
+                            "(ignored); check how the masks were written (class indices "
+                            "0..N-1 per pixel, 255 only where nothing counts)")
         empty = torch.zeros(0)
         return {"loss": float(self.loss_sum) / max(pixels, 1), "miou": counted["miou"],
                 "pixel_acc": counted["pixel_acc"], "class_iou": counted["class_iou"],

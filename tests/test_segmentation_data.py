@@ -424,3 +424,23 @@ def test_the_device_decision_counts_images_and_masks(monkeypatch):
     use, why = seg.device_decision(config(data_on_device="auto"), train, val, "cpu")
     assert not use and "would take 33%" in why and "auto allows 25%" in why
     assert seg.device_decision(config(data_on_device="on"), train, val, "cpu")[0]
+
+
+def test_masks_in_which_nothing_counts_end_the_run_in_one_line(tmp_path, capsys):
+    """Round 5's F9: masks that are all 255 stop at the first validation with one error
+    line, not a run that "succeeds" with loss 0 and mIoU NaN."""
+    from conftest import seg_args
+
+    import train
+
+    root = write_mask_folder(tmp_path / "set", counts=(("train", 4), ("val", 2)))
+    for mask in root.glob("*/masks/*.png"):
+        width, height = Image.open(mask).size
+        save_mask(mask, np.full((height, width), 255, np.uint8), "L")
+    args = seg_args(tmp_path / "run", "--num-classes", "3")
+    args[args.index("synthetic")] = "maskfolder"
+    capsys.readouterr()
+    assert train.main([*args, "--data-dir", str(root)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err[-1].startswith("error: no mask pixel of the validation set is a class")
+    assert "Traceback" not in "\n".join(err)
