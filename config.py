@@ -641,6 +641,9 @@ def check_config(c):
         raise UserError("--prefetch with --num-workers 0 would augment in a thread that "
                         "shares torch's random generator with the training thread (dropout "
                         "would not be reproducible); use --num-workers 1 or more")
+    if c["run_dir"] and not _utf8(str(c["run_dir"])):  # TensorBoard writes paths as UTF-8
+        raise UserError(f"--run-dir {shown(c['run_dir'])}: its name is not UTF-8, which "
+                        f"TensorBoard's event files need; name the directory in UTF-8")
     if c["resume"] == "auto" and not c["run_dir"]:
         raise UserError("--resume auto needs --run-dir (the run to continue)")
     if c["compile"] and c["gpus"] and len([i for i in str(c["gpus"]).split(",")
@@ -660,6 +663,14 @@ def check_config(c):
     if c["unfreeze_at"] > c["epochs"]:
         _warn(f"--unfreeze-at {c['unfreeze_at']} is beyond --epochs {c['epochs']}: the "
               f"frozen parameters stay frozen for the whole run")
+
+
+def _utf8(text):
+    try:
+        text.encode("utf-8")  # a name read with surrogateescape (bytes not UTF-8) fails
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_device(device):

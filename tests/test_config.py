@@ -315,3 +315,19 @@ def test_the_warning_is_shown_once_per_run_and_only_by_rank_0(capsys, monkeypatc
     monkeypatch.setenv("RANK", "0")
     check_config(parse_config(tiny_args("run", *UNFREEZE_LATE[:-1], "5"))[0])
     assert capsys.readouterr().err == ""  # epoch 5 of 5 is reached
+
+
+def test_a_run_dir_whose_name_is_not_utf8_is_refused_in_one_line(tmp_path, capsys):
+    """Round 5's F8: TensorBoard's writer encodes its path as UTF-8; a name that is not
+    (bytes read with surrogateescape) is refused before anything is created."""
+    from conftest import tiny_args
+
+    import train
+
+    run_dir = os.path.join(str(tmp_path), os.fsdecode(b"caf\xe9"))
+    assert train.main(tiny_args(run_dir)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --run-dir") and "not UTF-8" in err[0]
+    assert os.listdir(tmp_path) == []
+    utf8 = tmp_path / "café ✓"  # UTF-8 beyond ASCII trains
+    assert train.main(tiny_args(utf8)) == 0
