@@ -40,7 +40,6 @@ import contextlib
 import dataclasses
 import enum
 import functools
-import math
 import shlex
 
 import torch
@@ -291,7 +290,7 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
     identity = {"train": tasks.set_identity(config, train_set)}  # a resume sees other data
     state = engine.TrainState()
     if task.lower_is_better:  # a GAN's FID: any first figure is the best
-        state.best_val_acc = state.early_stop_best = -math.inf
+        state.forget_best(lower_is_better=True)
     if saved is not None:  # weights, EMA, optimizer, scaler, position, RNG of the saved step
         restore(saved, resume_path, net, ema, optimizer, loop.scaler, state, config, procs,
                 task)
@@ -658,6 +657,12 @@ def restore(saved, path, net, ema, optimizer, scaler, state, config, procs, task
         runtime.main_print(f"note: {path!r} has no moving average; it starts from the "
                            f"restored weights")
     state.load_state_dict(saved["progress"])
+    changed = [k for k in task.best_depends_on if saved["config"].get(k) != config.get(k)]
+    if changed:  # another --fid-features: its FID is no other's
+        state.forget_best(task.lower_is_better)
+        runtime.main_print(f"note: --{changed[0].replace('_', '-')} changed since {path!r}: "
+                           f"its {task.best} cannot be compared with the checkpoint's best; "
+                           f"best.pt starts afresh")
     if procs.rank != 0:  # the epoch's partial loss sums are global; count them once
         state.loss_sum, state.loss_count = 0.0, 0
     if unfrozen_at_resume(config, state):

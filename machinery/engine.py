@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import math
 import threading
 import time
 
@@ -144,6 +145,11 @@ class TrainState:
     early_stop_waited: int = 0     # ... and validations since it improved
     figures: dict = dataclasses.field(default_factory=dict)  # the epoch's task figures
     #                                 (a GAN's loss_d, ...): name -> [finite sum, count]
+
+    def forget_best(self, lower_is_better=False):
+        """best.pt and --early-stop-* start afresh (the figure is not comparable)."""
+        self.best_val_acc = self.early_stop_best = -math.inf if lower_is_better else -1.0
+        self.best_epoch = self.early_stop_waited = 0
 
     def state_dict(self):
         saved = dataclasses.asdict(self)

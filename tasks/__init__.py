@@ -192,6 +192,8 @@ class Task:
     own_networks = ()         # --network values only this task trains (refused elsewhere)
     own_networks_are = ""     # ... what they are, for that refusal
     own_flags = ()            # config keys only this task reads (warned about elsewhere)
+    best_depends_on = ()      # config keys its best figure is measured with (a change on
+    #                           resume: best.pt starts afresh)
     stored_needs = ()         # test.py: (key, check, expected, optional) in a stored config
     measured_export = False   # test.py: an ONNX export evaluated (--quantize) beside eager
     generates = False         # test.py: images made (``test_checkpoint``), no predictions

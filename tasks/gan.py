@@ -119,6 +119,7 @@ class GAN(Task):
     own_flags = ("gan_loss", "gp_weight", "gan_spectral_norm", "gan_attention", "gan_width",
                  "gan_batch_norm", "latent_dim", "d_steps", "lr_d", "fid_samples",
                  "fid_features")  # config.py's GAN group
+    best_depends_on = ("fid_features",)  # another classifier's FID is not comparable
     generates = True  # test.py: --samples PNGs, --fid-samples, the generator's export
 
     defaults = classmethod(lambda cls, config, explicit: gan_defaults(config, explicit))

@@ -465,3 +465,35 @@ def test_a_steps_flops_count_each_network_as_the_phases_run_it():
     # computes its first layer's input gradient (a fraction of a D pass). One G forward
     # more (a third of g_fwd_bwd), made again for its own phase, would be over the bound.
     assert g_fwd_bwd + 3 * d_fwd_bwd <= step < g_fwd_bwd + 3 * d_fwd_bwd + g_fwd_bwd / 6
+
+
+def test_another_fid_features_on_resume_starts_best_pt_afresh(tmp_path, features, capsys,
+                                                              monkeypatch):
+    """Round 5's F12: the FID of another classifier's features cannot be compared with the
+    checkpoint's best: a resume with another --fid-features says so, and best.pt then
+    follows the new figure from the resumed epoch on (here a worse FID than the old best)."""
+    import shutil
+
+    from reporting import gan_metrics
+
+    real, fids = gan_metrics.generator_scores, iter([1.0, 5.0, 4.0])
+
+    def scores(*args, **kwargs):
+        return {**real(*args, **kwargs), "fid_classifier": next(fids)}
+
+    monkeypatch.setattr(gan_metrics, "generator_scores", scores)
+    other = tmp_path / "other.pt"
+    shutil.copy(features, other)
+    run_dir = tmp_path / "run"
+    assert train.main(gan_args(run_dir, features, epochs=1)) == 0
+    capsys.readouterr()
+    assert train.main(gan_args(run_dir, str(other), "--resume", "auto", epochs=2)) == 0
+    assert (f"note: --fid-features changed since {str(run_dir / 'checkpoints' / 'last.pt')!r}"
+            f": its fid_classifier cannot be compared with the checkpoint's best; best.pt "
+            f"starts afresh") in capsys.readouterr().out
+    best = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)
+    assert best["epoch"] == 2 and best["config"]["fid_features"] == str(other)
+    assert best["progress"]["best_val_acc"] == -read_metrics(run_dir)[-1]["val_fid_classifier"]
+    capsys.readouterr()
+    assert train.main(gan_args(run_dir, str(other), "--resume", "auto", epochs=3)) == 0
+    assert "cannot be compared" not in capsys.readouterr().out  # the same features: silent
