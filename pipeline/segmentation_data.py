@@ -550,8 +550,8 @@ def set_identity(dataset):
     base, h = dataset.base, hashlib.sha256()
     if isinstance(base, CachedPairs):
         for image, mask in base.pairs.pairs:
-            h.update(f"{os.path.relpath(image, base.root)}\0"
-                     f"{os.path.relpath(mask, base.root)}\n".encode())
+            h.update(os.fsencode(os.path.relpath(image, base.root)) + b"\0" +  # any name:
+                     os.fsencode(os.path.relpath(mask, base.root)) + b"\n")  # bytes, as read
     else:
         h.update(f"segmentation synthetic {dataset.seed} {dataset.image_size} "
                  f"{dataset.in_channels} {dataset.num_classes}".encode())

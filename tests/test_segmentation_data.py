@@ -444,3 +444,31 @@ def test_masks_in_which_nothing_counts_end_the_run_in_one_line(tmp_path, capsys)
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert err[-1].startswith("error: no mask pixel of the validation set is a class")
     assert "Traceback" not in "\n".join(err)
+
+
+def test_a_maskfolder_whose_file_names_are_not_utf8_trains_and_resumes(tmp_path, capsys):
+    """Round 5's F1: a Latin-1 file name (bytes that are not UTF-8) trains, is fingerprinted
+    and resumes, as class folders' names do; UTF-8 names keep their fingerprint."""
+    import hashlib
+
+    from conftest import seg_args
+
+    import train
+
+    root = write_mask_folder(tmp_path / "set", counts=(("train", 4), ("val", 2)))
+    for split in ("train", "val"):
+        for kind in ("images", "masks"):
+            folder = os.fsencode(str(root / split / kind))
+            os.rename(folder + b"/p0.png", folder + b"/caf\xe9.png")
+    args = [*seg_args(tmp_path / "run", "--num-classes", "3"), "--data-dir", str(root)]
+    args[args.index("synthetic")] = "maskfolder"
+    assert train.main(args) == 0
+    assert train.main([*args[:args.index("--epochs") + 1], "2",
+                       *args[args.index("--epochs") + 2:], "--resume", "auto"]) == 0
+    assert "does not match" not in capsys.readouterr().out  # the same set on resume
+    utf8 = write_mask_folder(tmp_path / "plain", counts=(("train", 2), ("val", 1)))
+    train_set, _ = seg.build_datasets(folder_config(utf8))
+    h, base = hashlib.sha256(), train_set.base.root
+    for image, mask in train_set.base.pairs.pairs:  # the fingerprint as it was written
+        h.update(f"{os.path.relpath(image, base)}\0{os.path.relpath(mask, base)}\n".encode())
+    assert seg.set_identity(train_set)["fingerprint"] == h.hexdigest()
