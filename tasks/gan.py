@@ -75,6 +75,10 @@ def _check_gan(config):
     for on, flag, why in refused:
         if on:
             raise UserError(f"{flag} {why}: not for --task gan")
+    if config["compile"] and config["gan_loss"] == "wgan-gp":  # the CUDA review's H1
+        raise UserError("--compile with --gan-loss wgan-gp: the gradient penalty "
+                        "differentiates the critic twice, which torch.compile's autograd "
+                        "does not support; drop --compile, or take another --gan-loss")
 
 
 class GAN(Task):

@@ -94,3 +94,24 @@ def test_flags_of_another_task_are_named_in_one_warning(capsys, tmp_path):
     config.parse_config(["--task", "gan", "--dataset", "synthetic", "--d-steps", "3"])
     config.parse_config(["--task", "segmentation", "--dataset", "synthetic"])
     assert capsys.readouterr().err == ""
+
+
+def test_compile_with_the_gradient_penalty_is_refused_in_one_line(monkeypatch, capsys):
+    """The CUDA review's H1: the penalty's double backward through a compiled critic
+    crashes (aot_autograd has none; the review reproduced it with the CPU's aot_eager
+    backend): the pair is refused before anything starts, in one line."""
+    import functools
+
+    import torch
+
+    import train
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile,
+                                                            backend="aot_eager"))
+    argv = ["--task", "gan", "--dataset", "synthetic", "--synthetic-size", "16",
+            "--gan-width", "4", "--latent-dim", "8", "--fid-samples", "2", "--gan-loss",
+            "wgan-gp", "--compile", "--max-steps", "1", "--batch-size", "4",
+            "--device", "cpu", "--num-workers", "0"]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --compile with --gan-loss wgan-gp")
