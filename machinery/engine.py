@@ -396,6 +396,9 @@ def _phase_steps(model, optimizer, task, loop, held):
             net.requires_grad_(name not in earlier or name == phase.network)
         wrapped = model[phase.network]
         for repeat in range(phase.repeats):
+            if phase.network in stepped:  # a repeated phase: the scaler takes one step per
+                scaler.update()             # optimizer between updates, made before this
+                stepped.clear()             # repeat's backward: its step unscales by its scale
             for i, (x, y, local_n, where) in enumerate(held):
                 where = dataclasses.replace(where, repeat=repeat, alone=len(held) == 1)
                 no_sync = world > 1 and i + 1 < len(held)
@@ -407,9 +410,6 @@ def _phase_steps(model, optimizer, task, loop, held):
                     scaler.scale(loss * weight if weight != 1.0 else loss).backward()
                 totals[i] = totals[i] + loss.detach().float() / phase.repeats
                 loop.counters.add_figures(figures, local_n)
-            if phase.network in stepped:  # a repeated phase: the scaler takes one step per
-                scaler.update()             # optimizer between updates
-                stepped.clear()
             norm = _optimizer_step(plain[phase.network].parameters(), optimizer[phase.network],
                                    loop, update=False)
             stepped.add(phase.network)

@@ -314,6 +314,30 @@ def test_fp16_updates_the_one_scaler_once_per_step(tmp_path, features, monkeypat
     assert final_state(tmp_path / "d2")["step"] == 3 and len(updates) == 6
 
 
+def test_every_step_is_unscaled_by_the_scale_its_backward_used(tmp_path, features,
+                                                                 monkeypatch):
+    """The CUDA review's M1: with --d-steps 2 the scaler is updated between the repeats;
+    the update must come before a repeat's backward, not between its backward and its
+    step. With the scale growing at every update (growth_interval 1), the scale of each
+    optimizer step is the one its gradients were scaled by."""
+    events = []
+    init, scale, unscale = (torch.amp.GradScaler.__init__, torch.amp.GradScaler.scale,
+                            torch.amp.GradScaler.unscale_)
+    monkeypatch.setattr(torch.amp.GradScaler, "__init__",
+                        lambda self, *a, **k: init(self, *a, **{**k, "growth_interval": 1}))
+    monkeypatch.setattr(torch.amp.GradScaler, "scale", lambda self, loss: (
+        events.append(("backward", self.get_scale())), scale(self, loss))[1])
+    monkeypatch.setattr(torch.amp.GradScaler, "unscale_", lambda self, optimizer: (
+        events.append(("step", self.get_scale())), unscale(self, optimizer))[1])
+    assert train.main(gan_args(tmp_path, features, "--amp", "fp16", "--max-steps", "2",
+                               "--d-steps", "2", "--grad-clip", "10")) == 0
+    steps = [i for i, (kind, _) in enumerate(events) if kind == "step"]
+    assert len(steps) == 2 * 3  # two steps of (discriminator x 2, generator)
+    for i in steps:  # the backward just before each step
+        assert events[i][1] == events[i - 1][1], events
+    assert len({s for _, s in events}) > 2  # the scale did grow between them
+
+
 def test_each_phase_gives_gradients_to_its_own_network_only(features):
     config = config_module.with_defaults({"task": "gan", "dataset": "synthetic",
                                           "latent_dim": 8, "gan_width": 4, "fid_samples": 2,
