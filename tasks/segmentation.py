@@ -178,6 +178,13 @@ class Segmentation(Task):
             raise UserError(f"{' and '.join(mixing)} mix the images of a batch, not their "
                             f"masks: not for --task segmentation")
         segmentation_data.check_config(config)
+        device = str(config["device"])
+        cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+        if config["deterministic"] and cuda and config["network"].startswith("torchvision/"):
+            raise UserError(f"--deterministic with --network {config['network']} on CUDA: "
+                            f"its bilinear F.interpolate has no deterministic CUDA backward "
+                            f"(torch.use_deterministic_algorithms would stop the first step); "
+                            f"drop --deterministic, or train --network unet")
 
     @classmethod
     def datasets(cls, config, log, should_stop=None):
@@ -324,8 +331,10 @@ class SegmentationEvaluation(Evaluation):
         self.to(device)
 
     def update(self, logits, y, x=None):
-        self.loss_sum += F.cross_entropy(logits.float(), y, reduction="sum",
-                                         ignore_index=IGNORE_INDEX)
+        # per pixel, then summed: reduction="sum" on CUDA (nll_loss2d) has no deterministic
+        # kernel (--deterministic would stop the first validation; the CUDA review's H2)
+        self.loss_sum += F.cross_entropy(logits.float(), y, reduction="none",
+                                         ignore_index=IGNORE_INDEX).sum(dtype=torch.float64)
         self.invalid += update_confusion(self.confusion, logits, y)
         if self.kept is None and x is not None:  # the first images: the same every time
             n = self.want

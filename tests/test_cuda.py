@@ -324,3 +324,12 @@ def test_gan_latents_reach_the_gpu_from_pinned_memory(monkeypatch):
     assert pinned and on_gpu.is_cuda
     assert torch.equal(on_gpu.cpu(), task.latents("discriminator", Where(),
                                                   torch.device("cpu")))
+
+
+def test_deterministic_segmentation_validates_on_cuda(tmp_path):
+    """The CUDA review's H2: a unet run with --deterministic trains and validates on CUDA
+    (the validation loss summed per pixel: nll_loss2d's sum has no deterministic kernel)."""
+    assert train.main(["--task", "segmentation", "--dataset", "synthetic", "--network",
+                       "unet", "--deterministic", "--device", "cuda", "--synthetic-size",
+                       "64", "--image-size", "16", "--epochs", "1", "--num-workers", "0",
+                       "--run-dir", str(tmp_path)]) == 0

@@ -115,3 +115,25 @@ def test_compile_with_the_gradient_penalty_is_refused_in_one_line(monkeypatch, c
     assert train.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --compile with --gan-loss wgan-gp")
+
+
+def test_deterministic_torchvision_segmentation_on_cuda_is_refused_in_one_line(monkeypatch):
+    """The CUDA review's H2: torchvision's segmentation networks upsample with a bilinear
+    F.interpolate, which has no deterministic CUDA backward; on the CPU, or for unet, the
+    flag stays."""
+    import torch
+
+    import config
+    from ops import UserError
+
+    def checked(*flags):
+        c, _ = config.parse_config(["--task", "segmentation", "--dataset", "synthetic",
+                                    "--deterministic", *flags])
+        config.check_config(c)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(UserError, match="^--deterministic with --network torchvision/"
+                                        "lraspp_mobilenet_v3_large on CUDA: its bilinear"):
+        checked("--network", "torchvision/lraspp_mobilenet_v3_large")
+    checked("--network", "torchvision/lraspp_mobilenet_v3_large", "--device", "cpu")
+    checked("--network", "unet")  # its loss is summed per pixel: deterministic on CUDA
