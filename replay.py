@@ -227,6 +227,22 @@ def start_checkpoint(record, path):
     return best
 
 
+RUN_IDENTITY = ("task", "network", "dataset", "seed", "optimizer", "lr", "batch_size",
+                "virtual_batch_size", "image_size", "num_classes")  # what a run is
+
+
+def check_same_run(record, saved_config, checkpoint_path, path):
+    """One line when the checkpoint beside a record is of another run than the record's
+    (the weights would be another run's, and a replay that differs would blame the device)."""
+    recorded = with_defaults(record["config"])
+    for key in RUN_IDENTITY:
+        if recorded.get(key) != saved_config.get(key):
+            raise UserError(f"--replay {path!r}: {checkpoint_path!r} is of another run than "
+                            f"the record's ({record.get('run_dir')!r}): its {key} is "
+                            f"{saved_config.get(key)!r}, the record's {recorded.get(key)!r}; "
+                            f"put the recorded run's checkpoints beside the record")
+
+
 def _training_checkpoint(candidate, path):
     """A training checkpoint's state (``checkpoint.require``: step, weights, config...);
     one ``UserError`` line for a file that is not one (a state_dict, --pretrained weights)."""
@@ -286,6 +302,7 @@ def run(config, explicit, stop, build_training, unfreeze_point, unfreeze):
     resume_path, saved = start_checkpoint(record, path)
     if saved is not None:
         saved["config"] = with_defaults(saved["config"])
+        check_same_run(record, saved["config"], resume_path, path)
     with tempfile.TemporaryDirectory(prefix="replay-") as scratch:
         run_dir = os.path.join(scratch, "run")
         config["run_dir"] = run_dir

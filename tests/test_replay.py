@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -272,3 +273,24 @@ def test_a_pt_that_is_no_training_checkpoint_is_one_error_line(tmp_path, capsys,
     expected = f"{str(plain)!r} is not a training checkpoint" if where == "named" \
         else "no checkpoint from before step 7 is left beside it"
     assert expected in err[0]
+
+
+def test_a_record_beside_another_runs_checkpoints_says_so(tmp_path, capsys, monkeypatch,
+                                                          overflow):
+    """Round 5's F4: a record copied beside another run's checkpoints (its own run moved
+    away) is not replayed from that run's weights: one line names the difference."""
+    recorded, other = tmp_path / "run", tmp_path / "other"
+    mark_sample(monkeypatch, bad_sample(), epoch=1)
+    assert train.main(tiny_args(recorded, *PER_SAMPLE, network="overflow_mlp", epochs=2)) == 1
+    monkeypatch.undo()
+    monkeypatch.setitem(networks.NETWORKS, "overflow_mlp", overflow_mlp)
+    assert train.main([*tiny_args(other, *PER_SAMPLE, network="overflow_mlp"),
+                       "--lr", "0.01"]) == 0
+    record = other / "checkpoints" / "nonfinite-step-00000007.json"
+    shutil.copy(recorded / "checkpoints" / record.name, record)
+    shutil.rmtree(recorded)
+    capsys.readouterr()
+    assert train.main(["--replay", str(record)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "is of another run than the record's" in err[0], err
+    assert "its lr is 0.01, the record's 0.05" in err[0]
