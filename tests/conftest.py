@@ -1,11 +1,17 @@
-"""Shared helpers: tiny, fast training runs on synthetic data, on the CPU."""
+"""pytest's side of the tests: fixtures, hooks and the session's settings, nothing else.
+
+The rule: this file holds only what pytest itself calls, fixtures (``train_main``,
+``trained_run``, ``mount_tmpfs``, ``fake_hub``, ``scontrol``) and hooks (the quick half's
+``slow`` marks below), plus the settings every test process needs before torch loads.
+Plain functions, classes and constants shared by test modules (tiny_args, read_metrics,
+final_state, write_image_folder, torchrun...) live in tests/helpers.py; test modules import
+them with ``from helpers import ...``, never from this file.
+"""
 
 import hashlib
-import importlib.util
 import os
 import shutil
 import subprocess
-import sys
 
 # Idle OpenMP threads spin briefly, then sleep (set before torch loads libgomp, inherited by
 # every train.py, torchrun and bench process the tests start). On 2 cores shared with other
@@ -15,12 +21,9 @@ import sys
 # made a small unet's runs 1.7x slower). The numbers computed do not change.
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import tiny_args
 
 # Small runs need no more threads than the CI machine's 2 cores; fixed for reproducibility.
 torch.set_num_threads(2)
@@ -37,122 +40,14 @@ QUICK_MODULES = {"test_config", "test_layers", "test_losses", "test_ops_blocks",
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        if item.module.__name__ not in QUICK_MODULES:
+        if item.module.__name__.rsplit(".", 1)[-1] not in QUICK_MODULES:
             item.add_marker(pytest.mark.slow)
-
-
-def tiny_args(run_dir, *extra, network="mlp", size=64, image=8, batch=16, epochs=1):
-    """train.py flags for a run that takes a second or two on a CPU."""
-    return ["--dataset", "synthetic", "--network", network, "--synthetic-size", str(size),
-            "--image-size", str(image), "--batch-size", str(batch), "--epochs", str(epochs),
-            "--num-workers", "0", "--run-dir", str(run_dir), "--log-every", "1",
-            "--optimizer", "sgd", "--lr", "0.05", "--warmup-epochs", "0", "--device", "cpu",
-            *extra]
-
-
-def seg_args(run_dir, *extra, network="unet", size=32, image=16, batch=8, epochs=1,
-             classes=3):
-    """train.py flags for a tiny --task segmentation run on the synthetic shapes."""
-    return ["--task", "segmentation", "--dataset", "synthetic", "--network", network,
-            "--synthetic-size", str(size), "--image-size", str(image), "--num-classes",
-            str(classes), "--batch-size", str(batch), "--epochs", str(epochs),
-            "--num-workers", "0", "--run-dir", str(run_dir), "--log-every", "1",
-            "--optimizer", "sgd", "--lr", "0.05", "--warmup-epochs", "0", "--device", "cpu",
-            *extra]
-
-
-def read_metrics(run_dir):
-    """The records of a run's metrics.jsonl."""
-    import json
-
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def events(run_dir):
-    """TensorBoard's own reader over a run directory's event files, loaded."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 0})
-    acc.Reload()
-    return acc
-
-
-def put_in_torch_hub(weights, state, tmp_path, monkeypatch):
-    """``state`` saved where torch.hub looks for ``weights`` (TORCH_HOME/hub/checkpoints),
-    under a name carrying its own hash as torchvision's do; no network."""
-    blob = tmp_path / "blob.pth"
-    torch.save(state, blob)
-    stem = weights.url.rsplit("/", 1)[1].rsplit("-", 1)[0]
-    name = f"{stem}-{hashlib.sha256(blob.read_bytes()).hexdigest()[:8]}.pth"
-    monkeypatch.setattr(weights.value, "url", f"https://download.pytorch.org/models/{name}")
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
-    hub = tmp_path / "torch_home" / "hub" / "checkpoints"
-    hub.mkdir(parents=True)
-    blob.rename(hub / name)
-
-
-def snapshot(directory):
-    """Every file under ``directory``: relative name -> bytes (to check nothing changed)."""
-    out = {}
-    for root, _, names in os.walk(directory):
-        for name in names:
-            path = os.path.join(root, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, directory)] = f.read()
-    return out
-
-
-def load_test_py():
-    """Imports the project's test.py by path (``import test`` would find the stdlib's)."""
-    spec = importlib.util.spec_from_file_location("project_test", os.path.join(ROOT, "test.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
 def train_main():
     import train
     return train.main
-
-
-_CLASS_COLOURS = {"cat": (200, 30, 30), "dog": (30, 200, 30), "emu": (30, 30, 200),
-                  "fox": (200, 200, 30)}
-
-
-def write_image_folder(root, splits=("train", "val"), classes=("cat", "dog", "emu"),
-                       per_class=6, val_per_class=None, size=(20, 24), formats=("png",),
-                       seed=0, size_range=(6, 30)):
-    """A small ImageFolder tree: ``root/<split>/<class>/<i>.<format>``, a colour per class
-    plus noise (learnable).
-
-    Args:
-        root: where the tree goes (a pathlib.Path; created).
-        splits, classes: the split and class folders.
-        per_class: images per class; ``val_per_class`` for splits other than train.
-        size: ``(height, width)`` of every image, or None for assorted sizes (each side
-            drawn from ``size_range``: 6-29 px by default), which makes resizing matter.
-        formats: file suffixes taken in turn (``("jpg", "png")``: 0.jpg, 1.png, ...).
-        seed: the noise and sizes.
-
-    Returns:
-        ``root``.
-    """
-    g = np.random.default_rng(seed)
-    for split in splits:
-        count = per_class if split == "train" or val_per_class is None else val_per_class
-        for k, name in enumerate(classes):
-            colour = _CLASS_COLOURS.get(name, ((70 * k + 40) % 256, (130 * k) % 256, 90))
-            folder = root / split / name
-            folder.mkdir(parents=True)
-            for i in range(count):
-                h, w = size if size is not None else (int(v) for v in
-                                                      g.integers(*size_range, 2))
-                noise = g.integers(0, 40, (h, w, 3), dtype=np.uint8)
-                pixels = np.array(colour, dtype=np.uint8) + noise
-                Image.fromarray(pixels).save(folder / f"{i}.{formats[i % len(formats)]}")
-    return root
 
 
 @pytest.fixture
@@ -198,30 +93,6 @@ def trained_run(tmp_path_factory):
         return runs[key]
 
     return run
-
-
-def final_state(run_dir):
-    """The last checkpoint of a run, loaded safely."""
-    return torch.load(os.path.join(run_dir, "checkpoints", "last.pt"), weights_only=True)
-
-
-def assert_states_equal(a, b):
-    """Every tensor of two nested structures is torch.equal (bit for bit)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert set(a) == set(b), set(a) ^ set(b)
-        for k in a:
-            assert_states_equal(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            assert_states_equal(x, y)
-    else:
-        assert a == b, (a, b)
-
-
-sys.path.insert(0, ROOT)
 
 
 @pytest.fixture

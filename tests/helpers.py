@@ -1,9 +1,21 @@
-"""Helpers shared by several test modules: signals at a chosen step, real torchrun
-processes, the device path's reference checks. (Test modules import from here, never
-from each other.)"""
+"""Plain functions and constants shared by the test modules: train.py's flags for tiny runs
+(tiny_args, seg_args), readers of a run's files (read_metrics, events, final_state),
+comparisons (assert_states_equal), writers of data sets (write_image_folder, write_cifar,
+write_mnist...), signals at a chosen step, real torchrun processes, the device path's
+reference checks.
+
+The rule: a plain function, class or constant that more than one test module uses lives
+here, and test modules import it with ``from helpers import ...`` (never from conftest.py,
+never from each other). tests/conftest.py holds only what pytest itself calls: fixtures and
+hooks (and the session's settings: OpenMP's spin, the thread count). A fixture that needs a
+helper imports it from here.
+"""
 
 import contextlib
 import glob
+import hashlib
+import importlib.util
+import json
 import os
 import pickle
 import re
@@ -17,7 +29,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, tiny_args, write_image_folder
+from PIL import Image
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
@@ -25,6 +37,135 @@ from torch.optim.optimizer import (
 
 from config import with_defaults
 from pipeline import data, device_data
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_args(run_dir, *extra, network="mlp", size=64, image=8, batch=16, epochs=1):
+    """train.py flags for a run that takes a second or two on a CPU."""
+    return ["--dataset", "synthetic", "--network", network, "--synthetic-size", str(size),
+            "--image-size", str(image), "--batch-size", str(batch), "--epochs", str(epochs),
+            "--num-workers", "0", "--run-dir", str(run_dir), "--log-every", "1",
+            "--optimizer", "sgd", "--lr", "0.05", "--warmup-epochs", "0", "--device", "cpu",
+            *extra]
+
+
+def seg_args(run_dir, *extra, network="unet", size=32, image=16, batch=8, epochs=1,
+             classes=3):
+    """train.py flags for a tiny --task segmentation run on the synthetic shapes."""
+    return ["--task", "segmentation", "--dataset", "synthetic", "--network", network,
+            "--synthetic-size", str(size), "--image-size", str(image), "--num-classes",
+            str(classes), "--batch-size", str(batch), "--epochs", str(epochs),
+            "--num-workers", "0", "--run-dir", str(run_dir), "--log-every", "1",
+            "--optimizer", "sgd", "--lr", "0.05", "--warmup-epochs", "0", "--device", "cpu",
+            *extra]
+
+
+def read_metrics(run_dir):
+    """The records of a run's metrics.jsonl, in order (blank lines skipped)."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def events(run_dir):
+    """TensorBoard's own reader over a run directory's event files, loaded."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+    return acc
+
+
+def put_in_torch_hub(weights, state, tmp_path, monkeypatch):
+    """``state`` saved where torch.hub looks for ``weights`` (TORCH_HOME/hub/checkpoints),
+    under a name carrying its own hash as torchvision's do; no network."""
+    blob = tmp_path / "blob.pth"
+    torch.save(state, blob)
+    stem = weights.url.rsplit("/", 1)[1].rsplit("-", 1)[0]
+    name = f"{stem}-{hashlib.sha256(blob.read_bytes()).hexdigest()[:8]}.pth"
+    monkeypatch.setattr(weights.value, "url", f"https://download.pytorch.org/models/{name}")
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    hub = tmp_path / "torch_home" / "hub" / "checkpoints"
+    hub.mkdir(parents=True)
+    blob.rename(hub / name)
+
+
+def snapshot(directory):
+    """Every file under ``directory``: relative name -> bytes (to check nothing changed)."""
+    out = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, directory)] = f.read()
+    return out
+
+
+def load_test_py():
+    """Imports the project's test.py by path (``import test`` would find the stdlib's)."""
+    spec = importlib.util.spec_from_file_location("project_test", os.path.join(ROOT, "test.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_CLASS_COLOURS = {"cat": (200, 30, 30), "dog": (30, 200, 30), "emu": (30, 30, 200),
+                  "fox": (200, 200, 30)}
+
+
+def write_image_folder(root, splits=("train", "val"), classes=("cat", "dog", "emu"),
+                       per_class=6, val_per_class=None, size=(20, 24), formats=("png",),
+                       seed=0, size_range=(6, 30)):
+    """A small ImageFolder tree: ``root/<split>/<class>/<i>.<format>``, a colour per class
+    plus noise (learnable).
+
+    Args:
+        root: where the tree goes (a pathlib.Path; created).
+        splits, classes: the split and class folders.
+        per_class: images per class; ``val_per_class`` for splits other than train.
+        size: ``(height, width)`` of every image, or None for assorted sizes (each side
+            drawn from ``size_range``: 6-29 px by default), which makes resizing matter.
+        formats: file suffixes taken in turn (``("jpg", "png")``: 0.jpg, 1.png, ...).
+        seed: the noise and sizes.
+
+    Returns:
+        ``root``.
+    """
+    g = np.random.default_rng(seed)
+    for split in splits:
+        count = per_class if split == "train" or val_per_class is None else val_per_class
+        for k, name in enumerate(classes):
+            colour = _CLASS_COLOURS.get(name, ((70 * k + 40) % 256, (130 * k) % 256, 90))
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(count):
+                h, w = size if size is not None else (int(v) for v in
+                                                      g.integers(*size_range, 2))
+                noise = g.integers(0, 40, (h, w, 3), dtype=np.uint8)
+                pixels = np.array(colour, dtype=np.uint8) + noise
+                Image.fromarray(pixels).save(folder / f"{i}.{formats[i % len(formats)]}")
+    return root
+
+
+def final_state(run_dir):
+    """The last checkpoint of a run, loaded safely."""
+    return torch.load(os.path.join(run_dir, "checkpoints", "last.pt"), weights_only=True)
+
+
+def assert_states_equal(a, b):
+    """Every tensor of two nested structures is torch.equal (bit for bit)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert set(a) == set(b), set(a) ^ set(b)
+        for k in a:
+            assert_states_equal(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_states_equal(x, y)
+    else:
+        assert a == b, (a, b)
 
 
 @contextlib.contextmanager

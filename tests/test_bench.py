@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT
+from helpers import ROOT
 
 # script -> (smallest arguments, a line of its output that says it got to its figures)
 SMALLEST = {

@@ -480,7 +480,7 @@ def test_the_project_version_is_pyprojects():
 
 
 def test_a_checkpoint_records_its_format_and_version(tmp_path):
-    from conftest import final_state, tiny_args
+    from helpers import final_state, tiny_args
 
     import train
 
@@ -493,7 +493,7 @@ def test_a_checkpoint_records_its_format_and_version(tmp_path):
 
 def test_a_checkpoint_of_format_1_still_loads_and_resumes(tmp_path, capsys):
     # Written by the code of 2026-12-01 before formats were recorded; kept from now on.
-    from conftest import final_state, load_test_py, tiny_args
+    from helpers import final_state, load_test_py, tiny_args
 
     import train
 
@@ -509,7 +509,7 @@ def test_a_checkpoint_of_format_1_still_loads_and_resumes(tmp_path, capsys):
 
 
 def test_a_checkpoint_of_a_newer_format_is_refused_in_one_line(tmp_path, capsys):
-    from conftest import tiny_args
+    from helpers import tiny_args
 
     import train
 
@@ -528,7 +528,7 @@ def test_a_checkpoint_of_a_newer_format_is_refused_in_one_line(tmp_path, capsys)
 
 
 def test_a_resume_with_another_thread_count_says_how_to_restore_it(tmp_path, capsys):
-    from conftest import tiny_args
+    from helpers import tiny_args
 
     import train
 

@@ -5,8 +5,7 @@ import os
 import signal
 
 import pytest
-from conftest import assert_states_equal, final_state, tiny_args
-from helpers import stop_at_step
+from helpers import assert_states_equal, final_state, stop_at_step, tiny_args
 
 import train
 
@@ -79,7 +78,7 @@ def test_under_torchrun_sigusr1_to_one_process_stops_all_and_requeues_once(tmp_p
 
 def doc_scripts():
     """The bash blocks of docs/cluster.md, in order."""
-    from conftest import ROOT
+    from helpers import ROOT
 
     text = open(os.path.join(ROOT, "docs", "cluster.md")).read()
     return [block.split("\n", 1)[1] for block in text.split("```")[1::2]
@@ -94,7 +93,7 @@ def run_doc_script(script, tmp_path, env):
     import subprocess
     import sys
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     shim = tmp_path / "bin"
     shim.mkdir(exist_ok=True)

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 import yaml
-from conftest import ROOT, tiny_args
+from helpers import ROOT, tiny_args
 
 import config
 import train
@@ -320,7 +320,7 @@ def test_the_warning_is_shown_once_per_run_and_only_by_rank_0(capsys, monkeypatc
 def test_a_run_dir_whose_name_is_not_utf8_is_refused_in_one_line(tmp_path, capsys):
     """Round 5's F8: TensorBoard's writer encodes its path as UTF-8; a name that is not
     (bytes read with surrogateescape) is refused before anything is created."""
-    from conftest import tiny_args
+    from helpers import tiny_args
 
     import train
 

@@ -4,12 +4,10 @@ bench/gpu.sh runs this file first. Tests that need two GPUs (DataParallel, NCCL,
 other than GPU 0) skip on one.
 """
 
-import json
-import os
 
 import pytest
 import torch
-from conftest import assert_states_equal, final_state, tiny_args
+from helpers import assert_states_equal, final_state, read_metrics, tiny_args
 
 import networks
 import train
@@ -25,9 +23,6 @@ def cuda_args(run_dir, *extra, device="cuda"):
     return args
 
 
-def records(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 @pytest.mark.parametrize("flags", [
@@ -42,7 +37,7 @@ def records(run_dir):
 ])
 def test_cuda_training_paths(tmp_path, flags):
     assert train.main(cuda_args(tmp_path, *flags)) == 0
-    logged = records(tmp_path)
+    logged = read_metrics(tmp_path)
     assert all(r["train_loss"] == r["train_loss"] for r in logged)  # not NaN
     assert len(logged) == 2 and 0 < logged[-1]["compute_efficiency"] <= 1
     state = final_state(tmp_path)
@@ -114,7 +109,7 @@ def test_mfu_reported_on_a_known_gpu(tmp_path):
     if train.ops.peak_tflops(torch.cuda.get_device_name(), "bf16") is None:
         pytest.skip(f"no datasheet peak for {torch.cuda.get_device_name()}")
     assert train.main(cuda_args(tmp_path, "--amp", "bf16")) == 0
-    record = records(tmp_path)[-1]
+    record = read_metrics(tmp_path)[-1]
     assert 0 < record["mfu"] < 1 and record["tflops"] > 0
 
 
@@ -136,7 +131,7 @@ def test_a_second_gpu_is_the_one_used(tmp_path):
         assert torch.cuda.current_device() == last
     finally:
         torch.cuda.set_device(0)
-    assert 0 < records(tmp_path)[-1]["compute_efficiency"] <= 1  # its events, its work
+    assert 0 < read_metrics(tmp_path)[-1]["compute_efficiency"] <= 1  # its events, its work
 
 
 @two_gpus
@@ -175,7 +170,7 @@ def test_out_of_memory_under_a_memory_fraction_dumps_a_snapshot(tmp_path):
     import subprocess
     import sys
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     run_dir = tmp_path / "run"
     args = cuda_args(run_dir, "--gpu-memory-fraction", "0.01", "--memory-snapshot")
@@ -198,7 +193,7 @@ def test_gpu_memory_fraction_is_set_for_the_process(tmp_path):
     import subprocess
     import sys
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     code = ("import sys, torch; from machinery import runtime; "
             "runtime.set_memory_options({'gpu_memory_fraction': "
@@ -211,8 +206,9 @@ def test_gpu_memory_fraction_is_set_for_the_process(tmp_path):
 
 def test_gradient_norm_under_fp16_on_cuda(tmp_path):
     assert train.main(cuda_args(tmp_path, "--amp", "fp16", "--grad-clip", "1e6")) == 0
-    norms = [r["grad_norm"] for r in records(tmp_path)]
-    assert all(n > 0 for n in norms) and all(r["grad_clipped"] == 0 for r in records(tmp_path))
+    logged = read_metrics(tmp_path)
+    norms = [r["grad_norm"] for r in logged]
+    assert all(n > 0 for n in norms) and all(r["grad_clipped"] == 0 for r in logged)
 
 
 def test_adam_trained_on_the_cpu_resumes_fused_on_cuda(tmp_path, monkeypatch):
@@ -293,7 +289,7 @@ def test_fp16_steps_the_scaler_skipped_are_not_clipped_and_sgd_stays_finite(tmp_
     state = final_state(tmp_path)
     assert state["progress"]["scaler_skips"] >= 1
     assert all(torch.isfinite(t).all() for t in state["model"].values())
-    assert all(r["grad_clipped"] == 0 for r in records(tmp_path))
+    assert all(r["grad_clipped"] == 0 for r in read_metrics(tmp_path))
 
 
 def test_gan_latents_reach_the_gpu_from_pinned_memory(monkeypatch):

@@ -7,7 +7,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from conftest import assert_states_equal, tiny_args, write_image_folder
+from helpers import assert_states_equal, tiny_args, write_image_folder
 from PIL import Image
 
 import train

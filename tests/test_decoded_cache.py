@@ -10,9 +10,15 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, tiny_args, write_image_folder
 from helpers import KILLED_BUILD as SLOW_BUILD
-from helpers import SLOW_DECODING, check_against_per_sample, make_config
+from helpers import (
+    ROOT,
+    SLOW_DECODING,
+    check_against_per_sample,
+    make_config,
+    tiny_args,
+    write_image_folder,
+)
 from PIL import Image
 
 import train

@@ -15,17 +15,21 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, assert_states_equal, final_state, tiny_args, write_image_folder
 from helpers import (
     KILLED_BUILD,
+    ROOT,
     assert_batches_equal,
+    assert_states_equal,
     check_against_per_sample,
+    final_state,
     folder_loaders,
     make_config,
     per_sample,
     stop_at_step,
+    tiny_args,
     torchrun,
     whole_val,
+    write_image_folder,
 )
 from PIL import Image
 from torchvision.transforms import v2

@@ -21,14 +21,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import assert_states_equal, final_state, tiny_args
 from helpers import (
     FLAGS,
     assert_exit_codes,
+    assert_states_equal,
     ckpt,
+    final_state,
     finish,
+    read_metrics,
     signal_a_worker_once_an_epoch_is_saved,
     start_torchrun,
+    tiny_args,
     torchrun,
     write_launcher,
 )
@@ -48,9 +51,6 @@ def assert_close_f32(a, b):
                                torch.tensor(b, dtype=torch.float32))
 
 
-def metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 # ------------------------------------------------------------ runs shared by the tests
@@ -84,7 +84,7 @@ def test_two_processes_train_like_one_with_the_global_batch(runs):
 
 
 def test_evaluation_over_two_processes_equals_one(runs):
-    ddp, single = metrics(runs.ddp), metrics(runs.single)
+    ddp, single = read_metrics(runs.ddp), read_metrics(runs.single)
     assert [r["epoch"] for r in ddp] == [r["epoch"] for r in single] == [1, 2, 3, 4, 5, 6]
     accuracies = [r["val_acc"] for r in single]
     assert 0 < min(accuracies) < 1  # not saturated, so a lost or doubled sample shows
@@ -102,7 +102,7 @@ def test_only_rank_zero_writes(runs):
 
     assert names(runs.ddp) == names(runs.single)
     assert len(glob.glob(os.path.join(runs.ddp, "events.out.tfevents.*"))) == 1
-    assert [r["epoch"] for r in metrics(runs.ddp)] == [1, 2, 3, 4, 5, 6]
+    assert [r["epoch"] for r in read_metrics(runs.ddp)] == [1, 2, 3, 4, 5, 6]
     with open(os.path.join(runs.ddp, "command.txt")) as f:
         invocations = [line for line in f if not line.startswith(" ")]
     assert len(invocations) == 1
@@ -122,7 +122,7 @@ def test_ddp_checkpoint_resumes_in_one_process(runs, tmp_path, train_main, capsy
     assert train_main(tiny_args(fresh, *runs.flags, size=55, batch=32, epochs=8)) == 0
     assert final_state(resumed)["step"] == 16
     torch.testing.assert_close(final_state(resumed)["model"], final_state(fresh)["model"])
-    resumed_metrics, fresh_metrics = metrics(resumed), metrics(fresh)[2:]
+    resumed_metrics, fresh_metrics = read_metrics(resumed), read_metrics(fresh)[2:]
     assert [r["epoch"] for r in resumed_metrics] == [3, 4, 5, 6, 7, 8]
     for a, b in zip(resumed_metrics, fresh_metrics, strict=True):  # epoch 3 began under DDP
         assert_close_f32(a["train_loss"], b["train_loss"])
@@ -144,7 +144,7 @@ def test_one_process_checkpoint_resumes_under_torchrun(runs, tmp_path):
     assert out.count("override: batch_size = 16 (checkpoint had 32)") == 1  # rank 0 says it
     assert "note: the checkpoint took" not in out  # 1 x 32 = 2 x 16
     torch.testing.assert_close(final_state(resumed)["model"], final_state(runs.single)["model"])
-    resumed_metrics, single_metrics = metrics(resumed), metrics(runs.single)[2:]
+    resumed_metrics, single_metrics = read_metrics(resumed), read_metrics(runs.single)[2:]
     assert [r["epoch"] for r in resumed_metrics] == [3, 4, 5, 6]
     for a, b in zip(resumed_metrics, single_metrics, strict=True):  # epoch 3 began alone
         assert_close_f32(a["train_loss"], b["train_loss"])
@@ -167,7 +167,7 @@ def test_short_or_empty_share_of_the_last_batch(tmp_path, train_main, size, batc
                                 size=size, batch=2 * batch, epochs=6)) == 0
     assert final_state(ddp)["step"] == final_state(single)["step"] == 12
     torch.testing.assert_close(final_state(ddp)["model"], final_state(single)["model"])
-    for a, b in zip(metrics(ddp), metrics(single), strict=True):
+    for a, b in zip(read_metrics(ddp), read_metrics(single), strict=True):
         assert_close_f32(a["train_loss"], b["train_loss"])
 
 

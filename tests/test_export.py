@@ -12,7 +12,7 @@ import onnx
 import onnxruntime
 import pytest
 import torch
-from conftest import load_test_py, write_image_folder
+from helpers import load_test_py, write_image_folder
 
 import export
 from machinery import checkpoint

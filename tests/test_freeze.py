@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 import torch
 import torch.nn as nn
-from conftest import assert_states_equal, final_state, tiny_args
+from helpers import assert_states_equal, final_state, tiny_args
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import ops

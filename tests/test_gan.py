@@ -9,8 +9,18 @@ import signal
 
 import pytest
 import torch
-from conftest import assert_states_equal, events, final_state, load_test_py, read_metrics
-from helpers import stop_at_step, torchrun, update, watch_training, write_launcher
+from helpers import (
+    assert_states_equal,
+    events,
+    final_state,
+    load_test_py,
+    read_metrics,
+    stop_at_step,
+    torchrun,
+    update,
+    watch_training,
+    write_launcher,
+)
 
 import config as config_module
 import dcgan
@@ -434,8 +444,7 @@ def test_the_readme_gan_commands_run_as_written(tmp_path):
     import subprocess
     import sys
 
-    from conftest import ROOT
-    from helpers import write_mnist
+    from helpers import ROOT, write_mnist
 
     readme = open(os.path.join(ROOT, "README.md")).read()
     block = re.search(r"## GANs\n.*?```bash\n(.*?)```", readme, flags=re.DOTALL)

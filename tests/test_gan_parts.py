@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_args
+from helpers import tiny_args
 from torch import nn
 
 import dcgan

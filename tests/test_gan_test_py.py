@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from conftest import ROOT, load_test_py, snapshot, tiny_args
-from helpers import write_gan_checkpoint, write_mnist
+from helpers import ROOT, load_test_py, snapshot, tiny_args, write_gan_checkpoint, write_mnist
 from PIL import Image
 
 import dcgan

@@ -2,7 +2,6 @@
 comes back. What needs a GPU is in tests/test_cuda.py."""
 
 import functools
-import json
 import os
 import subprocess
 import sys
@@ -10,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, assert_states_equal, final_state, tiny_args
+from helpers import ROOT, assert_states_equal, final_state, read_metrics, tiny_args
 from torch.autograd import DeviceType
 
 import ops
@@ -31,9 +30,6 @@ def _overflow_first_step(monkeypatch):
         torch.amp.GradScaler, init_scale=2.0 ** 40, backoff_factor=2.0 ** -30))
 
 
-def _metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 # ---------------------------------------------------------------- N1: fused SGD, fp16
@@ -267,7 +263,7 @@ def test_the_matmul_share_of_a_networks_flops(network, share):
 
 def test_flops_are_counted_again_after_unfreezing_and_on_a_resume_past_it(tmp_path):
     def flops(run_dir):  # tflops = flops_per_sample x samples/s / 1e12, on the CPU too
-        return [round(r["tflops"] * 1e12 / r["samples_per_sec"]) for r in _metrics(run_dir)]
+        return [round(r["tflops"] * 1e12 / r["samples_per_sec"]) for r in read_metrics(run_dir)]
 
     args = ("--freeze", "hidden.*", "--unfreeze-at", "2")
     assert train.main(tiny_args(tmp_path / "whole", *args, epochs=3)) == 0
@@ -293,7 +289,7 @@ def test_a_resumed_epochs_samples_per_sec_counts_only_what_it_trained(tmp_path):
     assert train.main(tiny_args(tmp_path / "part", *args, "--max-steps", "4", size=128)) == 0
     assert train.main(tiny_args(tmp_path / "part", *args, "--max-steps", "0", "--resume",
                                 "auto", size=128)) == 0
-    whole, resumed = _metrics(tmp_path / "whole")[-1], _metrics(tmp_path / "part")[-1]
+    whole, resumed = read_metrics(tmp_path / "whole")[-1], read_metrics(tmp_path / "part")[-1]
     assert whole["step"] == resumed["step"] == 8  # 128 samples, 16 a step
     assert whole["samples_per_sec"] * whole["epoch_time"] == pytest.approx(128)
     assert resumed["samples_per_sec"] * resumed["epoch_time"] == pytest.approx(64)

@@ -13,8 +13,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, final_state, load_test_py, tiny_args, write_image_folder
-from helpers import SLOW_DECODING
+from helpers import ROOT, SLOW_DECODING, final_state, load_test_py, tiny_args, write_image_folder
 from PIL import Image
 
 import train

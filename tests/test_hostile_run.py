@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, load_test_py, snapshot, tiny_args
+from helpers import ROOT, load_test_py, snapshot, tiny_args
 
 import train
 from machinery import checkpoint, runtime

@@ -10,7 +10,7 @@ import ast
 import os
 import re
 
-from conftest import ROOT
+from helpers import ROOT
 
 PACKAGES = {"machinery": 1, "pipeline": 2, "reporting": 3, "tasks": 4}  # low imports none above
 BUILDING_BLOCKS = {"ops", "layers", "networks", "losses", "dcgan"}  # top level, below all

@@ -10,24 +10,18 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, assert_states_equal, final_state, load_test_py, tiny_args
+from helpers import (
+    ROOT,
+    assert_states_equal,
+    events,
+    final_state,
+    load_test_py,
+    read_metrics,
+    tiny_args,
+)
 from PIL import Image
 
 from machinery import engine, meters
-
-
-def events(run_dir):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 0})
-    acc.Reload()
-    return acc
-
-
-def records(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
 
 # ------------------------------------------------------------------- gradient norm
 
@@ -65,14 +59,14 @@ def test_gradient_norm_logged_at_each_log_step_and_as_the_epochs_mean(tmp_path, 
     assert [e.step for e in norms] == list(range(1, 9))  # --log-every 1: every step
     assert all(e.value > 0.01 for e in norms)  # before clipping: above the clip
     assert [e.value for e in acc.Scalars("train/grad_clipped")] == [1.0] * 8
-    for record in records(clipped):  # the epoch's mean of its 4 steps
+    for record in read_metrics(clipped):  # the epoch's mean of its 4 steps
         steps = [e.value for e in norms if record["step"] - 4 < e.step <= record["step"]]
         assert record["grad_norm"] == pytest.approx(sum(steps) / 4, rel=1e-5)
         assert record["grad_clipped"] == 4
 
     assert train_main(tiny_args(plain, epochs=1)) == 0  # without --grad-clip: no count
     assert "train/grad_clipped" not in events(plain).Tags()["scalars"]
-    assert "grad_clipped" not in records(plain)[0] and records(plain)[0]["grad_norm"] > 0
+    assert "grad_clipped" not in read_metrics(plain)[0] and read_metrics(plain)[0]["grad_norm"] > 0
 
 
 # --------------------------------------------------- per-class results, confusion image
@@ -89,7 +83,7 @@ def test_confusion_images_and_per_class_accuracy_match_test_py(tmp_path, train_m
         assert picture.format == "PNG" and min(picture.size) > 200
         pixels = picture.convert("RGB").getcolors(1 << 20)
         assert len(pixels) > 20  # drawn, not a blank canvas
-    last = records(run_dir)[-1]
+    last = read_metrics(run_dir)[-1]
     assert list(last["val_class_acc"]) == ["class0", "class1", "class2", "class3"]
     assert list(last["val_class_acc_ema"]) == list(last["val_class_acc"])
     per_sample = sum(last["val_class_acc"].values()) / 4  # balanced classes: 3 each
@@ -129,9 +123,9 @@ def test_early_stop_ends_the_run_with_its_best_epoch(tmp_path, capsys, train_mai
     assert train_main(tiny_args(run_dir, *EARLY, epochs=8)) == 0
     out = capsys.readouterr().out
     # epoch 1 sets the best; epochs 2 and 3 improve by less than 0.5: stop after epoch 3
-    assert [r["epoch"] for r in records(run_dir)] == [1, 2, 3]
+    assert [r["epoch"] for r in read_metrics(run_dir)] == [1, 2, 3]
     line = next(line for line in out.splitlines() if line.startswith("early stop"))
-    best_epoch = max(records(run_dir), key=lambda r: r["val_acc"])["epoch"]
+    best_epoch = max(read_metrics(run_dir), key=lambda r: r["val_acc"])["epoch"]
     assert f"the best was epoch {best_epoch} " in line
     assert line.endswith(os.path.join(str(run_dir), "checkpoints", "best.pt"))
     progress = final_state(run_dir)["progress"]
@@ -151,10 +145,10 @@ def test_early_stop_after_a_resume_matches_the_run_that_never_stopped(tmp_path, 
     assert train_main(tiny_args(parts, *flags, "--max-steps", "6", epochs=8)) == 0
     assert train_main(tiny_args(parts, *flags, "--resume", "auto", "--max-steps", "0",
                                 epochs=8)) == 0
-    assert [r["epoch"] for r in records(parts)] == [1, 2, 3]
+    assert [r["epoch"] for r in read_metrics(parts)] == [1, 2, 3]
     # the epoch's gradient norm survives the resume inside epoch 2
-    assert [r["grad_norm"] for r in records(parts)] == pytest.approx(
-        [r["grad_norm"] for r in records(whole)], rel=1e-9)
+    assert [r["grad_norm"] for r in read_metrics(parts)] == pytest.approx(
+        [r["grad_norm"] for r in read_metrics(whole)], rel=1e-9)
     a, b = final_state(whole), final_state(parts)
     assert a["epoch"] == b["epoch"] == 3
     assert_states_equal(a["model"], b["model"])
@@ -164,7 +158,7 @@ def test_early_stop_after_a_resume_matches_the_run_that_never_stopped(tmp_path, 
 def test_early_stop_patience_off_trains_every_epoch(tmp_path, train_main):
     run_dir = tmp_path / "run"
     assert train_main(tiny_args(run_dir, "--early-stop-min-delta", "0.5", epochs=4)) == 0
-    assert len(records(run_dir)) == 4
+    assert len(read_metrics(run_dir)) == 4
 
 
 # ------------------------------------------------------------------------------ memory
@@ -252,10 +246,10 @@ def test_early_stop_under_ddp_stops_every_process_with_one_process(tmp_path, tra
     ddp, single = tmp_path / "ddp", tmp_path / "single"
     out = torchrun(tiny_args(ddp, *flags, batch=16, epochs=8))  # asserts exit 0
     assert train_main(tiny_args(single, *flags, batch=32, epochs=8)) == 0
-    assert [r["epoch"] for r in records(ddp)] == [r["epoch"] for r in records(single)] \
+    assert [r["epoch"] for r in read_metrics(ddp)] == [r["epoch"] for r in read_metrics(single)] \
         == [1, 2, 3]
     assert out.count("early stop at epoch 3") == 1  # said once, by process 0
     # the all-reduced gradients of 2 x 16 have the norm of one process's 32
-    assert [r["grad_norm"] for r in records(ddp)] == pytest.approx(
-        [r["grad_norm"] for r in records(single)], rel=1e-5)
+    assert [r["grad_norm"] for r in read_metrics(ddp)] == pytest.approx(
+        [r["grad_norm"] for r in read_metrics(single)], rel=1e-5)
     torch.testing.assert_close(final_state(ddp)["model"], final_state(single)["model"])

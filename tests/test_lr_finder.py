@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT, tiny_args
+from helpers import ROOT, events, tiny_args
 from PIL import Image
 
 import train
@@ -26,14 +26,6 @@ SUGGESTED = re.compile(r"suggested --lr (\S+) \(steepest fall of the smoothed lo
 def read_json(run_dir):
     with open(run_dir / "lr_find.json") as f:
         return json.load(f)
-
-
-def events(run_dir):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 0})
-    acc.Reload()
-    return acc
 
 
 def checkpoint_files(run_dir):

@@ -1,6 +1,5 @@
 """MLflow tracking (--mlflow [URI]): the run read back with MLflow's own client."""
 
-import json
 import os
 import signal
 import subprocess
@@ -9,8 +8,7 @@ import sys
 import pytest
 import torch
 import yaml
-from conftest import ROOT, final_state, tiny_args
-from helpers import closed_port, only_run, stop_at_step
+from helpers import ROOT, closed_port, final_state, only_run, read_metrics, stop_at_step, tiny_args
 
 import train
 from reporting import tracking
@@ -26,9 +24,6 @@ def file_store(monkeypatch):
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
 
 
-def read_metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def history(client, run_id, key):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_args
+from helpers import tiny_args
 
 import train
 from machinery import engine

@@ -9,8 +9,15 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import assert_states_equal, final_state, load_test_py, tiny_args
-from helpers import assert_batches_equal, photo_folder, tv_args
+from helpers import (
+    assert_batches_equal,
+    assert_states_equal,
+    final_state,
+    load_test_py,
+    photo_folder,
+    tiny_args,
+    tv_args,
+)
 from PIL import Image
 from torchvision.transforms import v2
 

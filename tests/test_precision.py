@@ -2,14 +2,13 @@
 FLOP counting: each proven equivalent to (or consistent with) the plain fp32 path."""
 
 import copy
-import json
 import os
 import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_states_equal, final_state, tiny_args
+from helpers import assert_states_equal, final_state, read_metrics, tiny_args
 
 import layers
 import ops
@@ -78,9 +77,6 @@ def _sgd(net, lr):
     return torch.optim.SGD([{"params": list(net.parameters()), "base_lr": lr}], lr=lr)
 
 
-def _metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _resume_from(run_dir, name, new_dir, args):
@@ -145,7 +141,7 @@ def test_bf16_learns_and_resumes_bit_for_bit(tmp_path):
                          epochs=3)
 
     assert train.main(args(tmp_path / "whole")) == 0
-    losses = [m["train_loss"] for m in _metrics(tmp_path / "whole")]
+    losses = [m["train_loss"] for m in read_metrics(tmp_path / "whole")]
     assert losses[2] < losses[1] < losses[0]
     assert _resume_from(tmp_path / "whole", "epoch-0001.pt", tmp_path / "resumed", args) == 0
     whole, resumed = final_state(tmp_path / "whole"), final_state(tmp_path / "resumed")
@@ -483,7 +479,7 @@ def test_mlp_flops_are_the_hand_count():
 
 def test_metrics_report_tflops(tmp_path):
     assert train.main(tiny_args(tmp_path, epochs=2)) == 0
-    records = _metrics(tmp_path)
+    records = read_metrics(tmp_path)
     assert len(records) == 2
     for record in records:
         assert "mfu" not in record  # no known GPU here

@@ -10,8 +10,7 @@ import signal
 
 import pytest
 import torch
-from conftest import assert_states_equal, final_state, tiny_args
-from helpers import stop_at_step
+from helpers import assert_states_equal, final_state, stop_at_step, tiny_args
 
 import train
 from reporting import profiling

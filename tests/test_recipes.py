@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import assert_states_equal
+from helpers import assert_states_equal
 from PIL import Image
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchvision.transforms import v2

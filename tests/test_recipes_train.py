@@ -6,8 +6,15 @@ import re
 
 import pytest
 import torch
-from conftest import assert_states_equal, final_state, tiny_args
-from helpers import finish, start_torchrun, stop_at_step, write_launcher
+from helpers import (
+    assert_states_equal,
+    final_state,
+    finish,
+    start_torchrun,
+    stop_at_step,
+    tiny_args,
+    write_launcher,
+)
 
 import train
 
@@ -133,7 +140,7 @@ def test_under_ddp_each_process_mixes_its_own_share_with_the_same_draw(tmp_path)
 
 
 def test_test_py_evaluates_the_moving_average_as_training_logged_it(whole, capsys):
-    from conftest import load_test_py
+    from helpers import load_test_py
 
     best = str(whole / "checkpoints" / "best.pt")
     records = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
@@ -152,7 +159,7 @@ def test_test_py_evaluates_the_moving_average_as_training_logged_it(whole, capsy
 
 
 def test_test_py_flips_as_training_did(tmp_path):
-    from conftest import load_test_py
+    from helpers import load_test_py
 
     assert train.main(tiny_args(tmp_path, "--tta", "flip")) == 0
     logged = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])

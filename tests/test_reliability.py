@@ -2,7 +2,6 @@
 of a run, file systems that refuse writes, concurrent runs, signals, pipes and logs."""
 
 import errno
-import json
 import os
 import signal
 import subprocess
@@ -12,7 +11,14 @@ import urllib.request
 
 import pytest
 import torch
-from conftest import ROOT, assert_states_equal, final_state, tiny_args, write_image_folder
+from helpers import (
+    ROOT,
+    assert_states_equal,
+    final_state,
+    read_metrics,
+    tiny_args,
+    write_image_folder,
+)
 
 import train
 from machinery import checkpoint, meters
@@ -35,9 +41,6 @@ def one_error_line(err):
     return lines[-1]
 
 
-def metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 # ------------------------------------------------------------ 1. non-finite weights
@@ -103,7 +106,7 @@ def test_damaged_metrics_lines_are_dropped_with_a_warning(tmp_path, capsys):
     assert train.main(tiny_args(tmp_path, "--resume", "auto", epochs=2)) == 0
     err = capsys.readouterr().err
     assert "warning:" in err and "metrics.jsonl" in err and "Traceback" not in err
-    assert [r["epoch"] for r in metrics(tmp_path)] == [1, 2]
+    assert [r["epoch"] for r in read_metrics(tmp_path)] == [1, 2]
 
 
 # ------------------------------------------------------- 6. --resume PATH, no --run-dir
@@ -111,16 +114,16 @@ def test_damaged_metrics_lines_are_dropped_with_a_warning(tmp_path, capsys):
 def test_resuming_an_old_checkpoint_without_run_dir_refuses_to_rewind(tmp_path, capsys):
     run = tmp_path / "run"
     assert train.main(tiny_args(run, "--keep-last", "5", epochs=3)) == 0
-    last, lines = (run / "checkpoints" / "last.pt").read_bytes(), metrics(run)
+    last, lines = (run / "checkpoints" / "last.pt").read_bytes(), read_metrics(run)
     argv = tiny_args(run, "--resume", str(run / "checkpoints" / "epoch-0001.pt"), epochs=3)
     del argv[argv.index("--run-dir"):argv.index("--run-dir") + 2]
     capsys.readouterr()
     assert train.main(argv) == 2
     assert "--run-dir" in one_error_line(capsys.readouterr().err)
-    assert (run / "checkpoints" / "last.pt").read_bytes() == last and metrics(run) == lines
+    assert (run / "checkpoints" / "last.pt").read_bytes() == last and read_metrics(run) == lines
     # An explicit --run-dir forks the run; the original stays as it was.
     assert train.main(argv + ["--run-dir", str(tmp_path / "fork")]) == 0
-    assert ckpt(tmp_path / "fork")["epoch"] == 3 and metrics(run) == lines
+    assert ckpt(tmp_path / "fork")["epoch"] == 3 and read_metrics(run) == lines
     # The newest checkpoint continues its own run.
     argv = tiny_args(run, "--resume", str(run / "checkpoints" / "last.pt"), epochs=4)
     del argv[argv.index("--run-dir"):argv.index("--run-dir") + 2]
@@ -394,7 +397,7 @@ def test_a_run_shorter_than_log_every_still_draws_its_loss_curve(tmp_path):
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [4, 8]
     assert [e.step for e in events.Scalars("train/lr")] == [4, 8]
-    mean = [r["train_loss"] for r in metrics(tmp_path)]
+    mean = [r["train_loss"] for r in read_metrics(tmp_path)]
     torch.testing.assert_close([e.value for e in events.Scalars("train/loss")], mean)
 
 
@@ -409,7 +412,7 @@ def test_unreadable_images_are_counted_in_the_epoch_summary(tmp_path, capsys):
     assert code == 0, captured.err
     assert str(bad) in captured.err
     assert "1 unreadable image(s) skipped so far" in captured.out
-    assert [r.get("unreadable_images") for r in metrics(tmp_path / "run")] == [1, 1]
+    assert [r.get("unreadable_images") for r in read_metrics(tmp_path / "run")] == [1, 1]
 
 
 def test_a_directory_named_last_pt_is_found_before_training(tmp_path, capsys):

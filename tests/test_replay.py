@@ -6,8 +6,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import snapshot, tiny_args, write_image_folder
-from helpers import finish, start_torchrun, write_launcher
+from helpers import finish, snapshot, start_torchrun, tiny_args, write_image_folder, write_launcher
 from torch import nn
 
 import networks

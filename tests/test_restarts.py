@@ -24,7 +24,7 @@ import time
 import helpers as distributed
 import pytest
 import torch
-from conftest import assert_states_equal, final_state, tiny_args
+from helpers import assert_states_equal, final_state, tiny_args
 
 import train
 from machinery import elastic

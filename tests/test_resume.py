@@ -11,8 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, assert_states_equal, final_state, tiny_args
-from helpers import stop_at_step
+from helpers import ROOT, assert_states_equal, final_state, stop_at_step, tiny_args
 
 import networks
 import train
@@ -400,7 +399,7 @@ def test_a_failed_checkpoint_write_is_one_error_line(tmp_path, monkeypatch, caps
 
 
 def test_a_resume_onto_a_changed_training_set_says_so_and_continues(tmp_path, capsys):
-    from conftest import write_image_folder
+    from helpers import write_image_folder
 
     images = write_image_folder(tmp_path / "images", per_class=6, size=(8, 8))
     args = ("--dataset", "imagefolder", "--data-dir", str(images))

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from helpers import ROOT
 
 from machinery import runtime
 from ops import UserError

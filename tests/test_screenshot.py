@@ -6,7 +6,7 @@ import importlib.util
 import os
 
 import pytest
-from conftest import ROOT, tiny_args
+from helpers import ROOT, tiny_args
 from PIL import Image
 
 spec = importlib.util.spec_from_file_location("screenshot",

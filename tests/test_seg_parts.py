@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 import torch
 import torchvision
-from conftest import put_in_torch_hub
+from helpers import put_in_torch_hub
 
 import networks
 import ops

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     assert_states_equal,
     events,
     final_state,
@@ -16,8 +16,11 @@ from conftest import (
     put_in_torch_hub,
     read_metrics,
     seg_args,
+    stop_at_step,
+    torchrun,
+    update,
+    watch_training,
 )
-from helpers import stop_at_step, torchrun, update, watch_training
 
 import tasks
 import train
@@ -255,7 +258,7 @@ def test_the_readme_segmentation_commands_run_as_written(tmp_path):
     import subprocess
     import sys
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     readme = open(os.path.join(ROOT, "README.md")).read()
     block = re.search(r"## Segmentation\n.*?```bash\n(.*?)```", readme, flags=re.DOTALL)

@@ -429,7 +429,7 @@ def test_the_device_decision_counts_images_and_masks(monkeypatch):
 def test_masks_in_which_nothing_counts_end_the_run_in_one_line(tmp_path, capsys):
     """Round 5's F9: masks that are all 255 stop at the first validation with one error
     line, not a run that "succeeds" with loss 0 and mIoU NaN."""
-    from conftest import seg_args
+    from helpers import seg_args
 
     import train
 
@@ -451,7 +451,7 @@ def test_a_maskfolder_whose_file_names_are_not_utf8_trains_and_resumes(tmp_path,
     and resumes, as class folders' names do; UTF-8 names keep their fingerprint."""
     import hashlib
 
-    from conftest import seg_args
+    from helpers import seg_args
 
     import train
 

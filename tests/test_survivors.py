@@ -2,24 +2,24 @@
 each test here fails when its bug is put back (the issue names the bugs)."""
 
 import json
-import os
 import re
 import time
 
 import pytest
 import torch
-from conftest import final_state, load_test_py, tiny_args, write_image_folder
-from helpers import photo_folder, tv_args
+from helpers import (
+    final_state,
+    load_test_py,
+    photo_folder,
+    read_metrics,
+    tiny_args,
+    tv_args,
+    write_image_folder,
+)
 
 import train
 from config import parse_config
 from pipeline import data
-
-
-def records(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
 
 # ------------------------------------------------- a decoded cache over 64 MiB is reused
 
@@ -163,7 +163,7 @@ def test_an_improvement_resets_the_early_stop_patience(tmp_path, train_main):
     assert train_main(tiny_args(run_dir, "--optimizer", "adamw", "--lr", "1e-4",
                                 "--scheduler", "none", "--early-stop-patience", "2",
                                 "--early-stop-min-delta", "0.2", size=96, epochs=5)) == 0
-    values = [r["val_acc"] for r in records(run_dir)]
+    values = [r["val_acc"] for r in read_metrics(run_dir)]
     assert len(values) == (stop_epoch(values, 2, 0.2) or 5), values
     # the case at hand: a count never reset would have stopped the run sooner
     assert (stop_epoch(values, 2, 0.2, resets=False) or 6) < len(values), values
@@ -178,7 +178,7 @@ def test_the_emas_top5_is_the_emas_own(tmp_path, train_main):
     assert train_main(tiny_args(run_dir, "--ema-decay", "0.99", "--no-ema-warmup",
                                 "--num-classes", "20", "--lr", "0.01", "--no-augment",
                                 size=160)) == 0
-    logged = records(run_dir)[-1]
+    logged = read_metrics(run_dir)[-1]
     test_py = load_test_py()
     for weights, key in (("raw", "val_acc5"), ("ema", "val_acc5_ema")):
         out = tmp_path / f"{weights}.json"
@@ -209,7 +209,7 @@ def test_the_profilers_verdict_counts_only_the_profiled_steps(tmp_path, monkeypa
     monkeypatch.setattr(data.SeededDataset, "__getitem__", cold_then_warm)
     assert train.main(args) == 0
     out = capsys.readouterr().out
-    assert records(tmp_path)[0]["data_time"] > 0.9  # the epoch waited for those two
+    assert read_metrics(tmp_path)[0]["data_time"] > 0.9  # the epoch waited for those two
     verdict = re.findall(r"^profile: (?:data|compute)-bound: .*\(data (\d+\.\d+) s, "
                          r"compute \d+\.\d+ s over 2 steps\)", out, re.M)
     assert len(verdict) == 1, out
@@ -268,8 +268,7 @@ def test_the_others_are_told_when_process_0_fails_without_a_launcher_signal(tmp_
     import sys
 
     import torch.distributed as dist
-    from conftest import ROOT
-    from helpers import _child_env
+    from helpers import ROOT, _child_env
 
     env = {**_child_env(), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
     server = None

@@ -3,7 +3,7 @@ and, beyond tasks.DENSE_CLASSES, with each sample's (label, prediction)."""
 
 import pytest
 import torch
-from conftest import read_metrics, tiny_args
+from helpers import read_metrics, tiny_args
 
 import tasks
 import tasks.classification
@@ -52,7 +52,7 @@ def test_a_run_with_more_classes_than_a_picture_lists_the_confused_pairs(
     pairs = record["val_top_confused"]
     assert pairs and all(t != p and n >= 1 for t, p, n in pairs)
     assert [n for _, _, n in pairs] == sorted((n for _, _, n in pairs), reverse=True)
-    from conftest import events
+    from helpers import events
 
     assert "val/confusion" not in events(tmp_path).Tags()["images"]
 

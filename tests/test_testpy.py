@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 import torch
-from conftest import ROOT, load_test_py
+from helpers import ROOT, load_test_py, read_metrics
 
 import tasks
 from config import parse_config, with_defaults
@@ -20,9 +20,7 @@ from pipeline import data
 
 
 def _last_validation(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    return [r for r in records if "val_acc" in r][-1]
+    return [r for r in read_metrics(run_dir) if "val_acc" in r][-1]
 
 
 @pytest.fixture(scope="module")

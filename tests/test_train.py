@@ -12,16 +12,16 @@ import urllib.request
 import pytest
 import torch
 import yaml
-from conftest import (
+from helpers import (
     ROOT,
     events,
     final_state,
     load_test_py,
     read_metrics,
     tiny_args,
+    write_idx,
     write_image_folder,
 )
-from helpers import write_idx
 
 import tasks
 import train

@@ -3,7 +3,7 @@
 import json
 
 import torch
-from conftest import tiny_args
+from helpers import tiny_args
 
 import tasks
 import train

@@ -13,8 +13,15 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, assert_states_equal, final_state, read_metrics, tiny_args
-from helpers import stop_at_step, torchrun
+from helpers import (
+    ROOT,
+    assert_states_equal,
+    final_state,
+    read_metrics,
+    stop_at_step,
+    tiny_args,
+    torchrun,
+)
 
 import train
 

@@ -8,8 +8,16 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, tiny_args
-from helpers import FLAGS, assert_exit_codes, ckpt, finish, start_torchrun, write_launcher
+from helpers import (
+    FLAGS,
+    ROOT,
+    assert_exit_codes,
+    ckpt,
+    finish,
+    start_torchrun,
+    tiny_args,
+    write_launcher,
+)
 
 from config import check_config, parse_config
 from machinery import checkpoint, watchdog
