@@ -5,8 +5,8 @@
 #   bash bench/gpu.sh                 # the slot profile: what matters most, in this order:
 #     1. imports: which of the project's packages this Python has (and which wheels to
 #        carry where some are missing), the torch/CUDA/GPU figures;
-#     2. tests: tests/test_cuda.py and the CUDA cases of tests/test_device_data.py,
-#        tests/test_profiling.py and tests/test_recipes.py (pytest -x);
+#     2. tests: tests/test_cuda.py and the CUDA cases of tests/pipeline/test_device_data.py,
+#        tests/reporting/test_profiling.py and tests/pipeline/test_recipes.py (pytest -x);
 #     3. figures, train.py end to end on CIFAR-sized synthetic data: resnet9 at 32 px on
 #        each data path (device, loader), resnet18 bf16 against --amp none; the step rates
 #        in STEP_RATES (other kinds of training add theirs there); photos at 224 on the
@@ -256,8 +256,8 @@ EOF
     # borrowed GPU's image has no pytest-xdist, and a few CUDA cases need no second process.
     check tests "$T_TESTS" "$PY" -m pytest -q -x -p no:cacheprovider -o addopts= \
       "${per_test[@]}" \
-      tests/test_cuda.py tests/test_device_data.py tests/test_profiling.py \
-      tests/test_recipes.py -k cuda
+      tests/test_cuda.py tests/pipeline/test_device_data.py tests/reporting/test_profiling.py \
+      tests/pipeline/test_recipes.py -k cuda
     local count what
     grep -E '^[= ]*[0-9]+ (passed|failed|skipped|errors?)' "$work/check.log" | tail -n 1 \
       | grep -oE '[0-9]+ (passed|failed|skipped|errors?)' > "$work/tests.txt"

@@ -6,7 +6,7 @@
 Starts TensorBoard on the run directory and opens its Time Series page in headless
 Chromium (Debian's ``chromium`` package: ``apt-get install chromium``), which writes a PNG
 of what a person sees first. ``page_groups`` reads the same page's DOM: the groups in
-the order shown and whether each is open (tests/test_screenshot.py checks them).
+the order shown and whether each is open (tests/reporting/test_screenshot.py checks them).
 """
 
 import argparse

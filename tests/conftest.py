@@ -6,6 +6,11 @@ The rule: this file holds only what pytest itself calls, fixtures (``train_main`
 Plain functions, classes and constants shared by test modules (tiny_args, read_metrics,
 final_state, write_image_folder, torchrun...) live in tests/helpers.py; test modules import
 them with ``from helpers import ...``, never from this file.
+
+tests/ follows the code's layout: tests/machinery/, tests/pipeline/, tests/reporting/ and
+tests/tasks/ test those packages, tests/ itself the top-level modules (train.py, test.py,
+config.py, export.py, ...). Test files need unique basenames (there is no __init__.py:
+pytest imports each module by its basename, and QUICK_MODULES below names them so).
 """
 
 import hashlib

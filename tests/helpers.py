@@ -39,6 +39,8 @@ from config import with_defaults
 from pipeline import data, device_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A format-1 checkpoint (before checkpoints carried "format"), kept to prove it still loads.
+FORMAT_1 = os.path.join(ROOT, "tests", "fixtures", "checkpoint-format-1.pt")
 
 
 def tiny_args(run_dir, *extra, network="mlp", size=64, image=8, batch=16, epochs=1):
@@ -231,7 +233,7 @@ def update(start):
 
 # mlp without augmentation and with a constant LR, so runs of different lengths share a
 # schedule; lr 0.003 keeps validation accuracy between 0 and 1 for the first epochs. The
-# per-sample DataLoader (tests/test_device_data.py runs DDP on the device path).
+# per-sample DataLoader (tests/pipeline/test_device_data.py runs DDP on the device path).
 FLAGS = ("--no-augment", "--scheduler", "none", "--lr", "0.003", "--data-on-device", "off")
 TIMEOUT = 300  # seconds for one torchrun; generous, the two cores are shared
 

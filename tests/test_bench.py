@@ -97,6 +97,11 @@ def test_gpu_script_is_valid_bash_and_names_every_bench():
     # borrowed GPU's image has no pytest-xdist, and with the addopts pytest would refuse -n.
     pytest_calls = [line for line in text.splitlines() if '-m pytest' in line]
     assert pytest_calls and all("-o addopts=" in line for line in pytest_calls)
+    # Every test file it names (in its commands and its comments) exists: tests/ follows the
+    # code's layout (tests/pipeline/...), and a moved file must not leave gpu.sh running none.
+    named = set(re.findall(r"tests/(?:[a-z_]+/)*test_[a-z0-9_]+\.py", text))
+    assert "tests/test_cuda.py" in named
+    assert sorted(p for p in named if not os.path.isfile(os.path.join(ROOT, p))) == []
 
 
 # What gpu.sh calls besides $PYTHON: a PATH of these alone has no python in it.

@@ -13,12 +13,10 @@ import time
 
 import pytest
 import torch
-from helpers import ROOT, load_test_py, snapshot, tiny_args
+from helpers import FORMAT_1, ROOT, load_test_py, snapshot, tiny_args
 
 import train
 from machinery import checkpoint, runtime
-
-FORMAT_1 = os.path.join(os.path.dirname(__file__), "fixtures", "checkpoint-format-1.pt")
 
 
 def one_error_line(err):

@@ -12,6 +12,7 @@ import zipfile
 import numpy as np
 import pytest
 import torch
+from helpers import FORMAT_1, ROOT
 
 from machinery import checkpoint
 
@@ -471,11 +472,9 @@ def test_rotate_goes_by_mtime_first_and_never_deletes_the_newest(tmp_path):
 
 # ------------------------------------------------------------- 8. format versions
 
-FORMAT_1 = os.path.join(os.path.dirname(__file__), "fixtures", "checkpoint-format-1.pt")
-
 
 def test_the_project_version_is_pyprojects():
-    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml")) as f:
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
         assert f'version = "{checkpoint.PROJECT_VERSION}"' in f.read()
 
 
@@ -487,7 +486,7 @@ def test_a_checkpoint_records_its_format_and_version(tmp_path):
     assert train.main(tiny_args(tmp_path, size=32, image=4, batch=16)) == 0
     state = final_state(tmp_path)
     assert state["format"] == checkpoint.SINGLE_FORMAT == 2  # one network: format 2, as ever
-    assert checkpoint.FORMAT_VERSION == 3  # several, by name (tests/test_gan.py)
+    assert checkpoint.FORMAT_VERSION == 3  # several, by name (tests/tasks/test_gan.py)
     assert state["version"] == checkpoint.PROJECT_VERSION and state["threads"] >= 1
 
 
