@@ -147,3 +147,29 @@ def test_the_design_map_names_every_module_and_its_imports():
         if rows[path] != actual:
             wrong[path] = (sorted(rows[path]), sorted(actual))
     assert wrong == {}, "docs/design.md (documented, actual): " + repr(wrong)
+
+
+def test_the_tests_follow_the_codes_layout():
+    """tests/ mirrors the packages (tests/<package>/ for each, tests/ for the top level),
+    every test file's basename is unique (pytest imports them by basename: there is no
+    __init__.py), none is over 800 lines, and the quick half's list names real modules."""
+    tests = os.path.join(ROOT, "tests")
+    files = {}  # basename -> paths
+    for folder, subfolders, names in os.walk(tests):
+        subfolders[:] = [d for d in subfolders if d not in ("__pycache__", "fixtures")]
+        where = os.path.relpath(folder, tests)
+        assert where == "." or where in PACKAGES, f"tests/{where}/ mirrors no package"
+        assert "__init__.py" not in names, folder
+        for name in names:
+            if name.startswith("test_") and name.endswith(".py"):
+                files.setdefault(name[:-3], []).append(os.path.join(folder, name))
+    assert {k: v for k, v in files.items() if len(v) > 1} == {}
+    for paths in files.values():
+        with open(paths[0], encoding="utf-8") as f:
+            assert len(f.read().splitlines()) <= 800, paths[0]
+    with open(os.path.join(tests, "conftest.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    quick = next(ast.literal_eval(node.value) for node in ast.walk(tree)
+                 if isinstance(node, ast.Assign)
+                 and any(getattr(t, "id", None) == "QUICK_MODULES" for t in node.targets))
+    assert quick and sorted(quick - set(files)) == []
