@@ -177,7 +177,7 @@ class GAN(Task):
         g = torch.Generator().manual_seed(key % (2**63 - 1))
         z = torch.randn(where.step_samples, self.latent_dim, generator=g)
         z = z[where.offset:where.offset + where.count]
-        if device.type == "cuda":  # pinned: the copy does not wait for the queued kernels
+        if torch.device(device).type == "cuda":  # pinned: the copy waits for no kernel
             z = z.pin_memory()       # (pageable memory would; the CUDA review's M2)
         return z.to(device, non_blocking=True)
 
