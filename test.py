@@ -33,7 +33,7 @@ anything is loaded; a write that fails later (a full disk) is one ``error:`` lin
 code 1, and the file that was there before is left as it was.
 
 This file is not importable as ``test`` (the standard library owns that name): run it,
-or load it by path as tests/conftest.py does.
+or load it by path as tests/helpers.py does (load_test_py).
 """
 
 import argparse
