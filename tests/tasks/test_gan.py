@@ -530,3 +530,13 @@ def test_another_fid_features_on_resume_starts_best_pt_afresh(tmp_path, features
     capsys.readouterr()
     assert train.main(gan_args(run_dir, str(other), "--resume", "auto", epochs=3)) == 0
     assert "cannot be compared" not in capsys.readouterr().out  # the same features: silent
+
+
+def test_lr_d_sets_the_discriminators_learning_rate_and_only_its(tmp_path, features):
+    """Round 5's promise 7: --lr-d is the discriminator's peak rate; the generator keeps
+    --lr (a constant schedule: the rates the steps took are the peaks)."""
+    assert train.main(gan_args(tmp_path, features, "--lr-d", "0.0005", "--max-steps",
+                               "2")) == 0
+    groups = {name: [g["lr"] for g in state["param_groups"]]
+              for name, state in final_state(tmp_path)["optimizers"].items()}
+    assert groups == {"generator": [0.0002], "discriminator": [0.0005]}

@@ -367,3 +367,18 @@ def test_mask_grid_undoes_the_normalisation():
                                  padding=0)
     expected = (images[0] * 255).round().to(torch.uint8)
     assert (grid[:, :, :4].int() - expected.int()).abs().max() <= 1
+
+
+def test_the_aux_heads_loss_weighs_aux_weight_not_one():
+    """Round 5's promise 1: torchvision's fcn/deeplabv3 return {"out", "aux"}; the auxiliary
+    head's loss counts aux_weight (0.5, as torchvision's reference weighs it)."""
+    import tasks
+
+    g = torch.Generator().manual_seed(0)
+    out, aux = torch.randn(2, 3, 4, 4, generator=g), torch.randn(2, 3, 4, 4, generator=g)
+    y = torch.randint(0, 3, (2, 4, 4), generator=g)
+    task = tasks.Segmentation(3)
+    got = task.loss(lambda x: {"out": out, "aux": aux}, None, y)
+    assert task.aux_weight == 0.5
+    assert torch.equal(got, task.criterion(out, y) + 0.5 * task.criterion(aux, y))
+    assert torch.equal(task.loss(lambda x: out, None, y), task.criterion(out, y))
