@@ -540,3 +540,13 @@ def test_lr_d_sets_the_discriminators_learning_rate_and_only_its(tmp_path, featu
     groups = {name: [g["lr"] for g in state["param_groups"]]
               for name, state in final_state(tmp_path)["optimizers"].items()}
     assert groups == {"generator": [0.0002], "discriminator": [0.0005]}
+
+
+def test_with_two_d_steps_train_loss_is_the_repeats_mean_plus_the_generators(tmp_path,
+                                                                             features):
+    """Round 5's promise 4: --d-steps 2 does not double the discriminator's share of
+    train_loss: it is train_loss_d (the repeats' mean) + train_loss_g."""
+    assert train.main(gan_args(tmp_path, features, "--d-steps", "2", epochs=1)) == 0
+    record = read_metrics(tmp_path)[-1]
+    assert record["train_loss"] == pytest.approx(
+        record["train_loss_d"] + record["train_loss_g"], rel=1e-5)
