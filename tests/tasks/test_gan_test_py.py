@@ -365,3 +365,21 @@ def test_a_malformed_gan_checkpoint_is_one_line(change, match, tmp_path, test_py
                 tmp_path / "s") == 2
     _one_error_line(capsys, match)
     assert not (tmp_path / "s").exists()
+
+
+def test_the_discriminator_sees_real_images_in_minus_one_one(tmp_path):
+    """Round 5's promise 2: the training batches of a normalised set (MNIST) reach the
+    discriminator in [-1, 1], the generator's range, not normalised."""
+    from tasks import gan
+
+    write_mnist(tmp_path)
+    config = with_defaults({"dataset": "mnist", "data_dir": str(tmp_path), "seed": 0,
+                            "augment": False})
+    _, val = data.build_datasets(config)
+    task = gan.GAN.__new__(gan.GAN)
+    task.transform = val.transform
+    x = torch.stack([val[i][0] for i in range(4)])
+    real, _ = task.to_device((x, torch.zeros(4, dtype=torch.long)), torch.device("cpu"),
+                             torch.contiguous_format)
+    raw = torchvision.datasets.MNIST(tmp_path, train=False).data[:4]
+    torch.testing.assert_close(real, raw[:, None].float() / 127.5 - 1, rtol=0, atol=1e-5)
