@@ -293,3 +293,19 @@ def test_a_record_beside_another_runs_checkpoints_says_so(tmp_path, capsys, monk
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and "is of another run than the record's" in err[0], err
     assert "its lr is 0.01, the record's 0.05" in err[0]
+
+
+def test_fp16_steps_the_scaler_skips_are_not_recorded_as_nonfinite(tmp_path, capsys,
+                                                                    monkeypatch):
+    """Round 5's promise 9: under --amp fp16 a step the GradScaler skips (inf gradients, its
+    normal working: here every step of a scale far too large) is no non-finite step: no
+    record, and no advice to replay it."""
+    init = torch.amp.GradScaler.__init__
+    monkeypatch.setattr(torch.amp.GradScaler, "__init__",
+                        lambda self, *a, **k: init(self, *a, **{**k, "init_scale": 2.0 ** 100,
+                                                               "growth_interval": 10 ** 6}))
+    assert train.main(tiny_args(tmp_path, "--amp", "fp16", epochs=1)) == 0
+    state = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    assert state["progress"]["scaler_skips"] >= 1  # the scaler did skip steps
+    assert not list((tmp_path / "checkpoints").glob("nonfinite-*.json"))
+    assert "--replay" not in capsys.readouterr().err
