@@ -126,8 +126,13 @@ class GAN(Task):
     best_depends_on = ("fid_features",)  # another classifier's FID is not comparable
     generates = True  # test.py: --samples PNGs, --fid-samples, the generator's export
 
-    defaults = classmethod(lambda cls, config, explicit: gan_defaults(config, explicit))
-    check_config = classmethod(lambda cls, config: _check_gan(config))
+    @classmethod
+    def defaults(cls, config, explicit):
+        gan_defaults(config, explicit)
+
+    @classmethod
+    def check_config(cls, config):
+        _check_gan(config)
 
     @classmethod
     def build_networks(cls, config, dataset):
