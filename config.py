@@ -19,7 +19,7 @@ from machinery import runtime
 from machinery.runtime import say, shown
 from networks import NETWORKS, is_segmentation
 from ops import UserError
-from pipeline import data, presets, sample_transforms, segmentation_data
+from pipeline import presets, sample_transforms
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -39,8 +39,8 @@ class OneLineParser(argparse.ArgumentParser):
 def build_parser():
     """The command-line flags; YAML recipes use the same names with underscores."""
     p = OneLineParser(prog="train.py", formatter_class=_HelpFormatter,
-                      description="Train an image model: a classifier, a segmentation "
-                      "network or a GAN.")
+                      description="Train an image model; --task says what is trained ("
+                      + ", ".join(tasks.TASKS) + ", or your own).")
     p.add_argument("--config", default=None, help="YAML recipe; its keys are these flags' "
                    "names with underscores; flags given here override it (default: none)")
     _data_flags(p.add_argument_group("data"))
@@ -50,7 +50,9 @@ def build_parser():
     _run_flags(p.add_argument_group("run directory, checkpoints and logging"))
     _inspection_flags(p.add_argument_group("looking into a run: early stopping, profiler, "
                                            "LR range test"))
-    _gan_flags(p.add_argument_group("GANs (--task gan)"))
+    for task in tasks.built_in():  # each task's own flags, in a group of its own
+        if task.flags_title:
+            task.flags(p.add_argument_group(task.flags_title))
     return p
 
 
@@ -59,9 +61,8 @@ def _data_flags(g):
     g.add_argument("--task", default="classification", choices=tasks.TASKS,
                    help="what is trained: its data, networks, loss and figures (tasks/<name>.py), "
                         "or your own: FILE.py:Class (a tasks.Task; README: Add a task)")
-    g.add_argument("--dataset", default="cifar10", help=f"classification: one of "
-                   f"{', '.join(data.DATASETS)}; segmentation: one of "
-                   f"{', '.join(segmentation_data.DATASETS)}")
+    g.add_argument("--dataset", default="cifar10", help="; ".join(
+        f"--task {t.name}: one of {', '.join(t.datasets_named)}" for t in tasks.built_in()))
     g.add_argument("--data-dir", default="data", help="where data lives or is downloaded to; "
                    "for imagefolder it holds train/ and val/ (or test/)")
     g.add_argument("--synthetic-size", type=int, default=512,
@@ -101,41 +102,6 @@ def _data_flags(g):
                    "(0 = off); with --mixup-alpha too, one of the two per batch")
     g.add_argument("--mix-prob", type=float, default=1.0,
                    help="probability that a batch is mixed (MixUp/CutMix)")
-
-
-def _gan_flags(g):
-    """A GAN's networks, losses, phases and figures (--task gan; tasks.GAN, dcgan.py)."""
-    g.add_argument("--gan-loss", default="vanilla", choices=["vanilla", "lsgan", "hinge",
-                                                            "wgan-gp"],
-                   help="losses.GANLoss: vanilla (BCE, the generator's non-saturating "
-                   "-log D(G(z))), lsgan, hinge, or wgan-gp (Wasserstein with the gradient "
-                   "penalty; a critic without BatchNorm)")
-    g.add_argument("--gp-weight", type=float, default=10.0,
-                   help="the gradient penalty's weight (--gan-loss wgan-gp)")
-    g.add_argument("--gan-spectral-norm", action="store_true",
-                   help="spectral normalisation of every discriminator layer (no BatchNorm)")
-    g.add_argument("--gan-attention", action="store_true",
-                   help="a SAGAN self-attention block in each network (layers.SelfAttention)")
-    g.add_argument("--gan-width", type=int, default=64,
-                   help="channels of the generator's last and the discriminator's first "
-                   "hidden map (the DCGAN paper's ngf = ndf)")
-    g.add_argument("--gan-batch-norm", action=argparse.BooleanOptionalAction, default=True,
-                   help="BatchNorm in the hidden layers of both networks (the paper's); "
-                   "without it a micro-batch's images are independent, so accumulation "
-                   "and any number of processes give the large batch's steps")
-    g.add_argument("--latent-dim", type=int, default=100, help="length of the latent z")
-    g.add_argument("--d-steps", type=int, default=1,
-                   help="discriminator steps per generator step (each on the same real "
-                   "batch with new latents); one global step per batch")
-    g.add_argument("--lr-d", type=float, default=None,
-                   help="the discriminator's peak learning rate (default: --lr)")
-    g.add_argument("--fid-samples", type=int, default=10000,
-                   help="generated images (from fixed seeded latents) and as many real "
-                   "validation images for FID and KID at each validation")
-    g.add_argument("--fid-features", default=None, metavar="CHECKPOINT",
-                   help="FID and KID on the penultimate features of this project's "
-                   "classifier checkpoint (keys *_classifier) instead of Inception-v3 "
-                   "(whose weights must be under TORCH_HOME)")
 
 
 def _network_flags(g):
@@ -589,12 +555,6 @@ RANGES = {  # every numeric flag's allowed values
     "find_lr_min": ((lambda v: v > 0), "must be above 0"),
     "find_lr_max": ((lambda v: v > 0), "must be above 0"),
     "hang_timeout": ((lambda v: v is None or v >= 0), "must not be negative"),
-    "gp_weight": _at_least(0),
-    "gan_width": _within(1, 4096),
-    "latent_dim": _within(1, 100_000),
-    "d_steps": _within(1, 100),
-    "lr_d": ((lambda v: v is None or v >= 0), "must not be negative"),
-    "fid_samples": _at_least(2),
     "betas": ((lambda v: all(0 <= b < 1 for b in v)), "must each be in [0, 1)"),
 }
 
@@ -625,7 +585,10 @@ def check_config(c):
         if action.type is float and c[key] is not None and \
                 not all(math.isfinite(v) for v in values):
             raise UserError(f"{_flag(key)} must be a finite number (got {c[key]!r})")
-    for key, (valid, rule) in RANGES.items():
+    ranges = dict(RANGES)
+    for task in tasks.built_in():  # the tasks' own flags (each parser has them all)
+        ranges.update(task.ranges)
+    for key, (valid, rule) in ranges.items():
         if not valid(c[key]):
             raise UserError(f"{_flag(key)} {rule} (got {c[key]!r})")
     if c["virtual_batch_size"] and c["virtual_batch_size"] % c["batch_size"]:

@@ -354,9 +354,9 @@ def run_epochs(training, train_loader, stop):
     if ended is Ended.MAX_STEPS and state.epoch_samples:  # stopped inside an epoch
         final = metrics.final_figures(training.task, validate(training))
         save(training, Kind.STOP)
-        best = f"val_{training.task.best}"
-        runtime.main_print(f"--max-steps {config['max_steps']} reached at step {state.step}: "
-                           f"{best} {final[best]:.4f}")
+        best = metrics.best_key(training.task)
+        runtime.main_print(f"--max-steps {config['max_steps']} reached at step {state.step}"
+                           + (f": {best} {final[best]:.4f}" if best in final else ""))
     return ended, final
 
 
@@ -479,7 +479,8 @@ def validate(training):
             continue
         figures.update(task.extra_figures(evaluated, names, suffix))
         if training.run_log.enabled:  # drawn on process 0 only
-            title = f"val_{task.best}{suffix} {evaluated[task.best]:.4f} at step {step}"
+            title = f"val_{task.best}{suffix} {evaluated[task.best]:.4f} at step {step}" \
+                if task.best else f"step {step}"
             for tag, image in task.images(evaluated, names, title):
                 training.run_log.image(metrics.validation_tag(tag, suffix), image, step)
     return figures
@@ -505,11 +506,14 @@ def finish_epoch(training, epoch):
     best = False
     if state.epoch % config["eval_every"] == 0 or state.epoch == config["epochs"]:
         record.update(validate(training))
-        value = metrics.best_metric(training.task, record)
-        best = value > state.best_val_acc
-        if best:
-            state.best_val_acc, state.best_epoch = value, state.epoch
-        count_early_stop(config, state, value)
+        if training.task.best is None:  # no figure to follow: best.pt is the last
+            best, state.best_epoch = True, state.epoch
+        else:
+            value = metrics.best_metric(training.task, record)
+            best = value > state.best_val_acc
+            if best:
+                state.best_val_acc, state.best_epoch = value, state.epoch
+            count_early_stop(config, state, value)
     state.epoch_samples, state.loss_sum, state.loss_count = 0, 0.0, 0
     state.grad_norm_sum, state.grad_norm_count, state.grad_clipped = 0.0, 0, 0
     state.figures = {}

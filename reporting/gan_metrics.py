@@ -66,7 +66,8 @@ class InceptionFeatures(nn.Module):
         if not os.path.isfile(path):
             raise UserError(f"FID needs the Inception weights in {path} (offline: nothing is "
                             f"downloaded); put {INCEPTION_URL} there, or measure with "
-                            f"--fid-features CHECKPOINT (a classifier this project trained)")
+                            f"--fid-features CHECKPOINT (a classifier this project trained), or "
+                            f"train without FID: --fid-samples 0")
         try:
             # torch-fidelity loads the file with weights_only=False: refuse pickled code
             # before it does

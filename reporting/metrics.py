@@ -186,7 +186,10 @@ def perf_scalars(record):
 def final_figures(task, record):
     """The figures of the last epoch that a finished run reports with its hparams: the
     training loss, and the validation loss and the task's best figure, raw and EMA."""
-    keys = ["train_loss", "val_loss", best_key(task), "val_loss_ema", best_key(task, True)]
+    keys = ["train_loss", "val_loss", "val_loss_ema"]
+    if task.best is not None:  # (none: a GAN without FID)
+        keys[2:2] = [best_key(task)]
+        keys.append(best_key(task, True))
     return {key: record[key] for key in keys if key in record}
 
 

@@ -55,6 +55,7 @@ import dataclasses
 import importlib
 import importlib.util
 import os
+import pkgutil
 import sys
 
 import torch
@@ -73,7 +74,16 @@ class TaskNames(tuple):
         return tuple.__contains__(self, name) or _is_user_task(name)
 
 
-TASKS = TaskNames(("classification", "segmentation", "gan"))  # each is tasks/<name>.py
+def _task_files():
+    """The built-in tasks' names: this package's files (``tasks/<name>.py``, each with a
+    ``TASK``), the reference classifier first; a new task is a new file, no list to edit."""
+    names = [m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")]
+    first = ("classification", "segmentation", "gan")  # the order they came in
+    return tuple(sorted(names, key=lambda n: (first.index(n) if n in first else len(first),
+                                              n)))
+
+
+TASKS = TaskNames(_task_files())
 
 
 def to_device(batch, device, memory_format):
@@ -197,8 +207,16 @@ class Task:
     stored_needs = ()         # test.py: (key, check, expected, optional) in a stored config
     measured_export = False   # test.py: an ONNX export evaluated (--quantize) beside eager
     generates = False         # test.py: images made (``test_checkpoint``), no predictions
+    flags_title = None        # train.py --help: the title of the group of its own flags
+    ranges = {}               # its own numeric flags' rules: {key: (valid(value), rule)}
+    datasets_named = data.DATASETS  # --dataset values it trains on (--help)
 
     # ------------------------------------------------------------ before the run
+
+    @staticmethod
+    def flags(group):
+        """Adds the task's own flags to train.py's parser (``group``: an argparse group
+        titled ``flags_title``); their keys belong in ``own_flags``."""
 
     @classmethod
     def defaults(cls, config, explicit):

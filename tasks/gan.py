@@ -4,6 +4,7 @@ what test.py gives for its checkpoints (PNGs of seeded latents, FID and KID, the
 generator for export).
 """
 
+import argparse
 import copy
 import io
 import os
@@ -28,6 +29,7 @@ def _int_at_least(low):
 
 GAN_DATASETS = ("mnist", "fashion_mnist", "cifar10", "imagefolder", "synthetic")
 NATIVE_SIDE = {"mnist": 28, "fashion_mnist": 28, "cifar10": 32}
+FID_SAMPLES = 10_000  # --fid-samples' default, capped at the validation set's size
 
 
 # The DCGAN paper's recipe (a classifier's SGD at 0.1 with a cosine would diverge)
@@ -75,6 +77,9 @@ def _check_gan(config):
     for on, flag, why in refused:
         if on:
             raise UserError(f"{flag} {why}: not for --task gan")
+    if config["fid_samples"] == 0 and config["early_stop_patience"]:
+        raise UserError("--early-stop-patience follows FID, and --fid-samples 0 measures "
+                        "none: give --fid-samples, or drop --early-stop-patience")
     if config["compile"] and config["gan_loss"] == "wgan-gp":  # the CUDA review's H1
         raise UserError("--compile with --gan-loss wgan-gp: the gradient penalty "
                         "differentiates the critic twice, which torch.compile's autograd "
@@ -123,8 +128,55 @@ class GAN(Task):
     own_flags = ("gan_loss", "gp_weight", "gan_spectral_norm", "gan_attention", "gan_width",
                  "gan_batch_norm", "latent_dim", "d_steps", "lr_d", "fid_samples",
                  "fid_features")  # config.py's GAN group
+    flags_title = "GANs (--task gan)"
+    datasets_named = GAN_DATASETS
+    ranges = {"gp_weight": ((lambda v: v >= 0), "must be at least 0"),
+              "gan_width": ((lambda v: 1 <= v <= 4096), "must be in [1, 4096]"),
+              "latent_dim": ((lambda v: 1 <= v <= 100_000), "must be in [1, 100000]"),
+              "d_steps": ((lambda v: 1 <= v <= 100), "must be in [1, 100]"),
+              "lr_d": ((lambda v: v is None or v >= 0), "must not be negative"),
+              "fid_samples": ((lambda v: v is None or v == 0 or v >= 2),
+                              "must be 0 (no FID) or at least 2")}
     best_depends_on = ("fid_features",)  # another classifier's FID is not comparable
     generates = True  # test.py: --samples PNGs, --fid-samples, the generator's export
+
+    @staticmethod
+    def flags(g):
+        """A GAN's networks, losses, phases and figures (dcgan.py)."""
+        g.add_argument("--gan-loss", default="vanilla", choices=["vanilla", "lsgan", "hinge",
+                                                                "wgan-gp"],
+                       help="losses.GANLoss: vanilla (BCE, the generator's non-saturating "
+                       "-log D(G(z))), lsgan, hinge, or wgan-gp (Wasserstein with the gradient "
+                       "penalty; a critic without BatchNorm)")
+        g.add_argument("--gp-weight", type=float, default=10.0,
+                       help="the gradient penalty's weight (--gan-loss wgan-gp)")
+        g.add_argument("--gan-spectral-norm", action="store_true",
+                       help="spectral normalisation of every discriminator layer (no BatchNorm)")
+        g.add_argument("--gan-attention", action="store_true",
+                       help="a SAGAN self-attention block in each network (layers.SelfAttention)")
+        g.add_argument("--gan-width", type=int, default=64,
+                       help="channels of the generator's last and the discriminator's first "
+                       "hidden map (the DCGAN paper's ngf = ndf)")
+        g.add_argument("--gan-batch-norm", action=argparse.BooleanOptionalAction, default=True,
+                       help="BatchNorm in the hidden layers of both networks (the paper's); "
+                       "without it a micro-batch's images are independent, so accumulation "
+                       "and any number of processes give the large batch's steps")
+        g.add_argument("--latent-dim", type=int, default=100, help="length of the latent z")
+        g.add_argument("--d-steps", type=int, default=1,
+                       help="discriminator steps per generator step (each on the same real "
+                       "batch with new latents); one global step per batch")
+        g.add_argument("--lr-d", type=float, default=None,
+                       help="the discriminator's peak learning rate (default: --lr)")
+        g.add_argument("--fid-samples", type=int, default=None,
+                       help="generated images (from fixed seeded latents) and as many real "
+                       "validation images for FID and KID at each validation; at most the "
+                       "validation set's size (the default is capped there, with a "
+                       "warning); 0: no FID (best.pt is then the last checkpoint) (default: "
+                       f"{FID_SAMPLES})")
+        g.add_argument("--fid-features", default=None, metavar="CHECKPOINT",
+                       help="FID and KID on the penultimate features of this project's "
+                       "classifier checkpoint (keys *_classifier) instead of Inception-v3 "
+                       "(whose weights must be under TORCH_HOME)")
 
     @classmethod
     def defaults(cls, config, explicit):
@@ -150,21 +202,21 @@ class GAN(Task):
 
     @classmethod
     def build(cls, config, train_set, val_set=None):
-        """Checks that ``val_set`` has --fid-samples images."""
-        if val_set is not None and len(val_set) < config["fid_samples"]:
-            raise UserError(f"--fid-samples {config['fid_samples']}: the validation set has "
-                            f"{len(val_set)} images; lower --fid-samples")
-        return cls(config, train_set)
+        """The GAN, measuring FID on ``fid_samples(config, val_set)`` images."""
+        return cls(config, train_set, fid_samples(config, val_set))
 
-    def __init__(self, config, train_set):
+    def __init__(self, config, train_set, fid_samples=None):
         self.kind, self.gp_weight = config["gan_loss"], config["gp_weight"]
         self.latent_dim, self.seed = config["latent_dim"], config["seed"]
-        self.fid_samples = config["fid_samples"]
+        self.fid_samples = FID_SAMPLES if fid_samples is None else fid_samples
         self.phases = (Phase("discriminator", config["d_steps"]), Phase("generator"))
-        self.features = gan_metrics.build_features(config["fid_features"])  # fails early
-        suffix = "" if self.features.name == "inception" else f"_{self.features.name}"
-        self.figures = (f"fid{suffix}", f"kid{suffix}")
-        self.best = f"fid{suffix}"
+        self.features = None
+        if self.fid_samples:  # else no figure: the sample grid alone, best.pt the last
+            self.features = gan_metrics.build_features(config["fid_features"])  # fails early
+            suffix = "" if self.features.name == "inception" else f"_{self.features.name}"
+            self.figures, self.best = (f"fid{suffix}", f"kid{suffix}"), f"fid{suffix}"
+        else:
+            self.figures, self.best = (), None
         self.transform = train_set.transform  # its normalisation, undone for the real images
 
     def to_device(self, batch, device, memory_format):
@@ -308,6 +360,37 @@ class GAN(Task):
         return report, (generator, (config["latent_dim"],))
 
 
+def fid_samples(config, val_set):
+    """The images FID and KID measure at each validation: --fid-samples, or its default
+    (``FID_SAMPLES``) capped at the validation set's size with one warning; 0: none.
+
+    Raises:
+        UserError: --fid-samples given above the validation set's size (the line names
+            both ways out).
+    """
+    n = config["fid_samples"]
+    if n == 0 or val_set is None:
+        if n == 0:
+            runtime.main_print("--fid-samples 0: no FID or KID at validation (the sample "
+                               "grid only); best.pt is the last checkpoint")
+        return n
+    if n is None:
+        n = min(FID_SAMPLES, len(val_set))
+        if n < FID_SAMPLES:
+            if n < 2:
+                raise UserError(f"FID needs at least 2 validation images; the validation set "
+                                f"has {len(val_set)}: train without FID (--fid-samples 0)")
+            runtime.main_print(f"warning: --fid-samples: the validation set has "
+                               f"{len(val_set)} images, fewer than the default "
+                               f"{FID_SAMPLES}: FID and KID measure {n}", file=sys.stderr)
+        return n
+    if n > len(val_set):
+        raise UserError(f"--fid-samples {n}: the validation set has {len(val_set)} images; "
+                        f"lower --fid-samples (at most {len(val_set)}), or train without FID "
+                        f"(--fid-samples 0)")
+    return n
+
+
 class GANEvaluation(Evaluation):
     """One GAN evaluation: the first ``fid_samples`` real validation images, then (in
     ``compute``) as many of the generator's images from the fixed latents, their FID and
@@ -350,10 +433,11 @@ class GANEvaluation(Evaluation):
         several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         result = None
         if not several or dist.get_rank() == 0:
-            task.features.to(next(generator.parameters()).device)
-            result = gan_metrics.generator_scores(  # as test.py measures a checkpoint
-                generator, real, task.features, task.fid_samples, task.seed)
-            result["count"] = len(real)
+            result = {"count": len(real)}
+            if task.fid_samples:
+                task.features.to(next(generator.parameters()).device)
+                result.update(gan_metrics.generator_scores(  # as test.py measures a checkpoint
+                    generator, real, task.features, task.fid_samples, task.seed))
             result["grid"] = dcgan.sample_grid(
                 generator, dcgan.fixed_latents(task.grid, task.latent_dim, task.seed))
         if several:

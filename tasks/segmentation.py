@@ -159,6 +159,7 @@ class Segmentation(Task):
     """
 
     name = "segmentation"
+    datasets_named = segmentation_data.DATASETS
     figures = ("loss", "miou", "pixel_acc")
     best = "miou"
     examples = 4  # validation images shown with their true and predicted masks

@@ -550,3 +550,54 @@ def test_with_two_d_steps_train_loss_is_the_repeats_mean_plus_the_generators(tmp
     record = read_metrics(tmp_path)[-1]
     assert record["train_loss"] == pytest.approx(
         record["train_loss_d"] + record["train_loss_g"], rel=1e-5)
+
+
+def _without(args, flag, values=1):
+    i = args.index(flag)
+    return args[:i] + args[i + 1 + values:]
+
+
+def test_fid_samples_0_trains_without_fid_and_best_pt_is_the_last(tmp_path, monkeypatch,
+                                                                   capsys):
+    """Issue 36: FID is the figure, not a condition of training: offline, without
+    Inception's weights and without a classifier, --fid-samples 0 trains; the run's first
+    lines say so, no FID is logged, and best.pt is the last epoch's checkpoint."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch-home"))  # no Inception there
+    args = _without(gan_args(tmp_path / "run", "x"), "--fid-features")
+    args[args.index("--fid-samples") + 1] = "0"
+    assert train.main(args) == 0
+    out = capsys.readouterr().out
+    assert "--fid-samples 0: no FID or KID at validation" in out.split("epoch 1/2")[0]
+    records = read_metrics(tmp_path / "run")
+    assert records and not [k for r in records for k in r if "fid" in k or "kid" in k]
+    ckpts = tmp_path / "run" / "checkpoints"
+    best, last = (torch.load(ckpts / n, weights_only=False) for n in ("best.pt", "last.pt"))
+    assert best["epoch"] == last["epoch"] == 2
+    assert_states_equal(best["networks"], last["networks"])
+    tags = events(tmp_path / "run").Tags()["images"]
+    assert any("samples" in t for t in tags), tags  # the grid is still shown
+
+
+def test_the_default_fid_samples_is_capped_at_the_validation_set_with_one_warning(
+        tmp_path, features, capsys):
+    """The default --fid-samples (10000) on a validation set of 12 images measures 12,
+    with one warning; given above the set, the refusal names both ways out."""
+    args = _without(gan_args(tmp_path / "run", features, epochs=1), "--fid-samples")
+    assert train.main(args) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning: --fid-samples: the validation set has 12 images") == 1, err
+    assert read_metrics(tmp_path / "run")[-1]["val_fid_classifier"] >= 0
+    args = gan_args(tmp_path / "other", features, epochs=1)
+    args[args.index("--fid-samples") + 1] = "13"
+    assert train.main(args) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("error: --fid-samples 13: the validation set has 12 images") \
+        and "at most 12" in line and "--fid-samples 0" in line, line
+
+
+def test_early_stopping_without_fid_is_one_line(tmp_path, features, capsys):
+    args = gan_args(tmp_path, features, "--early-stop-patience", "2")
+    args[args.index("--fid-samples") + 1] = "0"
+    assert train.main(args) == 2
+    assert "error: --early-stop-patience follows FID, and --fid-samples 0" in \
+        capsys.readouterr().err
