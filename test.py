@@ -123,16 +123,18 @@ def build_parser():
         f"int8: calibrate on N training images (default {export.CALIBRATION_SAMPLES}; all of them "
         "when the split is smaller)")
     add("--seed", type=int, default=None, help="--quantize int8: which training images "
-        "calibrate (the same seed gives the same int8 file); a GAN: the seed of the "
-        "latents (dcgan.fixed_latents) and of KID's subsets; default: the training run's "
-        "seed")
+        "calibrate (the same seed gives the same int8 file); a task that makes images: "
+        "the seed of its inputs (a GAN's latents: dcgan.fixed_latents) and of KID's subsets; "
+        "default: the training run's seed")
     add("--max-accuracy-drop", type=float, default=0.01, metavar="DELTA", help="warn when "
         "the int8 file's accuracy is more than DELTA (0.01 = 1 point) below the eager "
         "network's")
-    gan = p.add_argument_group("a GAN checkpoint (--task gan)", "the generator (its moving "
-                               "average by default: --weights) from the fixed latents of "
-                               "--seed; --export writes it: latents (N, latent_dim) in, "
-                               "images (N, C, H, W) in [-1, 1] out")
+    making = ", ".join(t.name for t in tasks.built_in() if t.generates)
+    gan = p.add_argument_group(f"a checkpoint of a task that makes images (--task {making})",
+                               "its generator (the moving average by default: --weights), "
+                               "from the fixed inputs of --seed; --export writes it (a "
+                               "GAN's: latents (N, latent_dim) in, images (N, C, H, W) in "
+                               "[-1, 1] out)")
     gan.add_argument("--samples", type=int, default=None, metavar="N", help="write N "
                      "images as PNGs into --out (000000.png, ...): the same command writes "
                      "the same files")
@@ -180,9 +182,9 @@ def check_args(args):
                         f"nothing is calibrated")
     if args.seed is not None and args.quantize != "int8" and \
             not (args.samples or args.fid_samples):
-        raise UserError("--seed picks the calibration images of --quantize int8, or a GAN's "
-                        "latents for --samples and --fid-samples; it does nothing without "
-                        "them")
+        raise UserError("--seed picks the calibration images of --quantize int8, or the "
+                        "inputs of a generator's --samples and --fid-samples; it does "
+                        "nothing without them")
     if args.export is None:
         if args.quantize:
             raise UserError(f"--quantize {args.quantize} needs --export OUT.onnx: the ONNX "
@@ -214,8 +216,8 @@ def _check_sample_args(args):
     given = [flag for flag, value in (("--samples", args.samples),
                                       ("--fid-samples", args.fid_samples)) if value]
     if args.model is not None and given:
-        raise UserError(f"{given[0]} needs --checkpoint (a GAN's): --model evaluates an "
-                        f"exported classifier")
+        raise UserError(f"{given[0]} needs --checkpoint (of a task that makes images): "
+                        f"--model evaluates an exported network's predictions")
 
 
 def _check_model_args(args):
@@ -579,7 +581,7 @@ def exported_config(args, metadata, shape, outputs):
     if not isinstance(stored, dict):
         raise UserError(f"--model {path!r}: its training_config is not a JSON object")
     if tasks.of(stored).generates:
-        raise UserError(f"--model {path!r} is a GAN's generator (latents in, images out): "
+        raise UserError(f"--model {path!r} is a {stored.get('task')} generator (it makes images): "
                         f"there is nothing to evaluate on a validation split; run test.py "
                         f"--checkpoint with --samples or --fid-samples on its checkpoint")
     if not stored and args.dataset is None:

@@ -254,7 +254,7 @@ def test_export_is_the_generator_latents_in_images_out(tmp_path, test_py, capsys
     assert "exported ONNX to" in capsys.readouterr().out
     # the file holds a generator: --model says so in one line
     assert test_py.main(["--model", str(tmp_path / "generator.onnx")]) == 2
-    _one_error_line(capsys, "is a GAN's generator")
+    _one_error_line(capsys, "is a gan generator (it makes images)")
 
 
 def test_an_export_that_differs_from_the_generator_is_exit_1_and_not_written(
