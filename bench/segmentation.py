@@ -4,6 +4,7 @@
     python bench/segmentation.py --device cuda --network torchvision/lraspp_mobilenet_v3_large \\
         --samples 2000 --size 256 --crop-size 224 --batch-size 32 --workers 8
     python bench/segmentation.py --samples 16 --size 32 --crop-size 24 --epochs 1  # seconds
+    python bench/segmentation.py --case square64     # issue 37's: lraspp, 64 px, no augment
 
 Writes a generated set (learnable shapes: discs and boxes, a colour per class, noise;
 their outlines 255 = ignore, as VOC's) as a mask folder, ``DIR/{train,val}/images/*.png``
@@ -27,7 +28,13 @@ trains the same network on it for the same epochs, side by side in one run:
   from metrics.jsonl. Below a crop of 64 px train.py takes the small-image geometry (pad
   and crop, no random resize): compare the mIoU at 64 and above.
 
-Prints the samples/s of the last epoch of each and the mIoU each reached, and the
+``--case square64`` is the case of issue 37: square 64 px images at ``--image-size 64
+--no-augment`` (both sides train on the images as they are and evaluate at 64 px),
+torchvision's lraspp_mobilenet_v3_large, SGD 0.1 with poly, batch 16, 11 classes: where
+train.py used to resize each image to 69 px and pad it to a 92 px canvas.
+
+Prints the samples/s of the last epoch of each, the wall time of the whole run (train.py's
+includes its process start) and the mIoU each reached, and the
 issue's targets (train.py's samples/s at least the plain loop's; mIoU within 1 point).
 Until train.py has ``--task`` that side says so in one line and the script exits 0.
 Asserts nothing.
@@ -59,6 +66,11 @@ COLOURS = [(40, 40, 40), (200, 40, 40), (40, 180, 40), (40, 60, 200), (200, 200,
            (180, 40, 200), (40, 200, 200), (230, 140, 40)]
 
 
+CASES = {"square64": {"network": "torchvision/lraspp_mobilenet_v3_large", "size": 64,
+                      "crop_size": 64, "classes": 11, "lr": 0.1, "batch_size": 16,
+                      "augment": False, "samples": 256, "epochs": 3}}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -78,7 +90,17 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--side", default="both", choices=["both", "plain", "train.py"])
     p.add_argument("--dir", default=None, help="where the set and the run go (a temp dir)")
+    p.add_argument("--no-augment", dest="augment", action="store_false",
+                   help="both sides train on the images as they are (train.py --no-augment)")
+    p.add_argument("--case", default=None, choices=sorted(CASES),
+                   help="a preset of the flags above (given flags win)")
     args = p.parse_args(argv)
+    if args.case:
+        given = {a.dest for a in p._actions for o in a.option_strings
+                 if any(x == o or x.startswith(o + "=") for x in (argv or sys.argv[1:]))}
+        for key, value in CASES[args.case].items():
+            if key not in given:
+                setattr(args, key, value)
     args.base_size = round(args.crop_size * 520 / 480)  # the reference's 520 for 480
     return args
 
@@ -137,11 +159,14 @@ class MaskFolder(torch.utils.data.Dataset):
         return self.transforms(tv_tensors.Image(image), tv_tensors.Mask(mask))
 
 
-def reference_transforms(base, crop, train):
-    """The reference's SegmentationPresetTrain / SegmentationPresetEval (v2, tensors)."""
+def reference_transforms(base, crop, train, augment=True):
+    """The reference's SegmentationPresetTrain / SegmentationPresetEval (v2, tensors);
+    without augmentation, the images as they are (a set of the crop's size)."""
     steps = [v2.RandomResize(int(0.5 * base), int(2.0 * base))] if train else \
         [v2.Resize(base)]
-    if train:
+    if not augment:
+        steps = [v2.Resize(crop), v2.CenterCrop(crop)]
+    elif train:
         steps += [v2.RandomHorizontalFlip(0.5),
                   v2.RandomCrop(crop, pad_if_needed=True,
                                 fill={tv_tensors.Image: 0, tv_tensors.Mask: 255})]
@@ -182,10 +207,12 @@ def reference_miou(model, loader, classes, device, amp):
 def plain(root, args, device):
     """The plain loop: ``(samples/s of the last epoch, mIoU after the last)``."""
     torch.manual_seed(args.seed)
+    started = time.perf_counter()
     train_set = MaskFolder(root, "train", reference_transforms(args.base_size,
-                                                               args.crop_size, True))
+                                                               args.crop_size, True,
+                                                               args.augment))
     val_set = MaskFolder(root, "val", reference_transforms(args.base_size, args.crop_size,
-                                                           False))
+                                                           False, args.augment))
     kw = {"num_workers": args.workers, "pin_memory": device.type == "cuda",
           "persistent_workers": args.workers > 0}
     train_loader = torch.utils.data.DataLoader(train_set, args.batch_size, shuffle=True,
@@ -212,7 +239,8 @@ def plain(root, args, device):
             seen += image.shape[0]
         sync(device)
         rate = seen / (time.perf_counter() - start)
-    return rate, reference_miou(model, val_loader, args.classes, device, args.amp)
+    miou = reference_miou(model, val_loader, args.classes, device, args.amp)
+    return rate, miou, time.perf_counter() - started
 
 
 # ------------------------------------------------------------------------ train.py
@@ -234,13 +262,15 @@ def train_py(root, args, device, run_dir):
             "1e-4", "--scheduler", "poly", "--warmup-epochs", "0", "--label-smoothing",
             "0", "--num-workers", str(args.workers), "--device", str(device), "--amp",
             args.amp, "--seed", str(args.seed), "--eval-every", str(args.epochs),
-            "--run-dir", run_dir]
+            "--run-dir", run_dir, *([] if args.augment else ["--no-augment"])]
+    started = time.perf_counter()
     out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - started
     if out.returncode != 0:
         sys.exit(f"train.py failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         last = [json.loads(line) for line in f if line.strip()][-1]
-    return last["samples_per_sec"], last.get("val_miou", float("nan"))
+    return last["samples_per_sec"], last.get("val_miou", float("nan")), wall
 
 
 def main(argv=None):
@@ -251,24 +281,27 @@ def main(argv=None):
                     args.seed)
     print(f"# segmentation: {args.network}, {args.samples} images of {args.size} px, "
           f"{args.classes} classes, base {args.base_size}, crop {args.crop_size}, "
-          f"{args.epochs} epochs of batch {args.batch_size}, {args.workers} workers, amp "
+          f"{args.epochs} epochs of batch {args.batch_size}, {args.workers} workers, "
+          f"{'augmented' if args.augment else 'no augmentation'}, amp "
           f"{args.amp}; {device} ({name}), torch {torch.__version__}, python "
           f"{platform.python_version()}, {datetime.datetime.now():%Y-%m-%d %H:%M}, load "
           f"average {' '.join(f'{v:.1f}' for v in os.getloadavg())}")
     print(f"# {' '.join(['python', *sys.argv])}")
-    print(f"{'side':<10}{'samples/s':>12}{'mIoU':>9}")
+    print(f"{'side':<10}{'samples/s':>12}{'mIoU':>9}{'wall s':>9}")
     rows = {}
     if args.side in ("both", "plain"):
         rows["plain"] = plain(root, args, device)
-        print(f"{'plain':<10}{rows['plain'][0]:>12.1f}{rows['plain'][1]:>9.4f}")
+        print(f"{'plain':<10}{rows['plain'][0]:>12.1f}{rows['plain'][1]:>9.4f}"
+              f"{rows['plain'][2]:>9.1f}")
     if args.side in ("both", "train.py"):
         if not has_task_flag():
             print("train.py has no --task yet: its side waits for the task seam (issue 26)")
             return 0
         rows["train.py"] = train_py(root, args, device, os.path.join(work.name, "run"))
-        print(f"{'train.py':<10}{rows['train.py'][0]:>12.1f}{rows['train.py'][1]:>9.4f}")
+        print(f"{'train.py':<10}{rows['train.py'][0]:>12.1f}{rows['train.py'][1]:>9.4f}"
+              f"{rows['train.py'][2]:>9.1f}")
     if len(rows) == 2:
-        (p_rate, p_miou), (t_rate, t_miou) = rows["plain"], rows["train.py"]
+        (p_rate, p_miou, _), (t_rate, t_miou, _) = rows["plain"], rows["train.py"]
         print(f"targets: train.py samples/s / plain {t_rate / p_rate:.2f} (>= 1: "
               f"{'yes' if t_rate >= p_rate else 'no'}); mIoU difference "
               f"{100 * (t_miou - p_miou):+.2f} points (within 1: "

@@ -42,10 +42,24 @@ def resized_size(height, width, size, max_size=None):
     return (new_short, new_long) if height <= width else (new_long, new_short)
 
 
+def fitting_canvas(sizes, size, max_size):
+    """The ``(height, width)`` evaluation canvas of a set whose images are ``sizes``
+    (``(h, w)`` each) once their short side is at ``size`` (the long side at most
+    ``max_size``): the largest of their resized sides, so that a set of one size is not
+    padded at all and square images get a square of ``size``; None: no size known."""
+    shapes = [resized_size(h, w, size, max_size) for h, w in sizes if h > 0 and w > 0]
+    if not shapes:
+        return None
+    return max(h for h, _ in shapes), max(w for _, w in shapes)
+
+
 def _resize_pair(image, mask, size, max_size=None):
     """Image (bilinear, antialiased) and mask (nearest: the reference's and tv_tensors.Mask's
-    interpolation) with the short side at ``size`` (``resized_size``)."""
+    interpolation) with the short side at ``size`` (``resized_size``); as it is when it is
+    that size already."""
     shape = list(resized_size(*image.shape[-2:], size, max_size))
+    if shape == list(image.shape[-2:]):
+        return image, mask
     image = TF.resize(image, shape, interpolation=v2.InterpolationMode.BILINEAR,
                       antialias=True)
     mask = TF.resize(mask[None], shape, interpolation=v2.InterpolationMode.NEAREST)[0]
@@ -133,19 +147,39 @@ class RandomCrop:
 
 
 class EvalResize:
-    """Photo evaluation: the short side at ``base`` (the long side at most ``canvas``),
-    padded right and bottom to ``canvas`` x ``canvas`` (0, and 255 in the mask)."""
+    """Photo evaluation: the short side at ``base`` (the long side at most ``max_size``),
+    padded right and bottom to the ``canvas`` (``(height, width)``; 0, and 255 in the
+    mask), so that a batch stacks."""
 
-    def __init__(self, base, canvas):
-        self.base, self.canvas = base, canvas
+    def __init__(self, base, canvas, max_size=None):
+        self.base, self.canvas = base, tuple(canvas)
+        self.max_size = max(self.canvas) if max_size is None else max_size
 
     def __call__(self, image, mask):
-        image, mask = _resize_pair(image, mask, self.base, self.canvas)
+        image, mask = _resize_pair(image, mask, self.base, self.max_size)
         h, w = image.shape[-2:]
-        return _pad_pair(image, mask, [0, self.canvas - w, 0, self.canvas - h])
+        return _pad_pair(image, mask, [0, self.canvas[1] - w, 0, self.canvas[0] - h])
 
     def __repr__(self):
         return f"EvalResize(base={self.base}, canvas={self.canvas})"
+
+
+class CentreCrop:
+    """Photo training without augmentation: the short side at ``size``, then the centre
+    ``size`` x ``size`` (an image of that size is taken as it is)."""
+
+    def __init__(self, size):
+        self.size = size
+
+    def __call__(self, image, mask):
+        image, mask = _resize_pair(image, mask, self.size)
+        h, w = image.shape[-2:]
+        top, left = (h - self.size) // 2, (w - self.size) // 2
+        return (image[..., top:top + self.size, left:left + self.size],
+                mask[top:top + self.size, left:left + self.size])
+
+    def __repr__(self):
+        return f"CentreCrop(size={self.size})"
 
 
 class PairCompose:
@@ -172,14 +206,19 @@ class PairCompose:
         return f"PairCompose({self.transforms}, mean={self.mean}, std={self.std})"
 
 
-def pair_transforms(image_size, augment, stats=None):
+def pair_transforms(image_size, augment, stats=None, sizes=None):
     """The training and evaluation ``PairCompose`` of a set.
 
     Args:
         image_size: ``--image-size``: the side of the samples (photo sizes: the crop).
         augment: whether training augments (small: pad-crop and flip; photos: random
-            resize, flip and crop; without, training takes the evaluation geometry).
+            resize, flip and crop, evaluation at the reference's base size; without,
+            photos train at ``image_size`` (the short side there, the centre square) and
+            are evaluated at that scale too).
         stats: ``(mean, std)`` of the uint8 images, or None (float images as they are).
+        sizes: photo sizes: the ``(h, w)`` of the evaluated set's images, which the
+            evaluation canvas fits (``fitting_canvas``); None: the square
+            ``eval_canvas`` (the long side at most ``EVAL_ASPECT`` x its short side).
 
     Returns:
         ``(train, evaluation)``.
@@ -188,8 +227,10 @@ def pair_transforms(image_size, augment, stats=None):
     if image_size < sample_transforms.PHOTO_SIDE:
         train = [PadCrop(max(image_size // 8, 1)), Flip()] if augment else []
         return PairCompose(train, mean, std), PairCompose([], mean, std)
-    base = base_size(image_size)
-    evaluation = [EvalResize(base, eval_canvas(image_size))]
-    train = [RandomResize(int(RESIZE_RANGE[0] * base), int(RESIZE_RANGE[1] * base)),
-             Flip(), RandomCrop(image_size)] if augment else evaluation
+    short = base_size(image_size) if augment else image_size
+    longest = round(short * EVAL_ASPECT)
+    canvas = fitting_canvas(sizes or (), short, longest) or (longest, longest)
+    evaluation = [EvalResize(short, canvas, longest)]
+    train = [RandomResize(int(RESIZE_RANGE[0] * short), int(RESIZE_RANGE[1] * short)),
+             Flip(), RandomCrop(image_size)] if augment else [CentreCrop(image_size)]
     return PairCompose(train, mean, std), PairCompose(evaluation, mean, std)

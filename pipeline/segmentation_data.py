@@ -19,9 +19,14 @@ processes and after a resume.
   training resizes the short side to a random size in ``[0.5, 2] x base``, flips half the
   samples, then crops ``--image-size`` (padding right and bottom where the image is
   smaller); evaluation resizes the short side to ``base`` (the long side at most
-  ``EVAL_ASPECT x base``) and pads right and bottom to a ``canvas x canvas`` square, so
+  ``EVAL_ASPECT x base``) and pads right and bottom to the canvas that fits the
+  validation set (``pair_transforms.fitting_canvas``: the largest resized height and
+  width; square images get a square of ``base``, a set of one size no padding), so
   that evaluation batches stack; the padding is ignored by the figures. ``base`` is
-  ``round(image_size * 520 / 480)``: the reference's 520 for a crop of 480.
+  ``round(image_size * 520 / 480)``: the reference's 520 for a crop of 480. Without
+  augmentation (``--no-augment``) training takes ``--image-size`` as given (the short
+  side there, the centre square: a set of that size as it is) and evaluation the same
+  scale (the short side at ``--image-size``, the canvas fitting the set).
 
 Files are decoded once (image and mask together, as one 4-channel uint8 image) into the
 decoded cache (decoded_cache.py) and read from its memory map after.
@@ -533,12 +538,15 @@ def build_datasets(config, log=say, stop=None):
             raise UserError("--synthetic-size must be at least 1 and --num-classes at least 2")
         train = SyntheticMasks(size, classes, channels, side, seed, "train")
         val = SyntheticMasks(max(size // 5, 1), classes, channels, side, seed, "val")
-        t_train, t_eval = pair_transforms(side, augment)
+        t_train, t_eval = pair_transforms(side, augment, sizes=[(side, side)])
         names = train.classes
     else:
         train, val, names = _file_sets(config, log, stop)
         channels = 3
-        t_train, t_eval = pair_transforms(side, augment, sample_transforms.STATS["imagefolder"])
+        shapes = val.decoded.shapes  # (photos: each image's; the evaluation canvas fits them)
+        sizes = None if shapes is None else [(h, w) for _, h, w in shapes.tolist()]
+        t_train, t_eval = pair_transforms(side, augment, sample_transforms.STATS["imagefolder"],
+                                          sizes)
     return (SegmentationSet(train, t_train, seed, augment, names, channels, side),
             SegmentationSet(val, t_eval, seed, False, names, channels, side))
 

@@ -13,6 +13,7 @@ from PIL import Image
 
 from config import with_defaults
 from machinery import runtime
+from machinery.runtime import say
 from ops import UserError
 from pipeline import data, device_data, sample_transforms
 from pipeline import segmentation_data as seg
@@ -394,7 +395,7 @@ def test_resized_sizes_are_torchvisions_and_never_zero():
                             (375, 500, 520, None), (500, 333, 260, None)]:
         out = TF.resize(torch.zeros(1, h, w), [size], max_size=top).shape[-2:]
         assert seg.resized_size(h, w, size, top) == tuple(out)
-    evaluation = seg.pair_transforms(64, augment=False)[1]
+    evaluation = seg.pair_transforms(64, augment=True)[1]
     image, mask = evaluation(torch.zeros(3, 2, 400, dtype=torch.uint8),
                              torch.zeros(2, 400, dtype=torch.uint8))
     assert image.shape == (3, 92, 92) and (mask[:, :92] == 0).sum() == 92  # 1 x 92 px
@@ -472,3 +473,39 @@ def test_a_maskfolder_whose_file_names_are_not_utf8_trains_and_resumes(tmp_path,
     for image, mask in train_set.base.pairs.pairs:  # the fingerprint as it was written
         h.update(f"{os.path.relpath(image, base)}\0{os.path.relpath(mask, base)}\n".encode())
     assert seg.set_identity(train_set)["fingerprint"] == h.hexdigest()
+
+
+def test_square_photos_without_augmentation_train_and_evaluate_as_they_are(tmp_path):
+    """Issue 37: 64 px square images at --image-size 64 --no-augment train at 64 x 64 and
+    are evaluated at 64 x 64, the pixels as they are (normalised): no resize to the base
+    size and no padding (the old geometry trained and evaluated on a 92 px canvas, 44%
+    of it ignored)."""
+    root = write_mask_folder(tmp_path / "set", sizes=((64, 64),))
+    train, val = seg.build_datasets(folder_config(root, image_size=64, augment=False,
+                                                  cache_dir=str(tmp_path / "cache")), say)
+    mean, std = (torch.tensor(s).view(3, 1, 1) for s in sample_transforms.STATS["imagefolder"])
+    for dataset in (train, val):
+        image, mask = dataset[(0, 0)] if dataset is train else dataset[0]
+        raw_image, raw_mask = dataset.base[0]
+        assert image.shape == (3, 64, 64) and mask.shape == (64, 64)
+        assert torch.equal(mask, raw_mask.long())  # no padding, no resampling
+        assert torch.allclose(image, (raw_image / 255 - mean) / std, atol=1e-5)
+
+
+def test_the_evaluation_canvas_fits_the_set():
+    """Square images: a square canvas of the base size (69 for a crop of 64), not the
+    4/3 square (92); a set of one size: no padding; mixed sizes: the largest resized
+    height and width, padding only where the sizes differ."""
+    def evaluated(sizes, source, augment=True):
+        return seg.pair_transforms(64, augment, sizes=sizes)[1](*source)
+
+    image, mask = evaluated([(80, 80)], block_pairs(80, 80))
+    assert image.shape == (3, 69, 69) and not (mask == 255).all(dim=1).any()
+    image, mask = evaluated([(60, 80)], block_pairs(60, 80))  # one size: no padding
+    assert image.shape == (3, 69, 92) and (mask != 255).any(dim=0).all() \
+        and (mask != 255).any(dim=1).all()
+    sizes = [(60, 80), (80, 60)]  # landscape and portrait: 69 x 92 and 92 x 69
+    image, mask = evaluated(sizes, block_pairs(60, 80))
+    assert image.shape == (3, 92, 92) and (mask[69:] == 255).all()
+    image, _ = evaluated([(64, 64)], block_pairs(64, 64), augment=False)
+    assert image.shape == (3, 64, 64)  # without augmentation: the training scale
