@@ -221,6 +221,11 @@ def _run_flags(g):
                    help="also record the run in MLflow: params, metrics, artifacts; "
                    "without URI MLflow's default SQLite store, mlflow.db in the working "
                    "directory; or any tracking URI or path (default: off)")
+    g.add_argument("--sample-ledger", action="store_true",
+                   help="each process appends the sample indices of each optimizer step to "
+                   "RUN_DIR/samples/rank<N>.jsonl (cut back to the checkpoint on resume); "
+                   "python -m machinery.ledger RUN_DIR checks that every epoch is a "
+                   "permutation of the training set")
     g.add_argument("--hang-timeout", type=float, default=None, metavar="SECONDS",
                    help="when no optimizer step finishes in this time, every process "
                    "writes the Python stacks of its threads to RUN_DIR/hang-rank<N>.txt "
@@ -251,6 +256,21 @@ def _inspection_flags(g):
                    help="the learning rate the range test starts from")
     g.add_argument("--find-lr-max", type=float, default=10.0,
                    help="the learning rate the range test ends at")
+    g.add_argument("--verify-resume", action="store_true",
+                   help="instead of training: run this command for --verify-resume-steps "
+                   "steps, stop it inside an accumulation window at a step drawn from "
+                   "--seed, resume it in a fresh process, and compare every tensor of the "
+                   "state with an uninterrupted run (in a temporary directory); prints "
+                   "'resume exact' (exit 0) or the first difference (exit 1)")
+    g.add_argument("--verify-resume-steps", type=int, default=6, metavar="N",
+                   help="optimizer steps --verify-resume runs (fewer if the run is shorter)")
+    g.add_argument("--preflight", nargs="?", const="train", default="none",
+                   choices=["none", "train", "only"],
+                   help="before epoch 1: one accumulation window of the real step, a batch "
+                   "of every evaluation, a checkpoint written, read back and compared, every "
+                   "output directory written to, then everything put back (the run is "
+                   "bit-identical to one without it); a failure is one error: line naming "
+                   "the stage. --preflight only: exit 0 after it, without training")
     g.add_argument("--replay", default=None, metavar="RECORD",
                    help="replay the step a non-finite loss or gradient norm was recorded at "
                    "(RUN_DIR/checkpoints/nonfinite-step-NNNNNNNN.json): from its last good "
@@ -552,6 +572,7 @@ RANGES = {  # every numeric flag's allowed values
     "early_stop_min_delta": _at_least(0),
     "profile_steps": _at_least(0),
     "find_lr_steps": _at_least(2),
+    "verify_resume_steps": _at_least(2),  # a stop at step 1 or later, before the last
     "find_lr_min": ((lambda v: v > 0), "must be above 0"),
     "find_lr_max": ((lambda v: v > 0), "must be above 0"),
     "hang_timeout": ((lambda v: v is None or v >= 0), "must not be negative"),
@@ -623,6 +644,10 @@ def check_config(c):
     if c["find_lr_min"] >= c["find_lr_max"]:
         raise UserError(f"--find-lr-min {c['find_lr_min']} must be below --find-lr-max "
                         f"{c['find_lr_max']}")
+    clash = [f for f in ("resume", "find_lr", "replay") if c["verify_resume"] and c[f]]
+    if clash:  # it makes fresh runs of its own, in a temporary directory
+        raise UserError(f"--verify-resume starts and resumes runs of its own: drop "
+                        f"{_flag(clash[0])}")
     if c["unfreeze_at"] > c["epochs"]:
         _warn(f"--unfreeze-at {c['unfreeze_at']} is beyond --epochs {c['epochs']}: the "
               f"frozen parameters stay frozen for the whole run")

@@ -523,6 +523,7 @@ class EpochBatchSampler:
         self.size, self.batch_size, self.seed, self.shuffle = size, batch_size, seed, shuffle
         self.rank, self.world_size = rank, world_size
         self.epoch, self.start = 0, 0
+        self.observer = None  # told of every batch handed out (machinery/ledger.py)
 
     def set_epoch(self, epoch, start=0):
         """Selects the epoch and the number of its samples already seen (to skip them)."""
@@ -556,8 +557,13 @@ class EpochBatchSampler:
 
     def index_batches(self):
         """This process's remaining batches of the epoch as int64 tensors of indices (the
-        keys of ``__iter__`` without the epoch, which is ``self.epoch``)."""
+        keys of ``__iter__`` without the epoch, which is ``self.epoch``); an ``observer``
+        hears ``begin(epoch, start)``, then ``batch(global count, local indices)`` of each."""
+        if self.observer is not None:
+            self.observer.begin(self.epoch, self.start)
         for chunk, local in self._chunks():
+            if self.observer is not None:
+                self.observer.batch(len(chunk), local)
             yield local if len(local) else chunk[-1:]  # stand-in: weighted 0, keeps
             #                                             collectives in step
 
