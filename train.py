@@ -50,7 +50,7 @@ import ops
 import replay
 import tasks
 from config import check_config, merge_resumed_config, parse_config, with_defaults
-from machinery import checkpoint, engine, meters, runtime, watchdog
+from machinery import checkpoint, engine, ledger, meters, runtime, watchdog
 from machinery.checkpoint import Kind
 from ops import Interrupted, RunFailed, UserError
 from pipeline import data, device_data, presets, recipes
@@ -138,11 +138,8 @@ def train(argv, stop):
             saved = tracking.owned(saved, resume_path, run_dir)  # a fork: a new MLflow run
         config = tracking.resolved({**config, "run_dir": run_dir})  # --mlflow's store, absolute
         check_config(config)
-        if "network" not in explicit and presets.is_photo(config) and saved is None:
-            runtime.main_print(f"network: {config['network']}, built for "
-                               f"{config['image_size']} px photos (an ImageNet stem); "
-                               f"--network to choose another, --pretrained torchvision to "
-                               f"start from ImageNet's weights")
+        if saved is None:  # a photo folder's network, chosen without --network: say which
+            presets.network_notes(config, runtime.main_print, explicit=explicit)
         return fit(config, argv, resume_path, saved, directory, stop)
 
 
@@ -170,6 +167,7 @@ class Training:
     timed_from: int = 0           # the epoch's samples before run_epoch started its timer
     on_device: bool = False       # the batches are made on the device (--data-on-device)
     nonfinite_record: str = None  # the record of the first non-finite loss (replay.py)
+    ledger: object = ledger.OFF   # --sample-ledger: each step's samples (machinery/ledger.py)
     watchdog: object = dataclasses.field(  # a watchdog.Watchdog (--hang-timeout); off until fit
         default_factory=lambda: watchdog.Watchdog(0, ""))
 
@@ -205,6 +203,9 @@ def fit(config, argv, resume_path, saved, directory, stop):
         log(f"training {config['network']} on {config['dataset']} "
             f"({len(training.datasets[0])} samples, {procs.world_size} process(es), "
             f"{procs.device}) into {directory.path}")
+        training.ledger = ledger.open_ledger(config, directory.path, procs, training.state,
+                                             len(training.datasets[0]),
+                                             train_loader.batch_sampler)
         training.watchdog = watchdog.Watchdog(config["hang_timeout"], directory.path,
                                               procs.rank, training.state, procs.world_size > 1)
         profiler = profiling.window(config, procs, training.loop, training.state.step,
@@ -223,6 +224,7 @@ def fit(config, argv, resume_path, saved, directory, stop):
     finally:  # also when the run fails
         data.shutdown_loader(train_loader)
         data.shutdown_loader(training.val_loader)
+        training.ledger.close()
         try:
             training.saver.wait()  # the checkpoint being written in the background
         finally:
@@ -280,12 +282,7 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
     loop = engine.build_loop(config, procs, sampler, dtype, prefetch)
     flops, peak = runtime.count_flops(task.counted(net), task.example(train_set), config,
                                       procs, loop.amp_dtype)  # the RNG untouched
-    if presets.is_photo(config) and not config["network"].startswith("torchvision/"):
-        size = config["image_size"]
-        log(f"note: {config['network']} keeps the full resolution of its {size} px input: "
-            f"{flops / 3e9:.1f} GFLOPs a forward pass per sample; torchvision/resnet18, "
-            f"built for such images (a 4x stem), costs about {3.6 * (size / 224) ** 2:.1f}: "
-            f"pass --network torchvision/resnet18")
+    presets.network_notes(config, log, flops=flops)  # a CIFAR network on photos: its cost
 
     identity = {"train": tasks.set_identity(config, train_set)}  # a resume sees other data
     state = engine.TrainState()
@@ -384,6 +381,7 @@ def run_epoch(training, train_loader, epoch, stop):
                     training.profiler.step()
             if training.ema is not None:
                 training.ema.update(training.task.averaged(training.net), step)  # after each
+            training.ledger.step(state)  # --sample-ledger: the step's samples
             training.saver.poll()  # a checkpoint write that failed in the background
             if stop.agreed(training.procs):
                 ended = Ended.SIGNAL
@@ -480,7 +478,7 @@ def validate(training):
         figures.update(task.extra_figures(evaluated, names, suffix))
         if training.run_log.enabled:  # drawn on process 0 only
             title = f"val_{task.best}{suffix} {evaluated[task.best]:.4f} at step {step}" \
-                if task.best else f"step {step}"
+                if task.best in evaluated else f"step {step}"  # (not measured: the step)
             for tag, image in task.images(evaluated, names, title):
                 training.run_log.image(metrics.validation_tag(tag, suffix), image, step)
     return figures

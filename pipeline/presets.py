@@ -46,6 +46,24 @@ def is_photo(config):
     return config["dataset"] == "imagefolder" and config["image_size"] >= PHOTO_SIDE
 
 
+def network_notes(config, log, explicit=None, flops=None):
+    """The lines a photo run gets about its network: which one it got without --network
+    (``explicit``: the flags given, of a fresh run), or that a CIFAR network keeps the full
+    resolution of its photos (``flops``: a forward pass per sample)."""
+    if not is_photo(config):
+        return
+    if explicit is not None and "network" not in explicit:
+        log(f"network: {config['network']}, built for {config['image_size']} px photos (an "
+            f"ImageNet stem); --network to choose another, --pretrained torchvision to "
+            f"start from ImageNet's weights")
+    if flops is not None and not config["network"].startswith("torchvision/"):
+        size = config["image_size"]
+        log(f"note: {config['network']} keeps the full resolution of its {size} px input: "
+            f"{flops / 3e9:.1f} GFLOPs a forward pass per sample; torchvision/resnet18, "
+            f"built for such images (a 4x stem), costs about {3.6 * (size / 224) ** 2:.1f}: "
+            f"pass --network torchvision/resnet18")
+
+
 def stored_side(image_size, crop_pct):
     """The short side a photo is kept at: ``floor(image_size / crop_pct)`` (as timm)."""
     return max(image_size, math.floor(image_size / crop_pct + 1e-6))
