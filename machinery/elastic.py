@@ -60,7 +60,7 @@ def earlier_round_of_this_job(holder):
 
 
 def join_process_group(backend, rank, world_size, stop=None, device=None,
-                       timeout=JOIN_TIMEOUT):
+                       timeout=JOIN_TIMEOUT, collective_timeout=None):
     """``dist.init_process_group`` over this round's store, once every process is there.
 
     The processes first wait for each other in Python, polling the store, so that a stop
@@ -77,8 +77,12 @@ def join_process_group(backend, rank, world_size, stop=None, device=None,
             (``device_id``), so its barriers need not guess it (torch warns) and NCCL
             connects now.
         timeout: seconds to wait for the others before ``RunFailed``.
+        collective_timeout: the group's timeout for a collective, seconds (None: torch's;
+            ``watchdog.collective_timeout``).
     """
     bound = {"device_id": device} if backend == "nccl" and device is not None else {}
+    if collective_timeout is not None:
+        bound["timeout"] = datetime.timedelta(seconds=collective_timeout)
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         dist.init_process_group(backend, **bound)  # another launcher: torch's rendezvous
         return

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import ops
-from machinery import elastic, files
+from machinery import elastic, files, watchdog
 from ops import STOP_SIGNALS, Interrupted, RunFailed, UserError
 
 # --deterministic's cuBLAS needs this variable, and PyTorch reads it once per process, at
@@ -104,7 +104,8 @@ def setup_processes(config, stop=None):
                                 f"on CPU processes with --device cpu")
             device = select_device(torch.device("cuda", local_rank))
         elastic.join_process_group("nccl" if device.type == "cuda" else "gloo", rank,
-                                   world_size, stop, device)
+                                   world_size, stop, device, collective_timeout=watchdog
+                                   .collective_timeout(config.get("hang_timeout")))
         if device.type == "cuda":
             default_gloo_interface()  # the side group binds where NCCL was told to
         host = dist.new_group(backend="gloo") if device.type == "cuda" else None

@@ -32,6 +32,25 @@ FACTOR = 20    # times the median step time
 MEASURED = 5   # step intervals before the median is trusted; the floor until then
 WINDOW = 64    # the latest step times the median is taken over
 FLIGHT_RECORDER_ENTRIES = "2000"  # collectives kept per process (TORCH_FR_BUFFER_SIZE)
+COLLECTIVE_TIMEOUT = 7200.0  # seconds: the process group's own, behind the automatic rule
+
+
+def collective_timeout(setting):
+    """The process group's timeout (seconds; None: torch's, 10 minutes for NCCL), longer
+    than the watchdog's, so that the watchdog writes the stacks and the flight recorder
+    first: NCCL's default would abort a run whose median step is over 30 s before
+    ``FACTOR`` x it passed (the CUDA review's L4).
+
+    Args:
+        setting: ``--hang-timeout``: None (automatic: ``COLLECTIVE_TIMEOUT``, ahead of any
+            median step under 6 minutes), 0 (the watchdog off: torch's own), else seconds
+            (twice that, at least 10 minutes).
+    """
+    if setting == 0:
+        return None
+    if setting is None:
+        return COLLECTIVE_TIMEOUT
+    return max(2.0 * setting, 600.0)
 
 
 def timeout_for(setting, intervals):
@@ -59,6 +78,14 @@ def enable_flight_recorder(config):
     if config["hang_timeout"] == 0 or "TORCH_NCCL_TRACE_BUFFER_SIZE" in os.environ:
         return  # (the older name, still read by torch 2.14)
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)
+    if config.get("run_dir") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # NCCL's own dump (when its watchdog fires first) lands in the run directory,
+        # beside ours, not in torch's default /tmp prefix
+        where = os.path.join(config["run_dir"], "hang-flight-recorder")
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+                              os.path.join(where, "nccl_trace_rank_"))
+        with contextlib.suppress(OSError):
+            os.makedirs(where, exist_ok=True)
 
 
 class Watchdog:

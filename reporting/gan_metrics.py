@@ -328,7 +328,9 @@ def measure(features, real, fake, seed=0, batch_size=256):
         return {f"fid{suffix}": math.nan, f"kid{suffix}": math.nan,
                 f"kid_std{suffix}": math.nan}
     with torch.random.fork_rng(devices=[]):  # KID's subsets: seeded, global RNG untouched
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)  # (the CPU's, which they draw from:
+        # torch.manual_seed would re-seed every CUDA generator, which the fork does not
+        # restore; the CUDA review's L1)
         kid_mean, kid_std = kid.compute()
     return {f"fid{suffix}": float(fid.compute()), f"kid{suffix}": float(kid_mean),
             f"kid_std{suffix}": float(kid_std)}

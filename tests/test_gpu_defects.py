@@ -1,6 +1,7 @@
 """CPU tests for defects of the CUDA-only paths (issue 28): each fails when its defect
 comes back. What needs a GPU is in tests/test_cuda.py."""
 
+import datetime
 import functools
 import os
 import subprocess
@@ -16,7 +17,7 @@ import ops
 import tasks
 import train
 from config import with_defaults
-from machinery import checkpoint, elastic, meters, runtime
+from machinery import checkpoint, elastic, meters, runtime, watchdog
 from networks import build_network
 from pipeline import data, device_data
 from reporting import lr_finder, metrics, profiling, runlog
@@ -459,3 +460,32 @@ def test_compile_with_dataparallel_is_one_error_line(tmp_path, capsys):
     # One GPU is no DataParallel: --compile passes the config check (then no GPU here).
     assert train.main(tiny_args(tmp_path / "b", "--compile", "--gpus", "0")) == 2
     assert "--compile" not in _error_lines(capsys)[0]
+
+
+# ------------------- L4: the process group's timeout is behind the hang watchdog's
+
+def test_the_collective_timeout_lets_the_watchdog_write_first(monkeypatch):
+    """NCCL's 10-minute default would abort before the watchdog (20 x the median step)
+    whenever a step takes over 30 s: the group gets a longer timeout, and torch's own
+    only where the watchdog is off."""
+    assert watchdog.collective_timeout(None) >= watchdog.FACTOR * 6 * 60  # steps of 6 min
+    assert watchdog.collective_timeout(900) == 1800 and watchdog.collective_timeout(5) == 600
+    assert watchdog.collective_timeout(0) is None
+    calls = []
+    monkeypatch.setattr(elastic.dist, "init_process_group",
+                        lambda backend, **kwargs: calls.append((backend, kwargs)))
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    elastic.join_process_group("gloo", 0, 2, collective_timeout=1800)
+    assert calls == [("gloo", {"timeout": datetime.timedelta(seconds=1800)})]
+
+
+def test_ncclS_own_dump_lands_in_the_run_directory(tmp_path, monkeypatch):
+    for name in ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_BUFFER_SIZE",
+                 "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        monkeypatch.setenv(name, "")  # (restored after the test, set or not)
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    watchdog.enable_flight_recorder({"hang_timeout": None, "run_dir": str(tmp_path)})
+    where = os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
+    assert where == str(tmp_path / "hang-flight-recorder" / "nccl_trace_rank_")
+    assert (tmp_path / "hang-flight-recorder").is_dir()

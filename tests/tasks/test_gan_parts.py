@@ -379,3 +379,19 @@ def test_fid_features_refuses_what_is_not_a_classifier_checkpoint(tmp_path, clas
     torch.save({"weights": torch.zeros(1)}, tmp_path / "other.pt")
     with pytest.raises(UserError, match="not a training checkpoint"):
         gan_metrics.build_features(str(tmp_path / "other.pt"))
+
+
+def test_kids_seeded_subsets_leave_every_generator_as_it_was(classifier, monkeypatch):
+    """The CUDA review's L1: KID's subsets are drawn from the seed, and neither the CPU's
+    generator nor any CUDA generator is re-seeded by it (torch.manual_seed would re-seed
+    every CUDA generator, which fork_rng(devices=[]) does not restore: on a GPU the
+    WGAN-GP alphas repeated after each validation)."""
+    reseeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: reseeded.append(seed))
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: reseeded.append(seed))
+    features = gan_metrics.build_features(classifier)
+    x, _ = _synthetic(64)
+    before = torch.get_rng_state()
+    first = gan_metrics.measure(features, x[::2], x[1::2], seed=5)
+    assert torch.equal(torch.get_rng_state(), before) and reseeded == []
+    assert gan_metrics.measure(features, x[::2], x[1::2], seed=5) == first
