@@ -93,7 +93,9 @@ class Watchdog:
 
     Not armed before the first step this process finishes (set-up, the decoded cache's
     build, torch.compile's first step are not timed), nor while ``paused`` (validation,
-    checkpoint saves, the profiler's export).
+    checkpoint saves, the profiler's export), nor while torch.compile compiles (a
+    recompile for the epoch's smaller last batch or after --unfreeze-at: the CUDA
+    review's L3; dynamo's compile callbacks, hooked while the watchdog runs).
 
     Args:
         setting: ``--hang-timeout`` (None: automatic, 0: off, else seconds).
@@ -111,8 +113,10 @@ class Watchdog:
         self.step = self._step_off if setting == 0 else self._step
         self._paused = True
         self._resumed_at = 0.0
+        self._compiling = 0  # torch.compile's compilations under way (their callbacks)
         self._stopping = threading.Event()
         self._thread = None
+        self._hooked = None
 
     # -- the training thread's side: cheap, no locks, no device work
 
@@ -146,20 +150,40 @@ class Watchdog:
 
     # -- the watching thread
 
+    def compile_started(self, *args):
+        """torch.compile began compiling: not timed until it ends."""
+        self._compiling += 1
+
+    def compile_ended(self, *args):
+        """A compilation ended: the time since the last step counts from now."""
+        self._compiling = max(self._compiling - 1, 0)
+        self._resumed_at = time.monotonic()
+
     def start(self):
-        """Starts the watching thread (nothing when --hang-timeout is 0); returns self."""
+        """Starts the watching thread (nothing when --hang-timeout is 0) and, where
+        torch.compile is in use (dynamo loaded), hooks its compile callbacks; returns
+        self."""
         if self.setting != 0 and self._thread is None:
+            if "torch._dynamo" in sys.modules and self._hooked is None:
+                from torch._dynamo.callback import callback_handler
+                callback_handler.register_start_callback(self.compile_started)
+                callback_handler.register_end_callback(self.compile_ended)
+                self._hooked = callback_handler
             self._thread = threading.Thread(target=self._watch, name="hang-watchdog",
                                             daemon=True)
             self._thread.start()
         return self
 
     def stop(self):
-        """Stops the watching thread."""
+        """Stops the watching thread and unhooks the compile callbacks."""
         self._stopping.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._hooked is not None:
+            self._hooked.remove_start_callback(self.compile_started)
+            self._hooked.remove_end_callback(self.compile_ended)
+            self._hooked = None
 
     def __enter__(self):
         return self.start()
@@ -188,7 +212,7 @@ class Watchdog:
         except RuntimeError:  # appended to while copied: look again at the next wake
             return None, None
         steps = [t for t in times if t is not None]
-        if self._paused or not steps:
+        if self._paused or self._compiling or not steps:
             return None, None
         intervals = [b - a for a, b in zip(times, times[1:])
                      if a is not None and b is not None]
