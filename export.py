@@ -104,8 +104,16 @@ def _not_about_the_pt2_name(record):
     return not record.getMessage().startswith("Expect archive file to be a file ending in")
 
 
+def _inputs(example):
+    """``example`` as a tuple of inputs, and their dynamic batch (one ``Dim``, shared)."""
+    example = example if isinstance(example, tuple) else (example,)
+    batch = _batch_dim()
+    return example, tuple({0: batch} for _ in example)
+
+
 def _save_pt2(net, example, path, metadata):
-    program = torch.export.export(net, (example,), dynamic_shapes=({0: _batch_dim()},))
+    example, dynamic = _inputs(example)
+    program = torch.export.export(net, example, dynamic_shapes=dynamic)
     logger = logging.getLogger("torch.export.pt2_archive._package")
     logger.addFilter(_not_about_the_pt2_name)
     try:
@@ -135,9 +143,13 @@ def _load_ts(path, extra_files=None):
 
 
 def _save_onnx(net, example, path, metadata, names=(INPUT_NAME, OUTPUT_NAME)):
-    program = torch.onnx.export(net, (example,), dynamo=True, verbose=False,
-                                input_names=[names[0]], output_names=[names[1]],
-                                dynamic_shapes=({0: _batch_dim()},))
+    """``names``: the inputs' names, then the output's."""
+    example, dynamic = _inputs(example)
+    with warnings.catch_warnings():  # several inputs share the batch Dim, as they should
+        warnings.filterwarnings("ignore", message="# The axis name: batch will not be used")
+        program = torch.onnx.export(net, example, dynamo=True, verbose=False,
+                                    input_names=list(names[:-1]), output_names=[names[-1]],
+                                    dynamic_shapes=dynamic)
     program.model.metadata_props.update(metadata)
     program.save(path, external_data=False)
 
@@ -153,8 +165,9 @@ def _onnx_session(path):
 
 
 def _onnx_runner(session):
-    name = session.get_inputs()[0].name
-    return lambda x: torch.from_numpy(session.run(None, {name: x.contiguous().numpy()})[0])
+    names = [i.name for i in session.get_inputs()]
+    return lambda *x: torch.from_numpy(session.run(
+        None, {name: v.contiguous().numpy() for name, v in zip(names, x)})[0])
 
 
 def load_onnx(path):
@@ -215,18 +228,24 @@ def export_metadata(config, val_set, state, source):
                                   "step": state.get("step")})}
 
 
-def generator_metadata(config, state, source, weights):
-    """What a GAN generator's artifact stores (``export_metadata``'s keys for a
-    generator): ``training_config`` (the run's identity and GAN_CONFIG), ``input``,
-    ``output``, ``weights`` (``ema`` or ``raw``), ``quantization`` and ``source``."""
-    stored = {key: config[key] for key in STORED_CONFIG + GAN_CONFIG if key in config}
-    latents, images = GENERATOR_NAMES
-    side, channels = config["image_size"], config["in_channels"]
-    return {"training_config": json.dumps(stored),
-            "input": f"{latents}: float32 (batch, {config['latent_dim']}) drawn from N(0, 1) "
-                     f"(dcgan.fixed_latents(n, latent_dim, seed) for the run's fixed ones)",
-            "output": f"{images}: float32 (batch, {channels}, {side}, {side}) in [-1, 1]; "
-                      f"(x + 1) * 127.5, rounded, gives 0..255 pixels",
+def generator_metadata(config, state, source, weights, described=None):
+    """What a generator's artifact stores (``export_metadata``'s keys for a generator):
+    ``training_config`` (the run's identity and what rebuilds the network), ``input``,
+    ``output``, ``weights`` (``ema`` or ``raw``), ``quantization`` and ``source``.
+    ``described``: the task's ``(config keys, input, output)``; None: a GAN generator's
+    (GAN_CONFIG, latents in, images out)."""
+    if described is None:
+        latents, images = GENERATOR_NAMES
+        side, channels = config["image_size"], config["in_channels"]
+        described = (
+            GAN_CONFIG,
+            f"{latents}: float32 (batch, {config['latent_dim']}) drawn from N(0, 1) "
+            f"(dcgan.fixed_latents(n, latent_dim, seed) for the run's fixed ones)",
+            f"{images}: float32 (batch, {channels}, {side}, {side}) in [-1, 1]; "
+            f"(x + 1) * 127.5, rounded, gives 0..255 pixels")
+    keys, given, made = described
+    stored = {key: config[key] for key in (*STORED_CONFIG, *keys) if key in config}
+    return {"training_config": json.dumps(stored), "input": given, "output": made,
             "weights": weights, "quantization": "none",
             "source": json.dumps({"checkpoint": source, "epoch": state.get("epoch"),
                                   "step": state.get("step")})}
@@ -246,10 +265,11 @@ def export_network(net, path, suffix, sample_shape, metadata=None, names=None):
         path: OUT.
         suffix: ``.pt2``, ``.ts`` or ``.onnx``.
         sample_shape: shape of one input sample, e.g. ``(3, 32, 32)`` (a generator's:
-            ``(latent_dim,)``, drawn from N(0, 1) as latents are).
+            ``(latent_dim,)``, drawn from N(0, 1) as latents are), or a list of them for
+            a network of several inputs (each drawn from N(0, 1), one batch size).
         metadata: strings stored in the artifact (export_metadata), or None.
-        names: an ONNX file's input and output names (default ``images``, ``logits``;
-            a generator's: GENERATOR_NAMES).
+        names: an ONNX file's input names and output name (default ``images``,
+            ``logits``; a generator's: GENERATOR_NAMES).
 
     Returns:
         ``(ok, max_abs_diff)``.
@@ -261,7 +281,8 @@ def export_network(net, path, suffix, sample_shape, metadata=None, names=None):
     if suffix == ".onnx" and names is not None:
         save = functools.partial(_save_onnx, names=names)
     g = torch.Generator().manual_seed(0)
-    inputs = [torch.randn(n, *sample_shape, generator=g) for n in EXPORT_BATCHES]
+    shapes = sample_shape if isinstance(sample_shape, list) else [sample_shape]
+    inputs = [tuple(torch.randn(n, *s, generator=g) for s in shapes) for n in EXPORT_BATCHES]
     check = {}
 
     def write_and_check(tmp):  # raises _Mismatch so that atomic_write keeps OUT as it was
@@ -274,7 +295,7 @@ def export_network(net, path, suffix, sample_shape, metadata=None, names=None):
             reloaded = load(tmp)
             ok, worst = True, 0.0
             for x in inputs:
-                want, got = net(x), reloaded(x)
+                want, got = net(*x), reloaded(*x)
                 same_shape = tuple(got.shape) == tuple(want.shape)
                 ok = ok and same_shape and torch.allclose(got, want, EXPORT_RTOL, EXPORT_ATOL)
                 worst = max(worst, float((got - want).abs().max()) if same_shape else math.inf)

@@ -147,6 +147,11 @@ def build_parser():
                      "--fid-samples: on the penultimate features of a classifier this "
                      "project trained instead (fid_classifier, kid_classifier: comparable "
                      "only with the same checkpoint)")
+    gan.add_argument("--sample-steps", type=int, default=None, metavar="N", help="a task "
+                     "that samples in steps: the timesteps a sample walks (default: the "
+                     "training run's)")
+    gan.add_argument("--sampler", default=None, help="a task that samples in steps: how "
+                     "(its --sampler choices; default: the training run's)")
     return p
 
 
@@ -306,8 +311,9 @@ def load_training_checkpoint(path):
 
     Returns:
         The state dict: ``model`` a state_dict (string keys, dense CPU tensors with finite
-        values), or for a GAN ``networks["generator"]`` one (and ``ema["generator"]``
-        where there is a moving average), and ``config`` a dict.
+        values), or for a task of named networks ``networks[name]`` one (and
+        ``ema[name]`` where there is a moving average; ``name``: the task's
+        ``averaged_name``, a GAN's generator), and ``config`` a dict.
 
     Raises:
         checkpoint.CheckpointError: anything else, in one line.
@@ -328,13 +334,14 @@ def load_training_checkpoint(path):
     if "model" in state:
         _check_weights(state["model"], path, "model")
         return state
-    for what, key in (("generator", "networks"), ("moving average of the generator", "ema")):
+    name = tasks.of(state["config"]).averaged_name or "generator"  # the network it reads
+    for what, key in ((name, "networks"), (f"moving average of the {name}", "ema")):
         if key in state:
             held = state[key]
-            if not isinstance(held, dict) or "generator" not in held:
+            if not isinstance(held, dict) or name not in held:
                 raise checkpoint.CheckpointError(f"{path!r}: its {key} entry holds no "
-                                                 f"generator")
-            _check_weights(held["generator"], path, what)
+                                                 f"{name}")
+            _check_weights(held[name], path, what)
     return state
 
 
@@ -676,6 +683,10 @@ def evaluate_and_export(args):
     if args.quantize and not kind.measured_export:
         raise UserError(f"--quantize measures a classifier's accuracy cost; {args.checkpoint!r} "
                         f"is a {config['task']} checkpoint: export it without --quantize")
+    for key in ("sample_steps", "sampler"):  # read by the tasks that own the flag alone
+        if getattr(args, key) is not None and key not in kind.own_flags:
+            raise UserError(f"--{key.replace('_', '-')} is for a task that samples in steps; "
+                            f"{args.checkpoint!r} is a {config['task']} checkpoint")
     kind.check_test_flags(args, args.checkpoint)
     weights = choose_weights(state, args.weights, args.checkpoint)
     if kind.generates:  # images made, no predictions: the task's own report
@@ -707,13 +718,14 @@ def evaluate_generator(args, suffix, kind, state, config, device, batch_size, we
     """A checkpoint of a task that generates images (``kind.generates``): the task's
     --samples and --fid-samples, then --export of its generator and --json; returns the
     exit code."""
-    report, (generator, shape) = kind.test_checkpoint(args, state, config, device,
-                                                      batch_size, weights)
+    report, (generator, shape, *own) = kind.test_checkpoint(args, state, config, device,
+                                                            batch_size, weights)
+    described, names = own or (None, export.GENERATOR_NAMES)  # (a GAN's: the defaults)
 
     def export_generator():  # the CPU generator, checked
-        metadata = export.generator_metadata(config, state, args.checkpoint, weights)
-        ok = export_checked(args, suffix, generator, shape, metadata, report,
-                            export.GENERATOR_NAMES)
+        metadata = export.generator_metadata(config, state, args.checkpoint, weights,
+                                             described)
+        ok = export_checked(args, suffix, generator, shape, metadata, report, names)
         return 0 if ok else EXIT_FAILED
 
     return export_and_report(args, report, export_generator if suffix else None)

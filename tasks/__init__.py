@@ -439,11 +439,16 @@ def default_network(task):
 
 
 def foreign_flags(config, explicit):
-    """The flags the user gave (``explicit``: command line or recipe) that only another
-    task reads: ``[(flag, that task's name)]``, for one warning (round 5's F11)."""
-    task = of(config)
-    return [("--" + key.replace("_", "-"), other.name) for other in built_in()
-            if other is not task for key in other.own_flags if key in explicit]
+    """The flags the user gave (``explicit``: command line or recipe) that only other
+    tasks read: ``[(flag, the first such task's name)]``, each flag once, for one warning
+    (round 5's F11). A key several tasks own (a GAN's and a diffusion model's
+    --fid-samples) is foreign only to the tasks that do not own it."""
+    task, found = of(config), {}
+    for other in built_in():
+        for key in other.own_flags:
+            if other is not task and key in explicit and key not in task.own_flags:
+                found.setdefault("--" + key.replace("_", "-"), other.name)
+    return list(found.items())
 
 
 def owner_of(network):

@@ -13,7 +13,8 @@ import re
 from helpers import ROOT
 
 PACKAGES = {"machinery": 1, "pipeline": 2, "reporting": 3, "tasks": 4}  # low imports none above
-BUILDING_BLOCKS = {"ops", "layers", "networks", "losses", "dcgan"}  # top level, below all
+BUILDING_BLOCKS = {"ops", "layers", "networks", "losses", "dcgan", "ddpm",
+                   "pix2pix"}  # top level, below all
 SCRIPTS = {"train", "test"}  # imported by no module
 
 
