@@ -329,3 +329,60 @@ def test_deterministic_segmentation_validates_on_cuda(tmp_path):
                        "unet", "--deterministic", "--device", "cuda", "--synthetic-size",
                        "64", "--image-size", "16", "--epochs", "1", "--num-workers", "0",
                        "--run-dir", str(tmp_path)]) == 0
+
+
+def _gan_cuda_args(run_dir, features, *extra):
+    return ["--task", "gan", "--dataset", "synthetic", "--synthetic-size", "64", "--gan-width",
+            "8", "--latent-dim", "16", "--fid-samples", "8", "--fid-features", features,
+            "--batch-size", "16", "--epochs", "1", "--num-workers", "0", "--device", "cuda",
+            "--run-dir", str(run_dir), *extra]
+
+
+@pytest.fixture(scope="module")
+def cuda_features(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("features")
+    assert train.main(["--dataset", "synthetic", "--synthetic-size", "64", "--network", "mlp",
+                       "--epochs", "1", "--batch-size", "16", "--num-workers", "0",
+                       "--device", "cuda", "--run-dir", str(run_dir)]) == 0
+    return str(run_dir / "checkpoints" / "last.pt")
+
+
+def test_wgan_gp_with_compile_is_one_line_on_cuda(tmp_path, cuda_features, capsys):
+    """The CUDA review's H1: the pair is refused before anything starts."""
+    assert train.main(_gan_cuda_args(tmp_path, cuda_features, "--gan-loss", "wgan-gp",
+                                     "--compile", "--max-steps", "1")) == 2
+    assert "error: --compile with --gan-loss wgan-gp" in capsys.readouterr().err
+
+
+def test_fp16_d_steps_unscale_each_step_by_its_backwards_scale_on_cuda(tmp_path,
+                                                                       cuda_features,
+                                                                       monkeypatch):
+    """The CUDA review's M1 on the GPU (fp16's home): with the scale growing at every
+    update, each optimizer step is unscaled by the scale its backward used."""
+    events = []
+    init, scale, unscale = (torch.amp.GradScaler.__init__, torch.amp.GradScaler.scale,
+                            torch.amp.GradScaler.unscale_)
+    monkeypatch.setattr(torch.amp.GradScaler, "__init__",
+                        lambda self, *a, **k: init(self, *a, **{**k, "growth_interval": 1}))
+    monkeypatch.setattr(torch.amp.GradScaler, "scale", lambda self, loss: (
+        events.append(("backward", self.get_scale())), scale(self, loss))[1])
+    monkeypatch.setattr(torch.amp.GradScaler, "unscale_", lambda self, optimizer: (
+        events.append(("step", self.get_scale())), unscale(self, optimizer))[1])
+    assert train.main(_gan_cuda_args(tmp_path, cuda_features, "--amp", "fp16", "--max-steps",
+                                     "2", "--d-steps", "2", "--grad-clip", "10")) == 0
+    steps = [i for i, (kind, _) in enumerate(events) if kind == "step"]
+    assert len(steps) == 6 and all(events[i][1] == events[i - 1][1] for i in steps), events
+
+
+def test_fid_leaves_every_cuda_generator_as_it_was(cuda_features):
+    """The CUDA review's L1: KID's seeded subsets do not re-seed the CUDA generators (the
+    WGAN-GP alphas would repeat after each validation)."""
+    from reporting import gan_metrics
+
+    features = gan_metrics.build_features(cuda_features).cuda()
+    real, fake = torch.rand(16, 3, 32, 32) * 2 - 1, torch.rand(16, 3, 32, 32) * 2 - 1
+    torch.cuda.manual_seed_all(123)
+    torch.randn(5, device="cuda")  # moved off its seed
+    before = torch.cuda.get_rng_state_all()
+    gan_metrics.measure(features, real, fake, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(before, torch.cuda.get_rng_state_all()))
