@@ -50,7 +50,7 @@ import ops
 import replay
 import tasks
 from config import check_config, merge_resumed_config, parse_config, with_defaults
-from machinery import checkpoint, engine, ledger, meters, runtime, watchdog
+from machinery import checkpoint, engine, ledger, meters, runtime, verify_resume, watchdog
 from machinery.checkpoint import Kind
 from ops import Interrupted, RunFailed, UserError
 from pipeline import data, device_data, presets, recipes
@@ -124,6 +124,8 @@ def train(argv, stop):
         return replay.run(config, explicit, stop, build_training, unfreeze_point, unfreeze)
     check_config(config)
     lr_finder.check_config(config)  # --find-lr with --resume
+    if config["verify_resume"]:  # this command line stopped, resumed and compared
+        return verify_resume.run(config, argv, __file__)
     resume_path, saved = checkpoint.resume_file(config["resume"])  # before any write
     run_dir = runlog.choose_run_dir(config, resume_path, saved)
     checkpoint.refuse_newer(run_dir)  # a newer version's checkpoints: one error, not written

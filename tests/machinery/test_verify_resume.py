@@ -1,0 +1,194 @@
+"""--verify-resume (issue 38): the user's own command line stopped inside an accumulation
+window, resumed in a fresh process and compared tensor by tensor with an uninterrupted run;
+it names what breaks the promise (a dropout with a generator of its own, a dataset drawing
+from the global RNG in a worker)."""
+
+import os
+import subprocess
+import sys
+
+import torch
+from helpers import ROOT, _child_env, finish, seg_args, start_torchrun, tiny_args
+
+from machinery import verify_resume
+
+TIMEOUT = 600
+
+
+def verify(args, cwd=ROOT):
+    """``python train.py ARGS --verify-resume`` in a fresh process: (exit code, output)."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args,
+                          "--verify-resume", "--verify-resume-steps", "4"],
+                         cwd=cwd, env=_child_env(), capture_output=True, text=True,
+                         timeout=TIMEOUT)
+    return out.returncode, out.stdout + out.stderr
+
+
+def small(run_dir, *extra, **kwargs):
+    return tiny_args(run_dir, "--virtual-batch-size", "16", *extra,
+                     **{"batch": 8, "size": 48, "epochs": 2, **kwargs})
+
+
+# ------------------------------------------------------------------ unit: the comparison
+
+def test_first_difference_names_the_tensor_and_its_largest_difference():
+    a = {"model": {"w": torch.zeros(3), "b": torch.ones(2)}, "step": 4,
+         "rng": {"torch": torch.arange(5, dtype=torch.uint8)}}
+    b = {"model": {"w": torch.tensor([0.0, 0.5, -2.0]), "b": torch.ones(2)}, "step": 4,
+         "rng": {"torch": torch.arange(5, dtype=torch.uint8)}}
+    path, detail = verify_resume.first_difference(a, b)
+    assert path == ("model", "w") and "largest difference 2" in detail and "2 differ" in detail
+    assert verify_resume.part_of(path) == "the network's weights"
+    assert verify_resume.first_difference(a, a) is None
+    nan = {"x": torch.tensor([float("nan"), 1.0])}
+    assert verify_resume.first_difference(nan, {"x": nan["x"].clone()}) is None
+    assert verify_resume.first_difference({"step": 3}, {"step": 4}) == (("step",), "3 against 4")
+    assert verify_resume.first_difference({"a": 1}, {"a": 1, "b": 2})[0] == ("b",)
+    path, _ = verify_resume.first_difference({"x": torch.zeros(2)}, {"x": torch.zeros(3)})
+    assert path == ("x",)
+
+
+def test_the_config_and_checksum_are_not_state():
+    a = {"model": {"w": torch.ones(1)}, "config": {"run_dir": "a"}, "checksum": 1}
+    b = {"model": {"w": torch.ones(1)}, "config": {"run_dir": "b"}, "checksum": 2}
+    assert verify_resume.compare_checkpoints(a, b) is None
+
+
+def test_its_own_flags_and_the_run_dir_are_not_passed_on():
+    argv = ["--epochs", "2", "--verify-resume", "--verify-resume-steps", "5", "--run-dir",
+            "runs/mine", "--preflight", "--lr", "0.1", "--verify-r", "--run-dir=x",
+            "--preflight", "only", "--seed", "3"]
+    assert verify_resume.strip_flags(argv) == ["--epochs", "2", "--lr", "0.1", "--seed", "3"]
+
+
+def test_the_stop_point_is_drawn_from_the_seed_inside_the_window():
+    points = {verify_resume.stop_point(seed, 6, 4) for seed in range(30)}
+    assert all(1 <= step <= 5 and 1 <= micro <= 3 for step, micro in points)
+    assert len(points) > 3
+    assert verify_resume.stop_point(7, 6, 4) == verify_resume.stop_point(7, 6, 4)
+    assert verify_resume.stop_point(7, 6, 1)[1] == 0
+
+
+# -------------------------------------------------------------------- the whole check
+
+def test_a_classifier_with_accumulation_and_workers_resumes_exactly(tmp_path):
+    # simple_cnn (BatchNorm), augmentation, two micro-batches a step, a DataLoader worker
+    run_dir = tmp_path / "mine"
+    code, out = verify(small(run_dir, "--num-workers", "1", "--data-on-device", "off",
+                             network="simple_cnn", image=12))
+    assert code == 0, out[-3000:]
+    assert "resume exact" in out and "before micro-batch 2 of 2" in out
+    assert not run_dir.exists()  # the user's run directory is never made
+
+
+def test_the_device_path_with_ema_resumes_exactly(tmp_path):
+    code, out = verify(small(tmp_path / "mine", "--data-on-device", "on", "--ema-decay",
+                             "0.9", "--mixup-alpha", "0.4"))
+    assert code == 0, out[-3000:]
+    assert "resume exact" in out
+
+
+def test_segmentation_resumes_exactly(tmp_path):
+    code, out = verify(seg_args(tmp_path / "mine", "--virtual-batch-size", "8", batch=4,
+                                size=16, image=16))
+    assert code == 0, out[-3000:]
+    assert "resume exact" in out
+
+
+def test_a_gan_resumes_exactly(tmp_path):
+    # two phases (the discriminator's twice: --d-steps 2), each over two micro-batches
+    code, out = verify(tiny_args(tmp_path / "mine", "--task", "gan", "--fid-samples", "0",
+                                 "--gan-width", "4", "--latent-dim", "4", "--d-steps", "2",
+                                 "--virtual-batch-size", "16", "--optimizer", "adam",
+                                 "--lr", "1e-3", network="dcgan", batch=8, size=48, image=28,
+                                 epochs=2))
+    assert code == 0, out[-3000:]
+    assert "resume exact" in out
+
+
+def test_under_torchrun_with_two_processes(tmp_path):
+    args = small(tmp_path / "mine", "--num-workers", "1", "--data-on-device", "off",
+                 size=64)
+    rc, out = finish(start_torchrun([*args, "--verify-resume", "--verify-resume-steps", "3"]),
+                     timeout=TIMEOUT)
+    assert rc == 0, out[-3000:]
+    assert "2 process(es)" in out and "resume exact" in out
+
+
+# ------------------------------------------------------- what breaks the promise, named
+
+OWN_DROPOUT = '''
+import torch
+from tasks.classification import Classification
+
+
+class OwnDropout(torch.nn.Module):
+    """Dropout drawing from a generator of its own: unseeded, and not in any checkpoint."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.p, self.generator = p, torch.Generator()
+
+    def forward(self, x):
+        if not self.training:
+            return x
+        keep = torch.rand(x.shape, generator=self.generator) >= self.p
+        return x * keep / (1 - self.p)
+
+
+class DropoutTask(Classification):
+    @classmethod
+    def build_networks(cls, config, dataset):
+        return torch.nn.Sequential(OwnDropout(0.3), super().build_networks(config, dataset))
+'''
+
+NOISY_DATA = '''
+import torch
+from tasks.classification import Classification
+
+
+class Noisy(torch.utils.data.Dataset):
+    """Each image with noise drawn from torch's global RNG in __getitem__."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, index):
+        image, label = self.base[index]
+        return image + 0.1 * torch.rand(image.shape), label
+
+
+class NoisyTask(Classification):
+    @classmethod
+    def datasets(cls, config, log, should_stop=None):
+        train_set, val_set = super().datasets(config, log, should_stop)
+        train_set.base = Noisy(train_set.base)
+        return train_set, val_set
+'''
+
+
+def test_a_dropout_with_a_generator_of_its_own_is_named(tmp_path):
+    (tmp_path / "dropout_task.py").write_text(OWN_DROPOUT)
+    code, out = verify(small(tmp_path / "mine", "--task", "dropout_task.py:DropoutTask",
+                             "--no-augment"), cwd=tmp_path)
+    assert code == 1, out[-3000:]
+    error = [line for line in out.splitlines() if line.startswith("error:")][-1]
+    assert "resume differs at step 4" in error and "(the network's weights)" in error
+    assert "largest difference" in error
+    assert "same batches and ended with other weights" in error
+    assert "generator of its own" in error
+    assert "two uninterrupted runs differ" not in error  # it is the resume's doing
+
+
+def test_a_dataset_drawing_from_the_global_rng_in_a_worker_is_named(tmp_path):
+    (tmp_path / "noisy_task.py").write_text(NOISY_DATA)
+    code, out = verify(small(tmp_path / "mine", "--task", "noisy_task.py:NoisyTask",
+                             "--no-augment", "--num-workers", "1", "--data-on-device", "off"),
+                       cwd=tmp_path)
+    assert code == 1, out[-3000:]
+    error = [line for line in out.splitlines() if line.startswith("error:")][-1]
+    assert "resume differs at step 4" in error and "the batches differ" in error
+    assert "__getitem__" in error
