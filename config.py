@@ -264,13 +264,6 @@ def _inspection_flags(g):
                    "'resume exact' (exit 0) or the first difference (exit 1)")
     g.add_argument("--verify-resume-steps", type=int, default=6, metavar="N",
                    help="optimizer steps --verify-resume runs (fewer if the run is shorter)")
-    g.add_argument("--preflight", nargs="?", const="train", default="none",
-                   choices=["none", "train", "only"],
-                   help="before epoch 1: one accumulation window of the real step, a batch "
-                   "of every evaluation, a checkpoint written, read back and compared, every "
-                   "output directory written to, then everything put back (the run is "
-                   "bit-identical to one without it); a failure is one error: line naming "
-                   "the stage. --preflight only: exit 0 after it, without training")
     g.add_argument("--replay", default=None, metavar="RECORD",
                    help="replay the step a non-finite loss or gradient norm was recorded at "
                    "(RUN_DIR/checkpoints/nonfinite-step-NNNNNNNN.json): from its last good "

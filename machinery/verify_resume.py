@@ -47,8 +47,8 @@ import torch
 from machinery import checkpoint, ledger, runtime
 from ops import RunFailed, UserError
 
-OURS = ("--verify-resume", "--verify-resume-steps", "--preflight")  # not passed on
-VALUED = {"--verify-resume-steps": 1, "--run-dir": 1, "--preflight": "?"}
+OURS = ("--verify-resume", "--verify-resume-steps")  # not passed on
+VALUED = {"--verify-resume-steps": 1, "--run-dir": 1}
 NOT_STATE = ("config", "checksum", "version", "format", "mlflow_run_id")  # differ by design
 PARTS = {"model": "the network's weights", "networks": "the networks' weights",
          "optimizer": "the optimizer's state", "optimizers": "the optimizers' state",
@@ -261,10 +261,7 @@ def strip_flags(argv):
         option = name if name in mine else mine[0]
         takes = VALUED.get(option, 0)
         i += 1
-        if "=" not in token and takes == 1:
-            i += 1
-        elif "=" not in token and takes == "?" and i < len(argv) \
-                and not argv[i].startswith("-"):
+        if "=" not in token and takes:
             i += 1
     return out
 

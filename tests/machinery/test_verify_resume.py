@@ -56,8 +56,7 @@ def test_the_config_and_checksum_are_not_state():
 
 def test_its_own_flags_and_the_run_dir_are_not_passed_on():
     argv = ["--epochs", "2", "--verify-resume", "--verify-resume-steps", "5", "--run-dir",
-            "runs/mine", "--preflight", "--lr", "0.1", "--verify-r", "--run-dir=x",
-            "--preflight", "only", "--seed", "3"]
+            "runs/mine", "--lr", "0.1", "--verify-r", "--run-dir=x", "--seed", "3"]
     assert verify_resume.strip_flags(argv) == ["--epochs", "2", "--lr", "0.1", "--seed", "3"]
 
 
