@@ -345,7 +345,10 @@ def run_epochs(training, train_loader, stop):
             runtime.main_print(f"epoch {epoch + 1}: unfroze {len(names)} parameter tensors")
         ended = run_epoch(training, train_loader, epoch, stop)
         if state.epoch_samples >= sampler.size:  # the epoch is complete
-            final = finish_epoch(training, epoch)
+            try:
+                final = finish_epoch(training, stop)
+            except Interrupted:  # in its validation: the epoch's training is saved
+                return Ended.SIGNAL, final
             if early_stop_due(config, state):  # the same on every process: their figures are
                 ended = Ended.EARLY_STOP       # all-reduced
         if ended is not Ended.ALL_EPOCHS:
@@ -486,9 +489,14 @@ def validate(training):
     return figures
 
 
-def finish_epoch(training, epoch):
-    """Validates (when due), logs the epoch, saves last.pt (and best.pt)."""
+def finish_epoch(training, stop):
+    """Validates (when due), logs the epoch, saves last.pt (and best.pt). A validation
+    starts after last.pt holds the epoch's training, and a stop signal ends it at once."""
     config, state = training.config, training.state
+    due = (state.epoch + 1) % config["eval_every"] == 0 or state.epoch + 1 == config["epochs"]
+    if due:  # (a long validation, a GAN's FID: a signal or a kill there costs no step)
+        save(training, Kind.STOP)
+        training.saver.wait()  # written, before the validation
     times = training.loop.timer.totals()
     unreadable = sum(dataset.unreadable_count() for dataset in training.datasets)  # skipped
     loss_sum, loss_count, unreadable = ops.sum_over_processes(
@@ -504,16 +512,14 @@ def finish_epoch(training, epoch):
     record.update(metrics.epoch_figures(state.figures, training.loop.device,
                                         training.procs.world_size))  # a GAN's loss_d, ...
     best = False
-    if state.epoch % config["eval_every"] == 0 or state.epoch == config["epochs"]:
-        record.update(validate(training))
-        if training.task.best is None:  # no figure to follow: best.pt is the last
-            best, state.best_epoch = True, state.epoch
-        else:
-            value = metrics.best_metric(training.task, record)
-            best = value > state.best_val_acc
-            if best:
-                state.best_val_acc, state.best_epoch = value, state.epoch
-            count_early_stop(config, state, value)
+    if due:
+        with stop.interruptible(f"during the validation of epoch {state.epoch}"):
+            record.update(validate(training))
+        value = None if training.task.best is None else metrics.best_metric(training.task,
+                                                                           record)
+        best = state.record_best(value)  # (no figure to follow: best.pt is the last)
+        if value is not None:  # --early-stop-*: towards the patience, or not
+            state.count_early_stop(value, config["early_stop_min_delta"])
     state.epoch_samples, state.loss_sum, state.loss_count = 0, 0.0, 0
     state.grad_norm_sum, state.grad_norm_count, state.grad_clipped = 0.0, 0, 0
     state.figures = {}
@@ -521,16 +527,6 @@ def finish_epoch(training, epoch):
     save(training, Kind.EPOCH, best)
     runtime.main_print(metrics.epoch_line(record, config, training.task, training.on_device))
     return metrics.final_figures(training.task, record)
-
-
-def count_early_stop(config, state, value):
-    """--early-stop-*: a validation whose figure (the one best.pt follows) is not above the
-    best so far by more than --early-stop-min-delta counts towards the patience. Both
-    numbers live in the run state, so a resumed run stops where the whole run would."""
-    if value > state.early_stop_best + config["early_stop_min_delta"]:
-        state.early_stop_best, state.early_stop_waited = value, 0
-    else:
-        state.early_stop_waited += 1
 
 
 def early_stop_due(config, state):

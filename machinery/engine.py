@@ -146,6 +146,25 @@ class TrainState:
     figures: dict = dataclasses.field(default_factory=dict)  # the epoch's task figures
     #                                 (a GAN's loss_d, ...): name -> [finite sum, count]
 
+    def record_best(self, value):
+        """Whether a validation's ``value`` (higher is better) is the best so far, kept
+        as it (with this epoch) when it is; None (no figure): every validation is."""
+        if value is not None and not value > self.best_val_acc:
+            return False
+        self.best_val_acc = self.best_val_acc if value is None else value
+        self.best_epoch = self.epoch
+        return True
+
+    def count_early_stop(self, value, min_delta):
+        """--early-stop-*: a validation whose figure (the one best.pt follows) is not above
+        the best so far by more than ``min_delta`` (--early-stop-min-delta) counts towards
+        the patience. Both numbers live in the run state, so a resumed run stops where the
+        whole run would."""
+        if value > self.early_stop_best + min_delta:
+            self.early_stop_best, self.early_stop_waited = value, 0
+        else:
+            self.early_stop_waited += 1
+
     def forget_best(self, lower_is_better=False):
         """best.pt and --early-stop-* start afresh (the figure is not comparable)."""
         self.best_val_acc = self.early_stop_best = -math.inf if lower_is_better else -1.0

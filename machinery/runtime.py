@@ -476,6 +476,7 @@ class StopRequest:
 
     def __init__(self):
         self.signum = None
+        self._interrupting = None  # inside ``interruptible``: what is interrupted
         self._old = {}
         for signum in STOP_SIGNALS:
             self._old[signum] = signal.signal(signum, self._handle)
@@ -483,8 +484,25 @@ class StopRequest:
     def _handle(self, signum, frame):
         if self.signum is None:
             self.signum = signum
-            say(f"\n{signal.Signals(signum).name}: stopping after this step and saving "
-                f"a checkpoint (a second signal is ignored)", file=sys.stderr)
+            if self._interrupting is None:
+                say(f"\n{signal.Signals(signum).name}: stopping after this step and saving "
+                    f"a checkpoint (a second signal is ignored)", file=sys.stderr)
+        if self._interrupting is not None:
+            what, self._interrupting = self._interrupting, None
+            raise Interrupted(self.signum, what)
+
+    @contextlib.contextmanager
+    def interruptible(self, what):
+        """Inside the block a stop signal (or one that came before it) raises
+        ``Interrupted`` at once: for work that is safe to drop because what it follows is
+        saved (a validation after the epoch's checkpoint; round 5's F7)."""
+        if self.signum is not None:
+            raise Interrupted(self.signum, what)
+        self._interrupting = what
+        try:
+            yield
+        finally:
+            self._interrupting = None
 
     def agreed(self, procs):
         """Whether to stop now; under DDP every process stops at the same step (a signal

@@ -444,3 +444,66 @@ def test_a_tensorboard_write_the_disk_refuses_is_one_error_line(tmp_path, monkey
     line = one_error_line(err)
     assert "TensorBoard" in line and "No space left" in line and str(tmp_path) in line
     assert finite(ckpt(tmp_path))  # what was saved stays usable
+
+
+# ------------------------------------ round 5's F7: a signal or a kill during validation
+
+def _epoch_records(run_dir):
+    """metrics.jsonl's epoch records without the figures of time."""
+    timed = ("samples_per_sec", "compute_efficiency", "data_time", "compute_time",
+             "epoch_time", "time", "tflops", "mfu", "wall_time")
+    return [{k: v for k, v in r.items() if k not in timed and not k.endswith("_s")}
+            for r in read_metrics(run_dir) if "val_loss" in r]
+
+
+def test_sigterm_during_a_long_validation_stops_at_once_and_resumes_exactly(tmp_path,
+                                                                              monkeypatch):
+    """F7: the epoch's checkpoint is written before its validation, and a stop signal
+    during a long validation (a GAN's FID) ends it at once, not when it ends (SIGTERM's
+    grace period is 30 s under SLURM); the resume validates again and ends where a run
+    that never stopped ends."""
+    full = tmp_path / "full"
+    assert train.main(tiny_args(full, epochs=2)) == 0
+    validate, calls = train.validate, []
+
+    def long_validation(training):
+        calls.append(training.state.step)
+        if len(calls) == 1:  # the first epoch's: the signal comes 0.1 s into a minute
+            signal.setitimer(signal.ITIMER_REAL, 0.1)
+            time.sleep(60)
+        return validate(training)
+
+    old = signal.signal(signal.SIGALRM, lambda *a: os.kill(os.getpid(), signal.SIGTERM))
+    monkeypatch.setattr(train, "validate", long_validation)
+    started = time.monotonic()
+    try:
+        assert train.main(tiny_args(tmp_path / "run", epochs=2)) == 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGALRM, old)
+    assert time.monotonic() - started < 30  # not the minute of the validation
+    saved = ckpt(tmp_path / "run")
+    assert (saved["epoch"], saved["progress"]["epoch_samples"]) == (0, 64)  # all trained
+    monkeypatch.setattr(train, "validate", validate)
+    assert train.main(tiny_args(tmp_path / "run", "--resume", "auto", epochs=2)) == 0
+    assert_states_equal(final_state(tmp_path / "run")["model"], final_state(full)["model"])
+    assert _epoch_records(tmp_path / "run") == _epoch_records(full)
+
+
+def test_a_kill_during_validation_costs_no_step_of_the_epoch(tmp_path):
+    """F7: SIGKILL in the middle of the first epoch's validation: the resume starts from
+    the epoch's training, saved before the validation (not from scratch), and ends where a
+    run that never stopped ends."""
+    full = tmp_path / "full"
+    assert train.main(tiny_args(full, epochs=2)) == 0
+    script = tmp_path / "kill.py"
+    script.write_text(f"import os, signal, sys\nsys.path.insert(0, {ROOT!r})\nimport train\n"
+                      f"train.validate = lambda training: os.kill(os.getpid(), "
+                      f"signal.SIGKILL)\nsys.exit(train.main(sys.argv[1:]))\n")
+    proc = subprocess.run([sys.executable, str(script), *tiny_args(tmp_path / "run",
+                                                                   epochs=2)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert ckpt(tmp_path / "run")["progress"]["epoch_samples"] == 64
+    assert train.main(tiny_args(tmp_path / "run", "--resume", "auto", epochs=2)) == 0
+    assert_states_equal(final_state(tmp_path / "run")["model"], final_state(full)["model"])
+    assert _epoch_records(tmp_path / "run") == _epoch_records(full)
