@@ -295,8 +295,7 @@ class Diffusion(Task):
 
         several = dist.is_available() and dist.is_initialized()
         rank, world = (dist.get_rank(), dist.get_world_size()) if several else (0, 1)
-        self._val_at = data.shard_indices(self.val_size, rank, world)[:1] or [0]
-        self._val_at = self._val_at[0]  # this process's shard starts there
+        self._val_at = rank * self.val_size // world  # its shard's first (data.shard_indices)
         raw = isinstance(model, torch.nn.ModuleDict)
         unet = engine.bare(model["denoiser"] if raw else model)
         return DiffusionEvaluation(self, unet, sampling=not (raw and self.on_average))

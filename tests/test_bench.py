@@ -29,6 +29,10 @@ SMALLEST = {
     "gan.py": (["--samples", "64", "--steps", "3", "--batch-size", "16", "--fid-samples", "16",
                 "--width", "8", "--classifier-epochs", "1", "--classifier-network", "mlp"],
                "figure: gan.train_py_over_plain"),
+    "diffusion.py": (["--samples", "64", "--steps", "3", "--batch-size", "16", "--fid-samples",
+                      "8", "--width", "8", "--image-size", "8", "--sample-steps", "2",
+                      "--repeats", "1", "--diffusion-steps", "50"],
+                     "figure: diffusion.train_py_over_plain"),
     "identity.py": (["--base", "HEAD", "--recipes", "adam-clip"],
                     "1 of 1 recipes equal to HEAD"),
     "lightning.py": (["--device", "cpu", "--network", "mlp", "--image-size", "8",
@@ -56,6 +60,7 @@ SMALLEST = {
                         "1"], "device path / per-sample path:"),
 }
 WRITES_INTO = {"checkpoint.py": "--dir", "export.py": "--dir", "gan.py": "--dir",
+               "diffusion.py": "--dir",
                "identity.py": "--dir",
                "photos.py": "--dir", "segmentation.py": "--dir"}
 
@@ -163,6 +168,8 @@ def test_gpu_script_smoke_writes_its_log_and_figures_under_out(tmp_path):
     assert figures["lightning.mlp.train_py.samples_per_s"]["value"] > 0
     assert figures["gan.train_py.steps_per_s"]["value"] > 0  # train.py's DCGAN, and ...
     assert figures["gan.plain.steps_per_s"]["value"] > 0     # ... the example's loop
+    assert figures["diffusion.train_py.steps_per_s"]["value"] > 0  # train.py's DDPM, and
+    assert figures["diffusion.plain.steps_per_s"]["value"] > 0     # the diffusers-shaped loop
     assert figures["tests.passed"]["value"] >= 1  # the CUDA cases' CPU part
     assert figures["env.torch"]["value"].startswith(torch.__version__)
     lines = [line for line in log.splitlines() if line.startswith("figure: ")]
@@ -175,7 +182,7 @@ def test_gpu_script_exits_1_when_a_check_fails_and_runs_the_rest(tmp_path):
     # A $PYTHON that fails train.py's run on the device path: said, and the next check runs.
     shim = _shim(tmp_path, 'case "$*" in *train.py*resnet9-device*) exit 3;; esac')
     out, _ = _gpu_sh(tmp_path, shim, GPU_SH_SKIP="imports tests photos lightning "
-                     "resnet18-bf16 resnet18-fp32 segmentation gan")
+                     "resnet18-bf16 resnet18-fp32 segmentation gan diffusion")
     assert out.returncode == 1, out.stdout[-3000:]
     assert "FAILED: resnet9-device (exit status 3)" in out.stdout
     assert out.stdout.rstrip().endswith("gpu.sh: some checks FAILED")
@@ -188,7 +195,8 @@ def test_gpu_script_exits_1_when_a_check_fails_and_runs_the_rest(tmp_path):
 def test_gpu_script_cuts_a_hanging_check_and_keeps_to_its_budget(tmp_path):
     # Every train.py run hangs. Each is cut at its own limit (2 s here) and the next runs.
     shim = _shim(tmp_path, 'case "$*" in *train.py*) exec sleep 120;; esac')
-    skip = "imports tests photos lightning resnet18-bf16 resnet18-fp32 segmentation gan"
+    skip = ("imports tests photos lightning resnet18-bf16 resnet18-fp32 segmentation gan "
+            "diffusion")
     out, seconds = _gpu_sh(tmp_path, shim, GPU_SH_T_TRAIN="2", GPU_SH_SKIP=skip)
     assert out.returncode == 1, out.stdout[-3000:]
     result = json.loads((tmp_path / "out" / "gpu-figures.json").read_text())

@@ -1,0 +1,145 @@
+"""ddpm.py and tasks/diffusion.py's parts on small tensors: the schedule, the U-Net, the
+samplers' determinism, the draws that do not depend on how a step is split, the foreign
+flags of a key two tasks own."""
+
+import math
+
+import pytest
+import torch
+
+import config as config_module
+import ddpm
+import tasks
+from machinery import engine
+
+
+def _task(**overrides):
+    config = config_module.with_defaults({"task": "diffusion", "dataset": "synthetic",
+                                          "image_size": 8, "diffusion_steps": 50,
+                                          "fid_samples": 0, **overrides})
+    train_set = type("S", (), {"transform": None, "in_channels": 3})()
+    return tasks.task_class("diffusion")(config, train_set)
+
+
+def test_the_schedules_fall_from_one_to_almost_zero():
+    for kind in ddpm.SCHEDULES:
+        s = ddpm.Schedule(kind, 1000)
+        a = s.alpha_bar
+        assert a.dtype == torch.float64 and a.shape == (1000,)
+        assert (a[1:] < a[:-1]).all() and 0.99 < a[0] < 1 and a[-1] < 1e-4, kind
+    linear = ddpm.betas("linear", 1000)
+    assert linear[0] == pytest.approx(1e-4) and linear[-1] == pytest.approx(0.02)
+    assert ddpm.betas("linear", 250)[-1] == pytest.approx(0.08)  # scaled by 1000 / T
+    assert ddpm.betas("cosine", 1000).max() <= 0.999
+
+
+def test_q_sample_is_the_forward_process():
+    s = ddpm.Schedule("linear", 100)
+    x0, noise = torch.rand(3, 1, 4, 4) * 2 - 1, torch.randn(3, 1, 4, 4)
+    t = torch.tensor([0, 50, 99])
+    got = s.q_sample(x0, t, noise)
+    for i, ti in enumerate(t.tolist()):
+        a = float(s.alpha_bar[ti])
+        torch.testing.assert_close(got[i], math.sqrt(a) * x0[i] + math.sqrt(1 - a) * noise[i])
+
+
+def test_the_sampled_timesteps_run_down_to_zero_once_each():
+    s = ddpm.Schedule("linear", 1000)
+    assert s.timesteps(5) == [999, 749, 500, 250, 0]
+    assert s.timesteps(1000) == list(range(999, -1, -1))
+    assert s.timesteps(5000) == list(range(999, -1, -1))
+
+
+@pytest.mark.parametrize("side, channels", [(8, 3), (28, 1), (32, 3)])
+def test_the_unet_keeps_the_images_shape_and_starts_at_zero(side, channels):
+    unet = ddpm.UNet(channels, side, width=8, blocks=1)
+    x, t = torch.randn(2, channels, side, side), torch.tensor([0, 999])
+    out = unet(x, t)
+    assert out.shape == x.shape and torch.equal(out, torch.zeros_like(out))  # zero last conv
+    assert any(isinstance(m, ddpm.SelfAttention) for m in unet.modules())
+    assert not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                   for m in unet.modules())
+    torch.nn.init.normal_(unet.out[-1].weight)
+    assert not torch.equal(unet(x, t)[0], unet(x, torch.tensor([5, 999]))[0])  # t counts
+
+
+def test_an_image_does_not_depend_on_its_batch():
+    """The U-Net computes each image on its own (GroupNorm): one batch of 4 equals the
+    4 images one by one (up to the rounding of kernels chosen by batch size)."""
+    torch.manual_seed(0)
+    unet = ddpm.UNet(3, 8, width=8, blocks=1)
+    torch.nn.init.normal_(unet.out[-1].weight, std=0.1)
+    x, t = torch.randn(4, 3, 8, 8), torch.tensor([1, 2, 3, 4])
+    torch.testing.assert_close(unet(x, t), torch.cat([unet(x[i:i + 1], t[i:i + 1])
+                                                     for i in range(4)]), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("side", [6, 30, 260])
+def test_image_sides_the_unet_cannot_take_are_refused(side):
+    with pytest.raises(ValueError, match="multiples of 4 from 8 to 256"):
+        ddpm.UNet(3, side)
+
+
+@pytest.mark.parametrize("kind", ddpm.SAMPLERS)
+def test_sampling_is_a_function_of_the_seed_and_the_index(kind):
+    torch.manual_seed(0)
+    unet = ddpm.UNet(3, 8, width=8, blocks=1).eval()
+    torch.nn.init.normal_(unet.out[-1].weight, std=0.1)
+    schedule = ddpm.Schedule("linear", 50)
+    sampler = ddpm.Sampler(unet, schedule, kind, steps=4, seed=3)
+    whole = sampler(torch.arange(20))
+    assert whole.shape == (20, 3, 8, 8) and whole.abs().max() <= 1
+    parts = torch.cat([sampler(torch.arange(0, 7)), sampler(torch.arange(7, 17)),
+                       sampler(torch.arange(17, 20))])
+    # any batches (the rounding of kernels chosen by batch size apart, through 4 steps)
+    torch.testing.assert_close(parts, whole, rtol=0, atol=2e-3)
+    torch.testing.assert_close(ddpm.Sampler(unet, schedule, kind, 4, seed=3)(
+        torch.arange(20)), whole, rtol=0, atol=0)  # again: the same
+    other = ddpm.Sampler(unet, schedule, kind, 4, seed=4)(torch.arange(20))
+    assert not torch.allclose(other, whole)
+    state = torch.random.get_rng_state()
+    sampler(torch.arange(3))
+    assert torch.equal(torch.random.get_rng_state(), state)  # the global RNG untouched
+
+
+def test_ddim_and_ddpm_differ_and_default_to_their_steps():
+    unet = ddpm.UNet(1, 8, width=8, blocks=1).eval()
+    torch.nn.init.normal_(unet.out[-1].weight, std=0.1)
+    schedule = ddpm.Schedule("cosine", 30)
+    ddim, full = ddpm.Sampler(unet, schedule, "ddim"), ddpm.Sampler(unet, schedule, "ddpm")
+    assert (ddim.steps, full.steps) == (ddpm.DDIM_STEPS, 30)
+    a, b = ddim(torch.arange(4)), full(torch.arange(4))
+    assert a.shape == b.shape == (4, 1, 8, 8) and not torch.allclose(a, b)
+
+
+def test_the_draws_do_not_depend_on_how_a_step_is_split():
+    task = _task()
+    whole = task.draws(engine.Where(1, 32, 0, 16, 16), "cpu")
+    parts = [task.draws(engine.Where(1, 32, o, 4, 16), "cpu") for o in (0, 4, 8, 12)]
+    for i in range(3):  # timesteps, noise, flips
+        assert torch.equal(torch.cat([p[i] for p in parts]), whole[i])
+    t, noise, flips = whole
+    assert t.min() >= 0 and t.max() < 50 and noise.shape == (16, 3, 8, 8)
+    assert flips.dtype == torch.bool
+    other = task.draws(engine.Where(2, 32, 0, 16, 16), "cpu")  # another epoch
+    later = task.draws(engine.Where(1, 48, 0, 16, 16), "cpu")  # another step
+    assert not torch.equal(other[1], noise) and not torch.equal(later[1], noise)
+
+
+def test_the_validation_draws_are_each_images_own():
+    task = _task()
+    whole = task.val_draws(0, 40, "cpu")
+    parts = [task.val_draws(a, b - a, "cpu") for a, b in ((0, 5), (5, 21), (21, 40))]
+    for i in range(2):
+        assert torch.equal(torch.cat([p[i] for p in parts]), whole[i])
+
+
+def test_a_flag_two_tasks_own_is_foreign_only_to_the_others():
+    """--fid-samples is the GAN's and the diffusion model's: no warning for either; a
+    classifier is warned once, naming a task that reads it."""
+    for task in ("gan", "diffusion"):
+        assert tasks.foreign_flags({"task": task}, {"fid_samples", "fid_features"}) == []
+    assert tasks.foreign_flags({"task": "gan"}, {"sample_steps"}) == [
+        ("--sample-steps", "diffusion")]
+    found = tasks.foreign_flags({"task": "classification"}, {"fid_samples"})
+    assert found == [("--fid-samples", "gan")]
