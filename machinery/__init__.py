@@ -8,6 +8,8 @@
     elastic.py      torchrun's restarts: joining a round, the job's lock
     watchdog.py     --hang-timeout: a step that stopped
     files.py        atomic writes, fsync helpers, writable probes
+    ledger.py       --sample-ledger: each step's samples, the permutation check
+    verify_resume.py  --verify-resume: a run stopped, resumed and compared in fresh processes
 
 Imports only torch, the standard library and ops.py.
 """

@@ -53,9 +53,9 @@ NOT_STATE = ("config", "checksum", "version", "format", "mlflow_run_id")  # diff
 PARTS = {"model": "the network's weights", "networks": "the networks' weights",
          "optimizer": "the optimizer's state", "optimizers": "the optimizers' state",
          "ema": "the EMA weights", "scaler": "the GradScaler", "scheduler": "the LR schedule",
-         "rng": "the RNG states", "rng_per_rank": "the RNG states (per process)",
-         "progress": "the progress (TrainState)", "epoch": "the progress",
-         "step": "the progress", "data": "the training set's identity"}
+         "rng": "the RNG states", "rng_per_rank": "the RNG states",
+         "progress": "the progress", "epoch": "the progress", "step": "the progress",
+         "data": "the training set's identity", "threads": "the CPU thread count"}
 _TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                  "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE",
                  "MASTER_ADDR", "MASTER_PORT")
@@ -365,11 +365,12 @@ def run(config, argv, train_py, say=runtime.say):
     found = compare_checkpoints(whole, resumed)
     samples = compare_ledgers(os.path.join(root, "uninterrupted"), os.path.join(root, "resumed"))
     if found is None and samples is None:
-        count = sum(1 for _ in _tensors({k: v for k, v in whole.items() if k not in NOT_STATE}))
+        state = {k: v for k, v in whole.items() if k not in NOT_STATE}
+        parts = list(dict.fromkeys(part_of((key,)) for key in state))
         shutil.rmtree(root, ignore_errors=True)
         say(f"resume exact: stopped at step {stop} and resumed, the state at step {steps} "
-            f"equals the uninterrupted run's in all {count} tensors (networks, optimizers, "
-            f"EMA, scaler, RNG states, progress) and in every step's samples")
+            f"equals the uninterrupted run's in all {sum(1 for _ in _tensors(state))} "
+            f"tensors ({', '.join(parts)}) and in every step's samples")
         return 0
     raise RunFailed(_difference_line(found, samples, runs, stop, (steps, wanted), whole) +
                     f" (the runs: {root})")
