@@ -27,15 +27,18 @@ class ConvBlock(nn.Module):
             at ``size / stride``.
         use_bias: whether the convolution has a bias (redundant before a BatchNorm).
         dropout: probability of an ``nn.Dropout`` after the activation; 0 adds none.
+        padding: pixels padded on each side; None: ``kernel_size // 2``, which keeps the
+            side at ``size / stride`` for odd kernels (an even one, pix2pix's 4x4 with
+            stride 2, halves the side with ``padding=1``).
     """
 
     def __init__(self, in_channels, out_channels, kernel_size=3, stride=1,
                  norm_layer=nn.BatchNorm2d, activation=nn.ReLU, padding_type="zero",
-                 use_bias=None, dropout=0.0):
+                 use_bias=None, dropout=0.0, padding=None):
         super().__init__()
         if use_bias is None:
             use_bias = norm_layer is None
-        padding = kernel_size // 2
+        padding = kernel_size // 2 if padding is None else padding
         layers = []
         if padding_type == "zero":
             conv_padding = padding

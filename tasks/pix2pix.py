@@ -1,0 +1,459 @@
+"""Image-to-image translation (pix2pix, Isola et al., 2017): pix2pix.py's U-Net generator
+and PatchGAN discriminator trained in two phases on pairs of images (pair_data.py), the
+conditional GAN loss plus ``--l1-weight`` x L1 (and ``--perceptual-weight`` x VGG19's
+perceptual loss); PSNR, SSIM (torchmetrics) and L1 of the generator's outputs on the
+validation pairs, the highest PSNR picking best.pt, a picture of input | output | target;
+what test.py gives for its checkpoints (the figures, the outputs as PNGs, the generator
+for export).
+"""
+
+import contextlib
+import copy
+import io
+import os
+import sys
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+from PIL import Image
+from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
+
+import losses
+import pix2pix
+from machinery import checkpoint, engine, files, runtime
+from machinery.runtime import say
+from ops import UserError
+from pipeline import data, device_data, pair_data
+from tasks import Evaluation, Phase, Task
+
+# The paper's recipe (Adam 2e-4, betas (0.5, 0.999)), a constant rate; the paper's jitter
+# (resize 286, crop 256, flip) is pair_data's augmentation, kept on by default.
+PIX2PIX_RECIPE = {"optimizer": "adam", "lr": 2e-4, "betas": [0.5, 0.999],
+                  "weight_decay": 0.0, "scheduler": "none", "warmup_epochs": 0.0,
+                  "label_smoothing": 0.0}
+
+
+def _vgg19_file():
+    """Where PerceptualLoss looks for VGG19's ImageNet weights (the torch hub cache)."""
+    from torchvision.models import VGG19_Weights
+
+    name = Path(urlparse(VGG19_Weights.IMAGENET1K_V1.url).path).name
+    return Path(torch.hub.get_dir()) / "checkpoints" / name
+
+
+class Pix2Pix(Task):
+    """pix2pix: per step the discriminator's phase (real pairs against the generator's
+    outputs, detached), then the generator's (the discriminator's verdict on its outputs
+    plus ``--l1-weight`` x L1 to the targets); PSNR, SSIM and L1 at each validation.
+
+    The generator's outputs of a micro-batch are made once, with their graph, when it is
+    its step's only one (as the paper's loop), else again in the generator's phase: its
+    dropout masks are hashed from each sample's place in the epoch (``pix2pix.sample_keys``),
+    so the two are the same images, and accumulation and any number of processes train
+    what one large batch trains (InstanceNorm, the default: per sample).
+
+    Args:
+        config: the run's (``pix2pix_gan_loss``, ``l1_weight``, ``perceptual_weight``,
+            ``seed``).
+    """
+
+    name = "pix2pix"
+    figures = ("psnr", "ssim", "l1")  # val_psnr, val_ssim, val_l1
+    best = "psnr"                     # best.pt: the highest PSNR
+    averaged_name = "generator"       # --ema-decay averages the generator
+    shown_figures = ("loss_d", "loss_g")
+    examples = 4                      # validation pairs in the picture
+
+    default_network = "pix2pix"
+    own_networks = ("pix2pix",)
+    own_networks_are = "pix2pix's U-Net generator and PatchGAN discriminator"
+    own_flags = ("l1_weight", "perceptual_weight", "pix2pix_gan_loss", "pix2pix_norm",
+                 "pix2pix_width", "pix2pix_dropout")
+    flags_title = "image-to-image (--task pix2pix)"
+    datasets_named = pair_data.DATASETS
+    ranges = {"l1_weight": ((lambda v: v >= 0), "must be at least 0"),
+              "perceptual_weight": ((lambda v: v >= 0), "must be at least 0"),
+              "pix2pix_width": ((lambda v: 1 <= v <= 4096), "must be in [1, 4096]"),
+              "pix2pix_dropout": ((lambda v: 0 <= v < 1), "must be in [0, 1)")}
+    stored_needs = (  # what test.py reads to rebuild the generator (pix2pix.build)
+        ("image_size", lambda v: type(v) is int and v > 0 and v % 2 ** pix2pix.MIN_DOWNS == 0,
+         f"a multiple of {2 ** pix2pix.MIN_DOWNS}", False),
+        ("in_channels", lambda v: type(v) is int and v in (1, 3), "1 or 3", False),
+        ("out_channels", lambda v: type(v) is int and v in (1, 3), "1 or 3", False),
+        ("pix2pix_norm", lambda v: v in pix2pix.NORMS, f"one of {', '.join(pix2pix.NORMS)}",
+         True),
+        ("pix2pix_width", lambda v: type(v) is int and v >= 1, "an integer of at least 1",
+         True),
+    )
+    generates = True  # test.py: the figures, --samples PNGs, the generator's export
+
+    @staticmethod
+    def flags(g):
+        """pix2pix's losses and networks (pix2pix.py)."""
+        g.add_argument("--l1-weight", type=float, default=100.0,
+                       help="the weight of the L1 distance of the generator's outputs to the "
+                       "targets in its loss (the paper's lambda)")
+        g.add_argument("--perceptual-weight", type=float, default=0.0,
+                       help="the weight of losses.PerceptualLoss (VGG19 features, Johnson et "
+                       "al.) in the generator's loss; 0: none; its ImageNet weights must be "
+                       "in TORCH_HOME's hub cache (never downloaded)")
+        g.add_argument("--pix2pix-gan-loss", default="vanilla", choices=pix2pix.GAN_LOSSES,
+                       help="losses.GANLoss of the PatchGAN's scores: vanilla (BCE, the "
+                       "paper's) or lsgan")
+        g.add_argument("--pix2pix-norm", default="instance", choices=pix2pix.NORMS,
+                       help="normalisation in both networks: instance (per sample, so "
+                       "accumulation and any number of processes give the large batch's "
+                       "steps), batch (the paper's; a sample then depends on its "
+                       "micro-batch) or none")
+        g.add_argument("--pix2pix-width", type=int, default=64,
+                       help="channels of the first layer of each network (the paper's ngf "
+                       "= ndf)")
+        g.add_argument("--pix2pix-dropout", type=float, default=0.5,
+                       help="dropout of the U-Net's inner decoder layers (64 px and above), "
+                       "masks hashed from (seed, epoch, sample)")
+
+    @classmethod
+    def defaults(cls, config, explicit):
+        """The pix2pix network and the paper's optimizer (``PIX2PIX_RECIPE``) where the
+        user set none."""
+        if "network" not in explicit:
+            config["network"] = "pix2pix"
+        config.update({k: v for k, v in PIX2PIX_RECIPE.items() if k not in explicit})
+
+    @classmethod
+    def check_config(cls, config):
+        """What --task pix2pix takes, and the flags that make no sense for it: one line
+        each."""
+        if config["network"] != "pix2pix":
+            raise UserError(f"--task pix2pix trains --network pix2pix (pix2pix.py), not "
+                            f"{config['network']}")
+        if config["dataset"] not in pair_data.DATASETS:
+            raise UserError(f"--task pix2pix: --dataset must be one of "
+                            f"{', '.join(pair_data.DATASETS)} (got {config['dataset']!r})")
+        try:
+            pix2pix.downs(config["image_size"])
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        refused = [
+            (config["mixup_alpha"] or config["cutmix_alpha"], "--mixup-alpha/--cutmix-alpha",
+             "mix the inputs of a batch, not their targets"),
+            (config["auto_augment"] != "none", "--auto-augment",
+             "would move the input and not its target"),
+            (config["random_erase"], "--random-erase", "would erase the input, not its target"),
+            (config["tta"] != "none", "--tta", "averages a classifier's predictions"),
+            (config["label_smoothing"], "--label-smoothing", "smooths a classifier's labels"),
+            (config["freeze"], "--freeze", "is not for pix2pix's two networks"),
+            (config["pretrained"], "--pretrained", "loads one network's weights"),
+            (config["grad_checkpointing"], "--grad-checkpointing",
+             "has no pix2pix implementation"),
+            (config["find_lr"], "--find-lr", "sweeps one optimizer's learning rate"),
+            (config["data_on_device"] == "on", "--data-on-device on",
+             "has no path for pairs (they are read by DataLoader workers)"),
+            (config["gpus"] and "," in str(config["gpus"]), "--gpus with several GPUs",
+             "(DataParallel) is not for two networks: use torchrun")]
+        for on, flag, why in refused:
+            if on:
+                raise UserError(f"{flag} {why}: not for --task pix2pix")
+
+    @classmethod
+    def datasets(cls, config, log, should_stop=None):
+        """SeededDatasets of (input, target) (pair_data.py)."""
+        return pair_data.build_datasets(config, log, should_stop)
+
+    @classmethod
+    def loaders(cls, config, procs, train_set, val_set, sampler, stop=None):
+        """DataLoader workers (pairs have no device path)."""
+        def per_sample(config, train_set, val_set, device):
+            workers = config["num_workers"]
+            return False, (f"data path: per-sample DataLoader, {workers} "
+                           f"worker{'s' * (workers != 1)} (pairs have no device path)")
+        return device_data.build_loaders(config, procs, train_set, val_set, sampler, stop,
+                                         per_sample)
+
+    set_identity = staticmethod(pair_data.set_identity)
+
+    @classmethod
+    def build_networks(cls, config, dataset):
+        """pix2pix.py's generator and discriminator, as an ``nn.ModuleDict``."""
+        try:
+            return pix2pix.networks(config, dataset.in_channels, dataset.out_channels)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+
+    @classmethod
+    def recorded(cls, config, dataset):
+        """The flags and the images' channels: test.py rebuilds the generator from them."""
+        return {**config, "in_channels": dataset.in_channels,
+                "out_channels": dataset.out_channels}
+
+    @classmethod
+    def build(cls, config, train_set, val_set=None):
+        return cls(config)
+
+    def __init__(self, config):
+        self.criterion_of = pix2pix.criterion(config["pix2pix_gan_loss"])
+        self.l1_weight = config["l1_weight"]
+        self.perceptual_weight = config["perceptual_weight"]
+        self.seed = config["seed"]
+        self.phases = (Phase("discriminator"), Phase("generator"))
+        self.perceptual = None
+        if self.perceptual_weight:
+            path = _vgg19_file()
+            if not path.is_file():
+                raise UserError(f"--perceptual-weight {self.perceptual_weight:g} needs VGG19's "
+                                f"ImageNet weights in {path} (TORCH_HOME's hub cache; never "
+                                f"downloaded here): put the file there, or train without it "
+                                f"(--perceptual-weight 0)")
+            self.perceptual = losses.PerceptualLoss(weights="imagenet")
+
+    def keys(self, where, device):
+        """The dropout keys of a micro-batch's samples: their places in the epoch."""
+        first = where.first + where.offset
+        return pix2pix.sample_keys(self.seed, where.epoch,
+                                   torch.arange(first, first + where.count)).to(device)
+
+    def phase_loss(self, network, model, plain, x, y, where, kept):
+        """The loss of ``network``'s phase for one micro-batch and its figures (detached).
+
+        The discriminator's: ``pix2pix.discriminator_loss`` on (input, target) and (input,
+        output), the output made with its graph and kept for the generator's phase when
+        the micro-batch is its step's only one (``where.alone``), else without (made
+        again there: the same images). The generator's: ``pix2pix.generator_loss``
+        through the bare discriminator (its parameters do not require gradients then).
+        """
+        if network == "generator":
+            fake = kept.pop("fake", None)
+            if fake is None:
+                fake = model["generator"](x, self.keys(where, x.device))
+            if self.perceptual is not None:
+                self.perceptual.to(x.device)
+            return pix2pix.generator_loss(plain["discriminator"], x, y, fake,
+                                          self.criterion_of, self.l1_weight, self.perceptual,
+                                          self.perceptual_weight)
+        keys = self.keys(where, x.device)
+        if where.alone:
+            fake = kept["fake"] = model["generator"](x, keys)
+        else:
+            with torch.no_grad():
+                fake = plain["generator"](x, keys)
+        return pix2pix.discriminator_loss(model["discriminator"], x, y, fake,
+                                          self.criterion_of)
+
+    @staticmethod
+    def averaged(net):
+        """The network --ema-decay averages: the generator."""
+        return net["generator"]
+
+    @staticmethod
+    def counted(net):
+        """What a step's FLOPs are counted on (``ops.train_flops_per_sample``)."""
+        return pix2pix.StepFlops(net["generator"], net["discriminator"])
+
+    def summarised(self, net, dataset):
+        """Each network on its own input: an image; an input and a target together."""
+        side = dataset.image_size
+        return [("generator", net["generator"], (dataset.in_channels, side, side)),
+                ("discriminator", net["discriminator"],
+                 (dataset.in_channels + dataset.out_channels, side, side))]
+
+    @staticmethod
+    def predict(model, x, tta=False):
+        """The generator's outputs (the run's, or its moving average)."""
+        generator = model["generator"] if isinstance(model, torch.nn.ModuleDict) else model
+        return engine.bare(generator)(x)
+
+    def evaluation(self, device, model=None):
+        return Pix2PixEvaluation(device, self.examples)
+
+    @staticmethod
+    def images(result, names, title):
+        """A few validation pairs: input | output | target, one row each."""
+        inputs, outputs, targets = result["examples"]
+        return [("pictures", pix2pix.triptych(inputs, outputs, targets))]
+
+    @staticmethod
+    def inference_network(net):
+        return net["generator"] if isinstance(net, torch.nn.ModuleDict) else net
+
+    # ---------------------------------------------------------------------- test.py
+
+    @classmethod
+    def check_test_flags(cls, args, path):
+        """The generator's figures are PSNR, SSIM and L1: --tta and FID make no sense."""
+        if args.tta is not None:
+            raise UserError(f"--tta averages a classifier's predictions over mirrored "
+                            f"images; {path!r} is a pix2pix checkpoint")
+        if args.fid_samples:
+            raise UserError(f"--fid-samples measures a GAN's FID; {path!r} is a pix2pix "
+                            f"checkpoint: test.py reports its PSNR, SSIM and L1 on the "
+                            f"validation pairs")
+
+    @classmethod
+    def test_checkpoint(cls, args, state, config, device, batch_size, weights):
+        """test.py on a pix2pix checkpoint: PSNR, SSIM and L1 of the generator on the
+        validation pairs, as training measured them, and with --samples N the first N
+        outputs as PNGs in --out.
+
+        Returns:
+            ``(report, (network, input_shape, described, names))``: the JSON report, and
+            what --export writes: the CPU generator (images in, images out), what its
+            metadata says of it (``export.generator_metadata``'s ``described``) and its
+            ONNX input and output names.
+        """
+        path = args.checkpoint
+        generator = load_generator(state, config, path, weights)
+        _, val_set = pair_data.build_datasets(dict(config, augment=False))
+        if args.samples and args.samples > len(val_set):
+            raise UserError(f"--samples {args.samples}: the validation set has "
+                            f"{len(val_set)} pairs")
+        which = "the moving average of the generator" if weights == "ema" \
+            else "the generator"
+        side = config["image_size"]
+        say(f"checkpoint {path} (epoch {state.get('epoch', '?')}, step "
+            f"{state.get('step', '?')}, {which}): pix2pix on {config['dataset']}, "
+            f"{config['in_channels']}x{side}x{side} -> {config['out_channels']}x{side}x{side}")
+        on_device = copy.deepcopy(generator).to(device)
+        result, outputs = measure(on_device, val_set, config, device, batch_size,
+                                  args.num_workers, args.samples or 0)
+        report = {"checkpoint": path, "task": cls.name, "weights": weights,
+                  **{k: result[k] for k in ("psnr", "ssim", "l1", "count")}}
+        say(f"psnr {result['psnr']:.4f}  ssim {result['ssim']:.4f}  l1 {result['l1']:.4f} "
+            f"({result['count']} validation pairs)")
+        if args.samples:
+            names = write_outputs(outputs, val_set, args.out)
+            report["samples"] = {"count": len(names), "dir": args.out}
+            say(f"wrote {len(names)} outputs to {args.out} ({names[0]} to {names[-1]}: the "
+                f"first validation pairs' generated images)")
+        return report, (generator, (config["in_channels"], side, side), described(config),
+                        ("inputs", "outputs"))
+
+
+class Pix2PixEvaluation(Evaluation):
+    """One validation of pix2pix, counted on the device: PSNR and SSIM of the outputs
+    against the targets, both in [0, 1] (torchmetrics' ``PeakSignalNoiseRatio``: the
+    mean squared error over the whole set, then in dB; ``StructuralSimilarityIndexMeasure``:
+    the mean of the images' SSIMs, an 11-pixel Gaussian window), and L1 in [-1, 1] (the
+    training loss's term, unweighted); each metric's states are reduced over the
+    processes when computed. The first ``examples`` pairs of this process are kept for
+    the picture.
+
+    Args:
+        device: where the sums live.
+        examples: how many of the first pairs to keep for the picture.
+    """
+
+    def __init__(self, device, examples=4):
+        super().__init__()
+        self.want, self.kept = examples, None
+        self.psnr = PeakSignalNoiseRatio(data_range=1.0)
+        self.ssim = StructuralSimilarityIndexMeasure(data_range=1.0)
+        self.add_state("l1_sum", torch.zeros((), dtype=torch.float64), "sum")
+        self.add_state("elements", torch.zeros((), dtype=torch.long), "sum")
+        self.add_state("pairs", torch.zeros((), dtype=torch.long), "sum")
+        self.to(device)
+
+    def update(self, out, y, x=None):
+        out, y = out.float(), y.float()
+        self.psnr.update((out + 1) / 2, (y + 1) / 2)
+        self.ssim.update((out + 1) / 2, (y + 1) / 2)
+        self.l1_sum += (out - y).abs().sum(dtype=torch.float64)
+        self.elements += out.numel()
+        self.pairs += len(out)
+        if self.kept is None and x is not None:
+            n = self.want
+            self.kept = (x[:n].detach().float().cpu(), out[:n].cpu(), y[:n].cpu())
+
+    def compute(self):
+        """``psnr`` (dB), ``ssim``, ``l1``, ``count`` (pairs) and ``examples``."""
+        empty = torch.zeros(0, 3, 1, 1)
+        return {"psnr": float(self.psnr.compute()), "ssim": float(self.ssim.compute()),
+                "l1": float(self.l1_sum) / max(int(self.elements), 1),
+                "count": int(self.pairs),
+                "examples": self.kept if self.kept is not None else (empty, empty, empty)}
+
+
+# ------------------------------------------------------------- test.py's generator
+
+def load_generator(state, config, path, weights):
+    """A fresh generator (pix2pix.build) holding the checkpoint's ``networks["generator"]``
+    (``"raw"``) or ``ema["generator"]`` (``"ema"``): CPU, float32, eval mode."""
+    checkpoint.require(state, path, ("networks",), "pix2pix's generator is in it")
+    generator, _ = pix2pix.build(config, config["in_channels"], config["out_channels"])
+    held = state["ema" if weights == "ema" else "networks"]["generator"]
+    tensors = checkpoint.unwrap_state_dict(held)
+    checkpoint.check_compatible(generator, tensors, path)
+    generator.load_state_dict(tensors)
+    return generator.eval()
+
+
+def described(config):
+    """What an exported generator's metadata says (``export.generator_metadata``): the
+    config keys that rebuild it, its input and its output."""
+    c_in, c_out, side = config["in_channels"], config["out_channels"], config["image_size"]
+    return (("image_size", "in_channels", "out_channels", "pix2pix_width", "pix2pix_norm",
+             "pix2pix_dropout"),
+            f"inputs: float32 (batch, {c_in}, {side}, {side}) in [-1, 1] (pixels / 127.5 - 1)",
+            f"outputs: float32 (batch, {c_out}, {side}, {side}) in [-1, 1]; (x + 1) * 127.5, "
+            f"rounded, gives 0..255 pixels")
+
+
+@torch.no_grad()
+def measure(generator, val_set, config, device, batch_size, num_workers, keep=0):
+    """The generator's figures on ``val_set`` as training's validation measures them (eval
+    mode, the run's autocast), and its first ``keep`` outputs as uint8 (on the CPU)."""
+    loader = data.build_loader(val_set, batch_size=batch_size, num_workers=num_workers,
+                               sampler=range(len(val_set)))
+    evaluation = Pix2PixEvaluation(device, Pix2Pix.examples)
+    dtype = runtime.amp_dtype(config["amp"], device)
+    kept = []
+    try:
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            with torch.autocast(device.type, dtype=dtype) if dtype else \
+                    contextlib.nullcontext():
+                out = generator(x)
+            evaluation.update(out, y, x)
+            if sum(len(k) for k in kept) < keep:
+                kept.append(pix2pix.to_uint8(out).cpu())
+    finally:
+        data.shutdown_loader(loader)
+    outputs = torch.cat(kept)[:keep] if kept else None
+    return evaluation.compute(), outputs
+
+
+def write_outputs(outputs, val_set, out_dir):
+    """The outputs as PNGs in ``out_dir``, each named for its validation pair (its input's
+    name; ``000000.png`` on for the synthetic set), written atomically; a file of that
+    name that held another image is replaced with one warning. Returns the names.
+
+    Raises:
+        files.OutputError: a write failed (a full disk); files written before are whole.
+    """
+    base = val_set.base
+    if isinstance(base, pair_data.FolderPairs):
+        names = [os.path.splitext(os.path.basename(a))[0] + ".png"
+                 for a, _ in base.pairs[:len(outputs)]]
+    else:
+        names = [f"{i:06d}.png" for i in range(len(outputs))]
+    replaced, path = [], out_dir
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        for image, name in zip(outputs, names):
+            path = os.path.join(out_dir, name)
+            png = io.BytesIO()
+            Image.fromarray(image.permute(1, 2, 0).squeeze(2).numpy()).save(png, "PNG")
+            if os.path.isfile(path):
+                with open(path, "rb") as f:
+                    if f.read() != png.getvalue():
+                        replaced.append(name)
+            files.atomic_write(path, lambda f, png=png: f.write(png.getvalue()), "wb")
+    except OSError as e:
+        raise files.output_failed("--out", path, e) from None
+    if replaced:  # a file of that name held another image (a user's, another checkpoint's)
+        say(f"warning: {len(replaced)} file(s) in {out_dir} held other images and were "
+            f"replaced ({replaced[0]}{' ...' if len(replaced) > 1 else ''})", file=sys.stderr)
+    return names
+
+
+TASK = Pix2Pix
