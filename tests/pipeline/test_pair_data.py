@@ -1,0 +1,162 @@
+"""pipeline/pair_data.py: the synthetic pairs, the pairfolder and its hostile cases (one
+``error:`` line each), the joint transforms (segmentation's, reused) moving input and target
+together, the per-sample determinism."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import train
+from config import with_defaults
+from pipeline import data, pair_data, pair_transforms
+
+
+def config(**extra):
+    return with_defaults({"task": "pix2pix", "network": "pix2pix", "dataset": "synthetic",
+                          "seed": 3, "image_size": 32, "synthetic_size": 20,
+                          "num_classes": 4, "augment": True, "num_workers": 0, **extra})
+
+
+def write_pair(root, split, name, size=(32, 32), target_size=None, colour=(200, 40, 40)):
+    for side, s in (("a", size), ("b", target_size or size)):
+        folder = root / split / side
+        folder.mkdir(parents=True, exist_ok=True)
+        pixels = np.zeros((s[1], s[0], 3), dtype=np.uint8)
+        pixels[:, : s[0] // 3] = colour  # a left band: a flip shows
+        Image.fromarray(pixels).save(folder / f"{name}.png")
+
+
+def tree(root, names=("x", "y", "z")):
+    for split in ("train", "val"):
+        for name in names:
+            write_pair(root, split, name)
+    return root
+
+
+def test_the_synthetic_pairs_are_outlines_in_and_filled_shapes_out():
+    train_set, val_set = pair_data.build_datasets(config(augment=False))
+    assert (len(train_set), len(val_set)) == (20, 4)
+    assert (train_set.in_channels, train_set.out_channels, train_set.image_size) == (3, 3, 32)
+    a, b = train_set[0]
+    assert a.shape == b.shape == (3, 32, 32) and a.dtype == b.dtype == torch.float32
+    assert a.min() >= -1 and a.max() <= 1 and b.min() >= -1 and b.max() <= 1
+    lit_a, lit_b = a.amax(0) > -1, b.amax(0) > -1
+    assert lit_a.sum() < lit_b.sum() and not (lit_a & ~lit_b).any()  # an outline of it
+    again, _ = pair_data.build_datasets(config(augment=False))
+    assert torch.equal(again[0][1], b)  # from the seed
+    other, _ = pair_data.build_datasets(config(augment=False, seed=4))
+    assert not torch.equal(other[0][1], b)
+
+
+def test_input_and_target_move_together_by_segmentations_transforms(tmp_path):
+    """The same image as input and target: after the jitter (resize, crop, flip), each
+    sample's two are still the same, and the flips of the epoch differ by sample."""
+    tree(tmp_path)
+    train_set, _ = pair_data.build_datasets(config(dataset="pairfolder",
+                                                   data_dir=str(tmp_path)))
+    steps = train_set.transform.transforms
+    assert [type(s) for s in steps] == [pair_transforms.RandomResize,
+                                        pair_transforms.RandomCrop, pair_transforms.Flip]
+    flips = set()
+    for index in range(3):
+        for epoch in range(4):
+            a, b = train_set[(index, epoch)]
+            assert torch.equal(a, b)
+            flips.add(bool(a[0, 16, -3] > a[0, 16, 2]))  # the band went right
+            assert torch.equal(train_set[(index, epoch)][0], a)  # a function of the key
+    assert flips == {True, False}
+
+
+def test_the_per_sample_path_does_not_depend_on_the_workers(tmp_path):
+    train_set, _ = pair_data.build_datasets(config())
+    sampler = data.EpochBatchSampler(len(train_set), 4, 3)
+    sampler.set_epoch(1)
+    one = list(data.build_loader(train_set, batch_sampler=sampler))
+    loader = data.build_loader(train_set, batch_sampler=sampler, num_workers=2)
+    try:
+        two = list(loader)
+    finally:
+        data.shutdown_loader(loader)
+    for (a0, b0), (a1, b1) in zip(one, two, strict=True):
+        assert torch.equal(a0, a1) and torch.equal(b0, b1)
+
+
+def test_a_pairfolder_pairs_by_name_and_resizes_to_the_side(tmp_path):
+    tree(tmp_path)
+    write_pair(tmp_path, "train", "w", size=(50, 40))
+    train_set, val_set = pair_data.build_datasets(config(dataset="pairfolder",
+                                                         data_dir=str(tmp_path),
+                                                         augment=False))
+    names = [os.path.basename(a) for a, _ in train_set.base.pairs]
+    assert names == ["w.png", "x.png", "y.png", "z.png"] and len(val_set) == 3
+    assert all(os.path.basename(a) == os.path.basename(b) for a, b in train_set.base.pairs)
+    assert train_set[0][0].shape == (3, 32, 32)
+    first = pair_data.set_identity(train_set)
+    (tmp_path / "train" / "a" / "z.png").rename(tmp_path / "train" / "a" / "v.png")
+    (tmp_path / "train" / "b" / "z.png").rename(tmp_path / "train" / "b" / "v.png")
+    again, _ = pair_data.build_datasets(config(dataset="pairfolder", data_dir=str(tmp_path)))
+    assert pair_data.set_identity(again)["fingerprint"] != first["fingerprint"]
+
+
+def _only_input(root):
+    write_pair(root, "train", "lonely")
+    os.remove(root / "train" / "b" / "lonely.png")
+
+
+def _only_target(root):
+    write_pair(root, "val", "orphan")
+    os.remove(root / "val" / "a" / "orphan.png")
+
+
+def _mismatch(root):
+    write_pair(root, "train", "big", size=(32, 32), target_size=(40, 32))
+
+
+def _unreadable(root):
+    (root / "train" / "a" / "bad.png").write_bytes(b"not a png")
+    write_pair(root, "train", "tmp")
+    os.replace(root / "train" / "b" / "tmp.png", root / "train" / "b" / "bad.png")
+    os.remove(root / "train" / "a" / "tmp.png")
+
+
+def _two_of_one_name(root):
+    Image.new("RGB", (32, 32)).save(root / "train" / "a" / "x.jpg")
+
+
+def _no_val(root):
+    import shutil
+    shutil.rmtree(root / "val" / "b")
+
+
+@pytest.mark.parametrize("break_it, words", [
+    (_only_input, "the input {root}/train/a/lonely.png has no target: expected "
+                  "{root}/train/b/lonely.png"),
+    (_only_target, "the target {root}/val/b/orphan.png has no input: expected "
+                   "{root}/val/a/orphan.png"),
+    (_mismatch, "the target {root}/train/b/big.png is 40x32 but its input "
+                "{root}/train/a/big.png is 32x32"),
+    (_unreadable, "cannot read {root}/train/a/bad.png"),
+    (_two_of_one_name, "{root}/train/a/x.jpg and x.png have one name"),
+    (_no_val, "--dataset pairfolder needs '{root}/val/b'"),
+])
+def test_a_hostile_pairfolder_is_one_line_naming_the_file(tmp_path, capsys, break_it, words):
+    root = tree(tmp_path / "pairs")
+    break_it(root)
+    assert train.main(["--task", "pix2pix", "--dataset", "pairfolder", "--data-dir", str(root),
+                       "--pix2pix-width", "8", "--epochs", "1", "--batch-size", "2",
+                       "--num-workers", "0", "--device", "cpu",
+                       "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and words.format(root=root) in err[-1], err
+    assert "Traceback" not in "\n".join(err)
+
+
+def test_a_missing_data_dir_is_one_line(tmp_path, capsys):
+    assert train.main(["--task", "pix2pix", "--dataset", "pairfolder", "--data-dir",
+                       str(tmp_path / "nowhere"), "--device", "cpu",
+                       "--run-dir", str(tmp_path / "run")]) == 2
+    assert f"error: --data-dir {str(tmp_path / 'nowhere')!r} does not exist" in \
+        capsys.readouterr().err
