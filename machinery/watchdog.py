@@ -241,6 +241,7 @@ class Watchdog:
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         recorder = dump_flight_recorder(self.run_dir, self.rank) if self.distributed \
             else None
+        stop_children()  # DataLoader workers: gone before the line, so nothing follows it
         also = f", the collectives in {recorder}" if recorder else ""
         try:
             print(f"error: no step finished in {waited:.0f} s ({rule}; process {self.rank}, "
@@ -250,6 +251,18 @@ class Watchdog:
             time.sleep(grace)
         finally:
             os._exit(EXIT_HUNG)  # the training thread may be stuck in C: no clean exit
+
+
+def stop_children():
+    """Kills this process's multiprocessing children (DataLoader workers) at once: left
+    to notice their parent's exit, one of them printed a ``BrokenPipeError`` traceback
+    after the watchdog's ``error:`` line (round 5's F13). They hold nothing to save."""
+    import multiprocessing
+    import signal
+
+    for child in multiprocessing.active_children():
+        with contextlib.suppress(OSError):
+            os.kill(child.pid, signal.SIGKILL)
 
 
 def dump_flight_recorder(run_dir, rank):

@@ -1,6 +1,7 @@
 """The hang watchdog (--hang-timeout): its default rule, what it times and what not, and
 a hung process that says where (alone, and under torchrun with a peer that stalls)."""
 
+import contextlib
 import os
 import pickle
 import subprocess
@@ -198,3 +199,43 @@ def test_a_recompile_under_compile_is_no_hang(tmp_path):
     assert seen == [(None, None)]  # compiling: not timed
     assert after[0] is None and after[1] == 0.3  # timed again, from the compile's end
     torch._dynamo.reset()
+
+
+STOPPED_WORKERS = """
+import os, signal, torch.utils.data
+from torch.optim.optimizer import register_optimizer_step_post_hook
+taken = []
+def stop_the_workers(optimizer, args, kwargs):  # after step 2, every DataLoader worker stops
+    taken.append(1)
+    if len(taken) == 2:
+        import multiprocessing
+        for child in multiprocessing.active_children():
+            os.kill(child.pid, signal.SIGSTOP)
+        with open(os.environ["WORKERS_FILE"], "w") as f:
+            f.write(" ".join(str(c.pid) for c in multiprocessing.active_children()))
+register_optimizer_step_post_hook(stop_the_workers)
+"""
+
+
+def test_a_hang_in_the_dataloader_workers_ends_with_one_line_and_no_worker_left(tmp_path):
+    """Round 5's F13: DataLoader workers stopped mid-epoch (SIGSTOP): exit 3 with the one
+    ``error:`` line last, no traceback after it, and no worker left behind."""
+    run_dir, pids = tmp_path / "run", tmp_path / "workers.txt"
+    launcher = write_launcher(tmp_path / "stop.py", STOPPED_WORKERS)
+    env = dict(os.environ, WORKERS_FILE=str(pids))
+    done = subprocess.run([sys.executable, launcher, *tiny_args(
+        run_dir, "--synthetic-size", "2000", "--num-workers", "2", "--data-on-device", "off",
+        "--hang-timeout", "2")], cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env=env)
+    assert done.returncode == watchdog.EXIT_HUNG, done.stderr[-3000:]
+    lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+    assert lines[-1].startswith("error: no step finished") and "Traceback" not in \
+        done.stderr, done.stderr[-3000:]
+    workers = [int(p) for p in pids.read_text().split()]
+    assert len(workers) == 2
+    time.sleep(0.5)
+    for pid in workers:  # killed (a zombie at most, until init reaps it)
+        state = None
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        assert state in (None, "Z"), (pid, state)
