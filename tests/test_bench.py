@@ -33,6 +33,8 @@ SMALLEST = {
                       "8", "--width", "8", "--image-size", "8", "--sample-steps", "2",
                       "--repeats", "1", "--diffusion-steps", "50"],
                      "figure: diffusion.train_py_over_plain"),
+    "pix2pix.py": (["--samples", "32", "--steps", "4", "--batch-size", "8", "--width", "8",
+                    "--repeats", "1"], "figure: pix2pix.train_py_over_plain"),
     "identity.py": (["--base", "HEAD", "--recipes", "adam-clip"],
                     "1 of 1 recipes equal to HEAD"),
     "lightning.py": (["--device", "cpu", "--network", "mlp", "--image-size", "8",
@@ -60,7 +62,7 @@ SMALLEST = {
                         "1"], "device path / per-sample path:"),
 }
 WRITES_INTO = {"checkpoint.py": "--dir", "export.py": "--dir", "gan.py": "--dir",
-               "diffusion.py": "--dir",
+               "diffusion.py": "--dir", "pix2pix.py": "--dir",
                "identity.py": "--dir",
                "photos.py": "--dir", "segmentation.py": "--dir"}
 
