@@ -167,23 +167,67 @@ def open_tracker(config, run_dir, saved=None, enabled=True):
     return tracker
 
 
+def sqlite_path(uri):
+    """The file of a ``sqlite:///`` URI, or None (another store)."""
+    return uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else None
+
+
+def unwritable(path):
+    """Why the SQLite store ``path`` cannot be written, or None: checked before MLflow
+    opens it, whose engine retries an unwritable file for about 50 s (round 5's F6)."""
+    if os.path.exists(path):
+        return None if os.access(path, os.R_OK | os.W_OK) else f"{path} is not writable"
+    parent = os.path.dirname(path) or "."
+    while not os.path.isdir(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)  # (MLflow makes the missing folders)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot create {path}: {parent} is not writable"
+    return None
+
+
 @contextlib.contextmanager
 def _quiet_database_setup(uri):
     """MLflow's SQL store logs its schema migrations (INFO lines on stderr, the first time
-    some seconds): one line of ours instead, where the SQLite file is new."""
-    path = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else None
+    some seconds): one line of ours instead, where the SQLite file is new. The store is
+    opened under an exclusive lock of its folder (``flock``), so that runs started at
+    once on a new file do not both create its tables (one of them would record nothing:
+    round 5's F5); the lock is the folder's, no file is left behind."""
+    path = sqlite_path(uri)
     if path and not os.path.exists(path):
         runtime.main_print(f"mlflow: creating the tables of a new store {path} (once: "
                            f"some seconds)")
     loggers = [logging.getLogger(name) for name in ("mlflow.store.db.utils", "alembic")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
-        logger.setLevel(logging.WARNING)
+        logger.setLevel(logging.ERROR)  # (its retries' warnings: our one line says why)
+    with contextlib.ExitStack() as held:
+        if path:
+            held.enter_context(_folder_lock(os.path.dirname(path) or "."))
+        try:
+            yield
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _folder_lock(folder):
+    """An exclusive ``flock`` of ``folder`` (made if missing) while the block runs; none
+    where the platform or the file system has none."""
     try:
+        import fcntl
+
+        os.makedirs(folder, exist_ok=True)
+        fd = os.open(folder, os.O_RDONLY)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
+        os.close(fd)  # (releases the lock)
 
 
 def reason(error):
@@ -224,6 +268,10 @@ class Tracker:
         if self.uri.startswith("sqlite:") and missing:  # (MLflow's words: its registry)
             self._warn(f"its SQLite store needs {' and '.join(missing)}, which are not "
                        f"installed (pip install -r requirements.txt)")
+            return
+        path = sqlite_path(self.uri)
+        if path and unwritable(path):  # at once, not after MLflow's retries
+            self._warn(unwritable(path))
             return
         try:  # the store is opened here: an unknown scheme, a file store refused
             with _quiet_database_setup(self.uri):
