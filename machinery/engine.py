@@ -296,7 +296,7 @@ def steps(model, loader, optimizer, task, loop, state, bar):
     model.train()
     keep_frozen_norms_eval(model)
     batches = _Prefetcher(loader, loop.prefetch)
-    phase, batch_size, detail = "loading a batch", sampler.batch_size, None
+    doing, detail = _Doing("loading a batch", sampler.batch_size), None
     try:
         timer.start_data()
         for k, batch in enumerate(batches):
@@ -307,29 +307,17 @@ def steps(model, loader, optimizer, task, loop, state, bar):
             x, y = task.to_device(batch, device, loop.memory_format)
             x, y = task.prepare(x, y, state.epoch, first_batch + k)  # (seed, epoch, batch)
             timer.start_compute()
-            if phases is not None:
+            if phases is not None:  # the step's micro-batches, trained phase by phase
                 held.append((x, y, local_n, _where(sampler, plan, starts, state.epoch, first,
                                                    accum, k)))
                 if last_micro_batch:
-                    phase, batch_size = "a training phase", local_n
+                    doing.now("a training phase", local_n)
                     _phase_steps(model, optimizer, task, loop, held)
                     held = []
             else:
-                no_sync = world > 1 and not last_micro_batch
-                phase, batch_size = "the forward pass", local_n
-                with model.no_sync() if no_sync else contextlib.nullcontext():
-                    with loop.autocast():
-                        loss = task.loss(model, x, y)
-                    # DDP averages gradients over processes: scale so that the sum over the
-                    # accumulation is the mean over all of its samples, however they were
-                    # split.
-                    weight = local_n * world / accum_n
-                    phase = "the backward pass"
-                    loop.scaler.scale(loss * weight if weight != 1.0 else loss).backward()
-                loop.counters.add_loss(loss, local_n)
-                if last_micro_batch:
-                    phase = "the optimizer step"
-                    _optimizer_step(model.parameters(), optimizer, loop)
+                _micro_batch(model, optimizer, task, loop, x, y, local_n,
+                             local_n * world / accum_n, last_micro_batch,
+                             doing.now("the forward pass", local_n))
             if last_micro_batch:
                 state.step += 1
                 set_lr(optimizer, loop.lr_factor(state.step))
@@ -338,7 +326,7 @@ def steps(model, loader, optimizer, task, loop, state, bar):
             bar.update(1)
             if last_micro_batch:
                 yield state.step
-            phase = "loading a batch"
+            doing.now("loading a batch")
             timer.start_data()
     except (RuntimeError, MemoryError) as e:
         detail = memory_error(e)
@@ -348,7 +336,38 @@ def steps(model, loader, optimizer, task, loop, state, bar):
     finally:
         batches.close()
     if detail is not None:  # raised here, outside the handler, so that memory is freed
-        raise OutOfMemory(phase, batch_size, detail)
+        raise OutOfMemory(doing.phase, doing.batch_size, detail)
+
+
+class _Doing:
+    """What the step loop is doing (for an out-of-memory message): a phase of the step
+    and the micro-batch's size."""
+
+    def __init__(self, phase, batch_size):
+        self.phase, self.batch_size = phase, batch_size
+
+    def now(self, phase, batch_size=None):
+        self.phase = phase
+        self.batch_size = self.batch_size if batch_size is None else batch_size
+        return self
+
+
+def _micro_batch(model, optimizer, task, loop, x, y, n, weight, last, doing):
+    """One micro-batch of a one-network task (``n`` samples here): forward, the loss times
+    ``weight`` (its share of the step's samples, times the processes: DDP averages
+    gradients over them, so the sum over the accumulation is the mean over all of its
+    samples, however they were split), backward (``no_sync`` but for the step's last
+    micro-batch), and the optimizer step after the ``last``."""
+    no_sync = loop.world_size > 1 and not last
+    with model.no_sync() if no_sync else contextlib.nullcontext():
+        with loop.autocast():
+            loss = task.loss(model, x, y)
+        doing.now("the backward pass")
+        loop.scaler.scale(loss * weight if weight != 1.0 else loss).backward()
+    loop.counters.add_loss(loss, n)
+    if last:
+        doing.now("the optimizer step")
+        _optimizer_step(model.parameters(), optimizer, loop)
 
 
 @dataclasses.dataclass(frozen=True)
