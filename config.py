@@ -264,6 +264,14 @@ def _inspection_flags(g):
                    "'resume exact' (exit 0) or the first difference (exit 1)")
     g.add_argument("--verify-resume-steps", type=int, default=6, metavar="N",
                    help="optimizer steps --verify-resume runs (fewer if the run is shorter)")
+    g.add_argument("--preflight", nargs="?", const="only", default="none",
+                   choices=["none", "only", "train"],
+                   help="every stage of the run once: one accumulation window of the real "
+                   "step, one batch of each evaluation, a checkpoint written (elsewhere), "
+                   "read back and compared, every output directory written to; then all is "
+                   "put back. --preflight: exit 0 after it (1 and one error: line naming the "
+                   "stage on a failure); --preflight train: then train, bit-identical to a "
+                   "run without it")
     g.add_argument("--replay", default=None, metavar="RECORD",
                    help="replay the step a non-finite loss or gradient norm was recorded at "
                    "(RUN_DIR/checkpoints/nonfinite-step-NNNNNNNN.json): from its last good "
@@ -637,10 +645,13 @@ def check_config(c):
     if c["find_lr_min"] >= c["find_lr_max"]:
         raise UserError(f"--find-lr-min {c['find_lr_min']} must be below --find-lr-max "
                         f"{c['find_lr_max']}")
-    clash = [f for f in ("resume", "find_lr", "replay") if c["verify_resume"] and c[f]]
+    clash = [f for f in ("resume", "find_lr", "replay", "preflight")
+             if c["verify_resume"] and c[f] not in (None, False, "none")]
     if clash:  # it makes fresh runs of its own, in a temporary directory
         raise UserError(f"--verify-resume starts and resumes runs of its own: drop "
                         f"{_flag(clash[0])}")
+    if c["preflight"] != "none" and c["find_lr"]:  # the LR range test is no run to check
+        raise UserError("--preflight checks a run, --find-lr trains none: drop one")
     if c["unfreeze_at"] > c["epochs"]:
         _warn(f"--unfreeze-at {c['unfreeze_at']} is beyond --epochs {c['epochs']}: the "
               f"frozen parameters stay frozen for the whole run")

@@ -52,6 +52,7 @@ import tasks
 from config import check_config, merge_resumed_config, parse_config, with_defaults
 from machinery import checkpoint, engine, ledger, meters, runtime, verify_resume, watchdog
 from machinery.checkpoint import Kind
+from machinery.preflight import run as run_preflight
 from ops import Interrupted, RunFailed, UserError
 from pipeline import data, device_data, presets, recipes
 from reporting import lr_finder, metrics, profiling, runlog, tracking
@@ -202,6 +203,11 @@ def fit(config, argv, resume_path, saved, directory, stop):
                                  training.task, training.loop, training.state,
                                  training.run_log, (train_loader, training.val_loader),
                                  stop)
+        if config["preflight"] != "none":  # every stage once, all put back: preflight.py
+            run_preflight(training, train_loader, tasks.build_loaders, data.shutdown_loader,
+                          tasks.use_tta(config), stop.pending)
+            if config["preflight"] == "only":
+                return 0
         log(f"training {config['network']} on {config['dataset']} "
             f"({len(training.datasets[0])} samples, {procs.world_size} process(es), "
             f"{procs.device}) into {directory.path}")

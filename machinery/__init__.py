@@ -10,6 +10,7 @@
     files.py        atomic writes, fsync helpers, writable probes
     ledger.py       --sample-ledger: each step's samples, the permutation check
     verify_resume.py  --verify-resume: a run stopped, resumed and compared in fresh processes
+    preflight.py    --preflight: every stage of a run once before its first step, put back
 
 Imports only torch, the standard library and ops.py.
 """

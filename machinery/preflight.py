@@ -1,0 +1,247 @@
+"""--preflight: every stage of a run once, before its first step, then all put back.
+
+    python train.py ... --preflight           # the stages, then exit 0 (or 1)
+    python train.py ... --preflight train     # the stages, then the run itself
+
+A run that crashes at its first validation or cannot read its own checkpoint is found out
+hours in. The preflight takes each path the run will take, on the run's own objects, in
+seconds (``run``):
+
+1. the output directories: a file made and removed in the run directory (TensorBoard's
+   event files and metrics.jsonl go there) and in its ``checkpoints/``;
+2. the training step: ``engine.steps`` itself (AMP, the GradScaler, clipping, MixUp,
+   a task's phases) for one accumulation window of the real batches at the run's position,
+   then the EMA's update; its loss and the weights after it must be finite;
+3. the evaluation: ``engine.evaluate`` with the network on one validation batch (with
+   --tta as set), the task's figures and pictures from it; a task whose evaluation needs
+   more images than one batch holds (a GAN's FID on --fid-samples images) refuses one
+   batch, and gets the whole validation set;
+4. the evaluation of the moving average (--ema-decay), the same way;
+5. the checkpoint: the run's own ``Saver`` writes it into a temporary directory (never
+   the run's), ``checkpoint.load_checkpoint`` reads it back, and every tensor and value
+   is compared with the state it was written from (``verify_resume.first_difference``).
+
+Then everything is put back (``Snapshot``): the weights and BatchNorm statistics, the
+optimizer(s), the GradScaler, the EMA, the run state (``TrainState``: step, position),
+the loss counters, the Saver's directory and last file, each module's train/eval mode and
+the RNG states (python, numpy, torch CPU and CUDA). The step ran on loaders built for the
+preflight (``loaders``: a sampler of its own at the run's position), so the run's sampler
+and DataLoader workers never moved, and nothing of the preflight reaches TensorBoard,
+metrics.jsonl or MLflow: the run that follows is bit for bit the run without it.
+
+A failure is one line naming the stage (``PreflightFailed``, a RunFailed: exit 1), e.g.
+``error: preflight: the checkpoint read back differs at model/fc.weight ...``.
+"""
+
+import contextlib
+import copy
+import io
+import itertools
+import os
+import tempfile
+import time
+
+import ops
+from machinery import checkpoint, engine, files, runtime, verify_resume
+from ops import Interrupted, RunFailed, UserError
+
+
+class PreflightFailed(RunFailed):
+    """A stage of the preflight failed: one line, exit 1."""
+
+
+@contextlib.contextmanager
+def stage(name, training=None):
+    """Runs a stage; whatever goes wrong in it is a ``PreflightFailed`` naming ``name``.
+    A stop signal (``Interrupted``) and Ctrl-C pass through unchanged."""
+    try:
+        yield
+    except (Interrupted, KeyboardInterrupt, PreflightFailed):
+        raise
+    except ops.OutOfMemory as e:
+        config, net = (training.config, training.net) if training else (None, None)
+        raise PreflightFailed(f"preflight: {name}: "
+                              f"{ops.out_of_memory_message(e, config, net)}") from None
+    except (RunFailed, UserError) as e:
+        raise PreflightFailed(f"preflight: {name}: {e}") from None
+    except OSError as e:
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        raise PreflightFailed(f"preflight: {name}: {e.strerror or e}{where}") from None
+    except Exception as e:  # noqa: BLE001 - any failure of a stage is one line
+        raise PreflightFailed(f"preflight: {name} failed: {type(e).__name__}: "
+                              f"{ops.first_sentence(e)}") from None
+
+
+class _NoBar:
+    """The progress display ``engine.steps`` updates: nothing shown."""
+
+    def update(self, n=1):
+        pass
+
+
+def _clone(tensors):
+    return {k: v.detach().clone() for k, v in tensors.items()}
+
+
+class Snapshot:
+    """Everything of a run that the preflight's stages change, copied (``take``) and put
+    back (``put_back``)."""
+
+    def __init__(self, training):
+        self.training = training
+        loop, saver = training.loop, training.saver
+        self.net = _clone(training.net.state_dict())  # weights and BatchNorm statistics
+        self.modes = [m.training for m in training.net.modules()]
+        self.optimizer = copy.deepcopy(training.optimizer.state_dict())  # lr of each group
+        self.scaler = copy.deepcopy(loop.scaler.state_dict())
+        self.ema = None if training.ema is None else _clone(training.ema.state_dict())
+        self.state = copy.deepcopy(vars(training.state))  # step, position, sums, best
+        self.counters = copy.deepcopy(vars(loop.counters))
+        self.saver = (saver.dir, saver.last_saved)
+        self.rng = checkpoint.rng_state()  # python, numpy, torch CPU and CUDA
+
+    def put_back(self):
+        training = self.training
+        training.net.load_state_dict(self.net)  # in place: the optimizer's parameters stay
+        for module, mode in zip(training.net.modules(), self.modes):
+            module.training = mode
+        training.optimizer.load_state_dict(copy.deepcopy(self.optimizer))
+        ops.place_fused_steps(training.optimizer)
+        if self.scaler:  # (an enabled GradScaler's; a disabled one has none)
+            training.loop.scaler.load_state_dict(self.scaler)
+        if training.ema is not None:
+            training.ema.load_state_dict(self.ema)
+        vars(training.state).update(copy.deepcopy(self.state))
+        vars(training.loop.counters).clear()
+        vars(training.loop.counters).update(copy.deepcopy(self.counters))
+        training.loop.timer.reset()
+        training.saver.dir, training.saver.last_saved = self.saver
+        checkpoint.set_rng_state(self.rng)
+
+
+def run(training, train_loader, build_loaders, close, tta, stop=None):
+    """The preflight of the run ``training`` (train.py's ``Training``), then the put back.
+
+    Args:
+        training: the built run, resumed if it resumes, before its first step.
+        train_loader: the run's training loader: its ``EpochBatchSampler`` is copied (to
+            the run's position), never moved, and the loader itself is not iterated.
+        build_loaders: ``tasks.build_loaders``: ``(config, procs, train_set, val_set,
+            sampler, stop)`` to ``(train_loader, val_loader)``, as the run's are built.
+        close: stops a loader's workers (``data.shutdown_loader``).
+        tta: the run's test-time augmentation (``tasks.use_tta``).
+        stop: ``StopRequest.pending`` (what takes long in building the loaders stops).
+
+    Returns:
+        The names of the stages that ran.
+
+    Raises:
+        PreflightFailed: one line naming the stage that failed.
+    """
+    start = time.perf_counter()
+    saved = Snapshot(training)
+    built = ()
+    try:
+        with stage("building its loaders", training):
+            sampler = copy.copy(train_loader.batch_sampler)
+            sampler.observer = None  # (--sample-ledger's: the run's batches only)
+            state = training.state
+            if state.epoch_samples >= sampler.size:  # resumed at an epoch's end
+                sampler.set_epoch(state.epoch + 1, 0)
+            else:
+                sampler.set_epoch(state.epoch, state.epoch_samples)
+            with contextlib.redirect_stdout(io.StringIO()):  # the run's data path, said
+                built = build_loaders(training.config, training.procs,  # once already
+                                      *training.datasets, sampler, stop)
+        names = check_directories(training)
+        names += [train_step(training, built[0])]
+        names += evaluate(training, built[1], tta)
+        names += [check_checkpoint(training)]
+    finally:
+        for loader in built:
+            close(loader)
+        saved.put_back()
+    runtime.main_print(f"preflight: {len(names)} stages ok in "
+                       f"{time.perf_counter() - start:.1f} s ({', '.join(names)}); "
+                       f"everything put back")
+    return names
+
+
+def check_directories(training):
+    """A file made and removed in each directory the run writes to (main process)."""
+    name = "the output directories"
+    if training.procs.is_main:
+        for directory in dict.fromkeys([training.run_log.run_dir, training.saver.dir]):
+            with stage(f"{name}: {directory}", training):
+                files.probe_writable(directory)
+    return [name]
+
+
+def train_step(training, loader):
+    """One accumulation window of ``engine.steps`` over ``loader``, then the EMA's update;
+    the loss and the weights after it must be finite."""
+    name = "the training step"
+    with stage(name, training):
+        with contextlib.closing(engine.steps(training.model, loader, training.optimizer,
+                                             training.task, training.loop, training.state,
+                                             _NoBar())) as steps:
+            step = next(steps, None)
+        if step is None:
+            raise RunFailed("the training set gave no batch")
+        if training.ema is not None:
+            training.ema.update(training.task.averaged(training.net), step)
+        if training.loop.counters.read()["streak"]:
+            raise RunFailed(f"the loss of step {step} is not finite")
+        training.saver.check_weights()
+    return name
+
+
+def evaluate(training, loader, tta):
+    """The evaluation of the network (and of the EMA) on one validation batch, with the
+    task's figures and pictures from it; the whole set where one batch is refused."""
+    task, names = training.task, training.datasets[0].classes
+    done = []
+    models = [("the evaluation", training.model, "")]
+    if training.ema is not None:
+        models.append(("the evaluation of the moving average", training.ema.module, "_ema"))
+    for name, model, suffix in models:
+        with stage(name, training):
+            if suffix:
+                training.ema.sync_buffers()
+            try:
+                result = engine.evaluate(model, itertools.islice(loader, 1), training.loop,
+                                         task, tta=tta)
+            except UserError:  # more than one batch's images (a GAN's --fid-samples)
+                result = engine.evaluate(model, loader, training.loop, task, tta=tta)
+            task.extra_figures(result, names, suffix)
+            if training.run_log.enabled:  # drawn on process 0 only, as validate does
+                for _ in task.images(result, names, f"preflight{suffix}"):
+                    pass
+        done.append(name)
+    return done
+
+
+def check_checkpoint(training):
+    """The run's Saver writes a checkpoint into a temporary directory; it is read back with
+    ``checkpoint.load_checkpoint`` and compared with the state it was written from."""
+    name = "the checkpoint"
+    saver = training.saver
+    with stage(name, training), tempfile.TemporaryDirectory(prefix="preflight-") as tmp:
+        saver.dir = tmp
+        expected = checkpoint.to_cpu(checkpoint.training_state(
+            saver.net, saver.optimizer, saver.scaler, training.state.state_dict(),
+            [checkpoint.rng_state()] * training.procs.world_size, saver.config, saver.ema,
+            saver.data, saver.averaged))
+        saver.save(checkpoint.Kind.STOP)
+        saver.wait()
+        if training.procs.is_main:
+            read = checkpoint.load_checkpoint(os.path.join(tmp, "last.pt"))
+            if training.procs.world_size > 1:  # every process's RNG: gathered, not ours
+                expected = {k: v for k, v in expected.items() if k != "rng_per_rank"}
+            found = verify_resume.first_difference(expected, {k: read.get(k)
+                                                              for k in expected})
+            if found is not None:
+                where, detail = found
+                raise PreflightFailed(f"preflight: {name} read back differs at "
+                                f"{'/'.join(map(str, where))} ({detail})")
+    return name

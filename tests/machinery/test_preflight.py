@@ -1,0 +1,277 @@
+"""--preflight (issue 38): every stage of the run once before its first step, then all put
+back: the run that follows is bit for bit the run without it (checkpoint, metrics.jsonl but
+its time figures, TensorBoard); `--preflight` alone exits 0 with no checkpoint; a failing
+stage is one error line naming it, exit 1."""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+from helpers import (
+    ROOT,
+    _child_env,
+    assert_states_equal,
+    events,
+    final_state,
+    read_metrics,
+    seg_args,
+    tiny_args,
+)
+
+import train
+from machinery import checkpoint, files, preflight
+
+# metrics.jsonl's figures of time and speed: the only ones a preflight may change
+TIMED = {"compute_efficiency", "data_time", "compute_time", "epoch_time", "samples_per_sec",
+         "tflops", "mfu"}
+
+GLOBAL_DROPOUT = '''
+import torch
+from tasks.classification import Classification
+
+
+class GlobalDropout(Classification):
+    """A classifier whose dropout draws from torch's global RNG."""
+
+    @classmethod
+    def build_networks(cls, config, dataset):
+        return torch.nn.Sequential(torch.nn.Dropout(0.3), super().build_networks(config, dataset))
+'''
+
+
+def classifier(run_dir, *extra):
+    """Accumulation (2 micro-batches), EMA, MixUp, flip TTA, clipping, the DataLoader path."""
+    return tiny_args(run_dir, "--virtual-batch-size", "32", "--ema-decay", "0.9",
+                     "--mixup-alpha", "0.2", "--tta", "flip", "--grad-clip", "1.0",
+                     "--data-on-device", "off", *extra, batch=16, size=80, epochs=2)
+
+
+def twice(tmp_path, args, *extra):
+    """The run without and with ``--preflight train``: their run directories."""
+    plain, checked = tmp_path / "plain", tmp_path / "checked"
+    assert train.main(args(plain, *extra)) == 0
+    assert train.main(args(checked, *extra, "--preflight", "train")) == 0
+    return plain, checked
+
+
+def assert_same_run(a, b, tensorboard=True):
+    """The final checkpoints (every tensor and value but the config), metrics.jsonl but
+    its time figures, and every TensorBoard scalar (steps and values; the speed figures:
+    steps) and image (steps) of two runs are the same."""
+    states = [final_state(d) for d in (a, b)]
+    for state in states:
+        del state["config"], state["checksum"]  # the flags differ by --preflight
+    assert_states_equal(*states)
+    records = [[{k: v for k, v in r.items() if k not in TIMED} for r in read_metrics(d)]
+               for d in (a, b)]
+    assert records[0] == records[1] and records[0]
+    if not tensorboard:
+        return
+    ea, eb = events(a), events(b)
+    assert ea.Tags()["scalars"] == eb.Tags()["scalars"]
+    for tag in ea.Tags()["scalars"]:
+        got = [[(s.step, s.value) for s in e.Scalars(tag)] for e in (ea, eb)]
+        if tag.startswith("z_perf/"):  # speed: the steps only
+            got = [[step for step, _ in g] for g in got]
+        assert got[0] == got[1], tag
+    assert ea.Tags()["images"] == eb.Tags()["images"]
+    for tag in ea.Tags()["images"]:
+        assert [s.step for s in ea.Images(tag)] == [s.step for s in eb.Images(tag)], tag
+
+
+def said(capsys):
+    out = capsys.readouterr()
+    return out.out + out.err
+
+
+# ------------------------------------------------------------- the run is the same
+
+def test_a_classifier_with_accumulation_ema_and_mixup_ends_as_without(tmp_path, capsys):
+    plain, checked = twice(tmp_path, classifier)
+    assert_same_run(plain, checked)
+    line = re.search(r"preflight: (\d+) stages ok in [0-9.]+ s \((.*)\)", said(capsys))
+    assert line and line.group(1) == "5", line
+    assert "the evaluation of the moving average" in line.group(2)
+
+
+def test_a_dropout_drawing_from_the_global_rng_ends_as_without(tmp_path, monkeypatch):
+    """The preflight's step draws dropout masks from torch's RNG: put back, the run's
+    masks are the ones it would have drawn (the device path: no DataLoader)."""
+    (tmp_path / "dropped.py").write_text(GLOBAL_DROPOUT)
+    monkeypatch.chdir(tmp_path)
+
+    def args(run_dir, *extra):
+        return tiny_args(run_dir, "--task", "dropped.py:GlobalDropout", *extra, epochs=2)
+    assert_same_run(*twice(tmp_path, args))
+
+
+def test_segmentation_ends_as_without(tmp_path):
+    assert_same_run(*twice(tmp_path, seg_args, "--ema-decay", "0.9", "--epochs", "2"))
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory):
+    """A small classifier: --fid-features (Inception's weights cannot be downloaded)."""
+    run_dir = tmp_path_factory.mktemp("features")
+    assert train.main(tiny_args(run_dir, size=32)) == 0
+    return str(run_dir / "checkpoints" / "last.pt")
+
+
+def gan(features):
+    def args(run_dir, *extra):
+        return ["--task", "gan", "--dataset", "synthetic", "--synthetic-size", "48",
+                "--gan-width", "8", "--latent-dim", "16", "--fid-samples", "8",
+                "--fid-features", features, "--batch-size", "8", "--epochs", "2",
+                "--optimizer", "adam", "--lr", "0.0002", "--scheduler", "none",
+                "--warmup-epochs", "0", "--num-workers", "0", "--log-every", "1",
+                "--ema-decay", "0.9", "--device", "cpu", "--run-dir", str(run_dir), *extra]
+    return args
+
+
+def test_a_gan_with_its_fid_ends_as_without(tmp_path, features, capsys):
+    assert_same_run(*twice(tmp_path, gan(features)))
+    assert "preflight: 5 stages ok" in said(capsys)
+
+
+def test_a_gan_whose_fid_needs_more_than_one_batch(tmp_path, features, capsys):
+    """--fid-samples above the validation batch (8 of the 9 images): one batch is refused,
+    so the preflight evaluates the whole validation set."""
+    run_dir = tmp_path / "run"
+    assert train.main(gan(features)(run_dir, "--fid-samples", "9", "--preflight")) == 0
+    assert "preflight: 5 stages ok" in said(capsys)
+
+
+# ------------------------------------------------------------ --preflight alone
+
+def test_preflight_alone_exits_0_and_leaves_no_checkpoint(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert train.main(classifier(run_dir, "--preflight")) == 0
+    out = said(capsys)
+    assert "preflight: 5 stages ok" in out and "everything put back" in out
+    assert "training mlp" not in out  # no training
+    assert os.listdir(run_dir / "checkpoints") == []
+    assert read_metrics(run_dir) == []
+    assert "train/loss" not in events(run_dir).Tags()["scalars"]
+    assert not [n for n in os.listdir(run_dir) if n.startswith(".tmp-")]
+    # the directory then takes the run itself, which is the run without it (TensorBoard
+    # holds the first set-up's summary and first batch too: set-up, not preflight)
+    assert train.main(classifier(run_dir)) == 0
+    assert train.main(classifier(tmp_path / "plain")) == 0
+    assert_same_run(run_dir, tmp_path / "plain", tensorboard=False)
+
+
+def test_the_put_back_is_what_makes_the_run_the_same(tmp_path, monkeypatch):
+    """Without the put back the run is another one: the comparison above sees it."""
+    (tmp_path / "dropped.py").write_text(GLOBAL_DROPOUT)
+    monkeypatch.chdir(tmp_path)
+
+    def args(run_dir, *extra):
+        return tiny_args(run_dir, "--task", "dropped.py:GlobalDropout", *extra)
+    def the_saver_only(self):  # (else the run's checkpoints go to the preflight's)
+        self.training.saver.dir, self.training.saver.last_saved = self.saver
+    monkeypatch.setattr(preflight.Snapshot, "put_back", the_saver_only)
+    plain, checked = twice(tmp_path, args)
+    with pytest.raises(AssertionError):
+        assert_same_run(plain, checked)
+
+
+# --------------------------------------------------- a failing stage: one error line
+
+def fails(args, capsys):
+    code = train.main(args)
+    out = capsys.readouterr()
+    lines = [line for line in (out.out + out.err).splitlines() if line.startswith("error:")]
+    assert code == 1 and len(lines) == 1, (code, out.out[-2000:], out.err[-2000:])
+    assert "Traceback" not in out.err
+    return lines[0]
+
+
+def test_a_checkpoint_that_reads_back_different_is_named(tmp_path, monkeypatch, capsys):
+    real = checkpoint.load_checkpoint
+
+    def altered(path, **kwargs):
+        state = real(path, **kwargs)
+        state["model"]["fc.weight"] = state["model"]["fc.weight"] + 1e-3
+        return state
+    monkeypatch.setattr(checkpoint, "load_checkpoint", altered)
+    line = fails(classifier(tmp_path / "run", "--preflight"), capsys)
+    assert line.startswith("error: preflight: the checkpoint read back differs at "
+                           "model/fc.weight (")
+    assert not (tmp_path / "run").exists()  # a fresh run that failed: its directory goes
+
+
+def test_an_unwritable_run_directory_is_named(tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    real = files.probe_writable
+
+    def refused(directory):
+        if os.path.samefile(directory, run_dir):
+            raise PermissionError(13, "Permission denied", os.path.join(directory, ".tmp-x"))
+        real(directory)
+    monkeypatch.setattr(preflight, "files", types.SimpleNamespace(probe_writable=refused))
+    line = fails(classifier(run_dir, "--preflight", "train"), capsys)
+    assert line == (f"error: preflight: the output directories: {run_dir}: Permission "
+                    f"denied ({run_dir / '.tmp-x'})")
+    assert not run_dir.exists()
+
+
+def test_an_evaluation_that_raises_is_named(tmp_path, monkeypatch, capsys):
+    from tasks import classification
+
+    def broken(model, x, tta=False):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (16x3 and 4x5)")
+    monkeypatch.setattr(classification.Classification, "predict", staticmethod(broken))
+    line = fails(classifier(tmp_path / "run", "--preflight", "train"), capsys)
+    assert line == ("error: preflight: the evaluation failed: RuntimeError: mat1 and mat2 "
+                    "shapes cannot be multiplied (16x3 and 4x5)")
+
+
+def test_a_step_whose_loss_is_not_finite_is_named(tmp_path, monkeypatch, capsys):
+    from tasks import classification
+    real = classification.Classification.loss
+
+    def diverged(self, model, x, y):
+        return real(self, model, x, y) * float("nan")
+    monkeypatch.setattr(classification.Classification, "loss", diverged)
+    line = fails(classifier(tmp_path / "run", "--preflight"), capsys)
+    assert line == "error: preflight: the training step: the loss of step 1 is not finite"
+
+
+def test_preflight_is_refused_with_what_trains_no_run(tmp_path, capsys):
+    assert train.main(classifier(tmp_path / "a", "--preflight", "--find-lr")) == 2
+    assert "error: --preflight checks a run, --find-lr trains none" in said(capsys)
+    assert train.main(classifier(tmp_path / "b", "--preflight", "--verify-resume")) == 2
+    assert "--verify-resume starts and resumes runs of its own: drop --preflight" \
+        in said(capsys)
+
+
+# -------------------------------------------------------------------------- README
+
+def readme_section():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    return text.split("### Check every stage before the first hour: `--preflight`", 1)[1] \
+        .split("\n## ", 1)[0].split("\n### ", 1)[0]
+
+
+def test_the_readme_section_runs_as_written(tmp_path):
+    commands = re.findall(r"```bash\n(.*?)```", readme_section(), re.S)[0].splitlines()
+    env = {**_child_env(), "PYTHONPATH": ROOT}
+    outputs = []
+    for command in commands:
+        argv = shlex.split(command.split("  #")[0])
+        argv[0:2] = [sys.executable, os.path.join(ROOT, "train.py")]
+        done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=600, env=env)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        outputs.append(done.stdout)
+    assert all("stages ok in" in out for out in outputs)
+    assert os.listdir(tmp_path / "runs" / "check" / "checkpoints") == []
+    assert "last.pt" in os.listdir(tmp_path / "runs" / "checked" / "checkpoints")
+    assert torch.load(tmp_path / "runs" / "checked" / "checkpoints" / "last.pt",
+                      weights_only=True)["epoch"] == 2
