@@ -495,10 +495,18 @@ def build_datasets(config, log=say, should_stop=None):
     if name not in TORCHVISION_SETS:
         raise UserError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
     train, val = (_torchvision_split(name, data_dir, split) for split in (True, False))
-    side, channels = (28, 1) if name in recipes.DIGITS else (32, 3)
+    side, channels = native_geometry(name)
     t_train, t_eval = _transforms(name, side, augment, policy=policy)
     return (SeededDataset(train, t_train, seed, augment, train.classes, channels, side),
             SeededDataset(val, t_eval, seed, False, val.classes, channels, side))
+
+
+def native_geometry(name):
+    """``(side, channels)`` of a torchvision set's images (MNIST's 28 and 1, CIFAR's 32
+    and 3), whatever --image-size says; None for the others."""
+    if name not in TORCHVISION_SETS:
+        return None
+    return (28, 1) if name in recipes.DIGITS else (32, 3)
 
 
 class EpochBatchSampler:

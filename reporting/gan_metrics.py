@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import dcgan
 from machinery import checkpoint
 from ops import UserError
-from pipeline import recipes, sample_transforms
+from pipeline import data, recipes, sample_transforms
 
 INCEPTION_FILE = "weights-inception-2015-12-05-6726825d.pth"  # torch-fidelity's URL's name
 INCEPTION_URL = ("https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/"
@@ -202,7 +202,9 @@ def classifier_features(path):
     # the last layer's outputs: config's num_classes is --num-classes' value, which an
     # image folder's own classes override
     num_classes = matrices[-1].shape[0]
-    image_size, channels = int(config.get("image_size") or 32), _channels(config)
+    native = data.native_geometry(config.get("dataset"))  # (MNIST: 28, whatever the flag)
+    image_size = native[0] if native else int(config.get("image_size") or 32)
+    channels = _channels(config)
     try:
         net = networks.build_network(config["network"], num_classes, channels, image_size)
     except (ValueError, KeyError) as e:

@@ -601,3 +601,20 @@ def test_early_stopping_without_fid_is_one_line(tmp_path, features, capsys):
     assert train.main(args) == 2
     assert "error: --early-stop-patience follows FID, and --fid-samples 0" in \
         capsys.readouterr().err
+
+
+def test_a_short_last_micro_batch_weighs_by_its_samples_in_each_phase(tmp_path, features):
+    """Round 5's promise 3: 60 samples in steps of 16 end with a step of 12, accumulated
+    as 8 + 4: in each phase the micro-batch of 4 weighs a third of the step, not a half,
+    so the run ends where batches of 16 (the last of 12) end."""
+    big, accumulated = tmp_path / "big", tmp_path / "acc"
+    assert train.main(gan_args(big, features, *EQUAL, "--d-steps", "2", batch=16,
+                               size=60)) == 0
+    assert train.main(gan_args(accumulated, features, *EQUAL, "--d-steps", "2",
+                               "--virtual-batch-size", "16", batch=8, size=60)) == 0
+    assert final_state(big)["step"] == final_state(accumulated)["step"] == 8  # 4 an epoch
+    torch.testing.assert_close(final_state(accumulated)["networks"],
+                               final_state(big)["networks"])
+    for key in ("train_loss_d", "train_loss_g"):
+        assert read_metrics(accumulated)[-1][key] == pytest.approx(
+            read_metrics(big)[-1][key], rel=1e-5), key

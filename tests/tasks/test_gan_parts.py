@@ -2,6 +2,7 @@
 and sample grid, and gan_metrics.py's FID/KID (Inception's missing weights; a trained
 classifier's features)."""
 
+import itertools
 import math
 import os
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import tiny_args
+from helpers import tiny_args, write_mnist
 from torch import nn
 
 import dcgan
@@ -395,3 +396,60 @@ def test_kids_seeded_subsets_leave_every_generator_as_it_was(classifier, monkeyp
     first = gan_metrics.measure(features, x[::2], x[1::2], seed=5)
     assert torch.equal(torch.get_rng_state(), before) and reseeded == []
     assert gan_metrics.measure(features, x[::2], x[1::2], seed=5) == first
+
+
+@pytest.mark.parametrize("size", [46, 50, 48])
+def test_uneven_last_batches_give_each_process_its_own_latents(size):
+    """Round 5's promise 5: where a global batch does not split evenly across the
+    processes (an epoch's last: 10 over 3 as 4 + 3 + 3, 2 as 1 + 1 + 0), each process's
+    ``Where`` counts the larger shares before it: over the processes and micro-batches of
+    a step the slices of the step's draw tile it, each slice the positions of that
+    process's own samples in the epoch's order, so no two processes draw the same
+    latents."""
+    from machinery import engine
+
+    world, batch, accum = 3, 4, 2
+    order = data.EpochBatchSampler(size, batch, seed=1, world_size=world)._order().tolist()
+    slices = {}  # step -> [(offset, count)]
+    for rank in range(world):
+        sampler = data.EpochBatchSampler(size, batch, seed=1, rank=rank, world_size=world)
+        plan = sampler.plan()
+        starts = [0, *itertools.accumulate(g for g, _ in plan)]
+        for k, local in enumerate(sampler.index_batches()):
+            first = k - k % accum
+            where = engine._where(sampler, plan, starts, 0, first, accum, k)
+            if plan[k][1] == 0:
+                continue  # a stand-in batch, weighted 0
+            positions = [order.index(i) for i in local.tolist()]
+            assert positions == list(range(where.first + where.offset,
+                                           where.first + where.offset + where.count))
+            slices.setdefault(where.first, []).append((where.offset, where.count,
+                                                       where.step_samples))
+    for first, parts in slices.items():
+        covered = sorted(i for offset, count, _ in parts for i in range(offset, offset + count))
+        assert covered == list(range(parts[0][2])), (first, parts)
+
+
+def test_a_normalised_sets_classifier_sees_images_as_it_was_trained_on(tmp_path):
+    """Round 5's promise 6: --fid-features with a classifier trained on MNIST (normalised
+    with MNIST's mean and std): images in [-1, 1] (the generator's range, and the real
+    ones brought there) are mapped to [0, 1], then normalised as data.py normalised its
+    training images, before the classifier sees them."""
+    import train
+    from pipeline import sample_transforms
+
+    write_mnist(tmp_path / "data")
+    run = tmp_path / "run"
+    assert train.main(["--dataset", "mnist", "--data-dir", str(tmp_path / "data"),
+                       "--network", "mlp", "--epochs", "1", "--batch-size", "16",
+                       "--num-workers", "0", "--run-dir", str(run)]) == 0
+    features = gan_metrics.build_features(str(run / "checkpoints" / "last.pt"))
+    mean, std = sample_transforms.STATS["mnist"]
+    images = torch.rand(4, 1, 28, 28) * 2 - 1
+    seen = []
+    hook = features.net.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    features(images)
+    hook.remove()
+    expected = ((images + 1) / 2 - torch.tensor(mean).view(1, -1, 1, 1)) / \
+        torch.tensor(std).view(1, -1, 1, 1)
+    torch.testing.assert_close(seen[0], expected)
