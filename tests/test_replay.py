@@ -309,3 +309,25 @@ def test_fp16_steps_the_scaler_skips_are_not_recorded_as_nonfinite(tmp_path, cap
     assert state["progress"]["scaler_skips"] >= 1  # the scaler did skip steps
     assert not list((tmp_path / "checkpoints").glob("nonfinite-*.json"))
     assert "--replay" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("batch", [0, 1])
+def test_a_record_that_starts_just_before_its_step_watches_that_step(
+        tmp_path, capsys, monkeypatch, overflow, batch):
+    """Round 5's promise 8: with --ckpt-every-steps 1 the record starts at the step just
+    before the non-finite one (the first step's: from the run's start), and the replay
+    watches that very step, naming the module that made the first non-finite value."""
+    run_dir = tmp_path / "run"
+    index = bad_sample(epoch=0, batch=batch)
+    mark_sample(monkeypatch, index, epoch=0)
+    assert train.main(tiny_args(run_dir, *PER_SAMPLE, "--ckpt-every-steps", "1",
+                                network="overflow_mlp")) == 1
+    capsys.readouterr()
+    record_path = run_dir / "checkpoints" / f"nonfinite-step-{batch + 1:08d}.json"
+    record = json.loads(record_path.read_text())
+    assert record["step"] == batch + 1
+    assert train.main(["--replay", str(record_path)]) == 0
+    out = capsys.readouterr().out
+    assert "reproduced the non-finite loss" in out, out
+    assert "first non-finite output: module '0' (Blowup)" in out, out
+    assert f"samples: {index}\n" in out + "\n"
