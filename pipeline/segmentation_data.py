@@ -496,6 +496,11 @@ def _file_sets(config, log, stop):
     largest = max(c.largest for c in cached.values())
     if names is None:
         names = [f"class{i}" for i in range(max(largest + 1, 2))]
+        if config["num_classes"] != len(names):  # (round 5's F11: said, not silent)
+            log(f"note: {data_dir} has no classes.txt: {len(names)} classes (class0.."
+                f"class{len(names) - 1}), from the largest index in its masks; "
+                f"--num-classes {config['num_classes']} counts the synthetic set's classes "
+                f"only (name yours in {os.path.join(data_dir, 'classes.txt')}, one a line)")
     elif largest >= len(names):
         where = next(c for c in cached.values() if c.largest == largest)
         k = int(torch.nonzero(where.decoded.labels == largest)[0])

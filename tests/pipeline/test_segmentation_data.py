@@ -509,3 +509,20 @@ def test_the_evaluation_canvas_fits_the_set():
     assert image.shape == (3, 92, 92) and (mask[69:] == 255).all()
     image, _ = evaluated([(64, 64)], block_pairs(64, 64), augment=False)
     assert image.shape == (3, 64, 64)  # without augmentation: the training scale
+
+
+def test_num_classes_that_disagree_with_the_masks_are_said(tmp_path):
+    """Round 5's F11: a maskfolder without classes.txt takes its classes from the masks;
+    a --num-classes that disagrees (5 for 3) is said in one note, not dropped silently."""
+    root = write_mask_folder(tmp_path / "set")  # classes 0..2, no classes.txt
+    lines = []
+    train, _ = seg.build_datasets(folder_config(root, augment=False, num_classes=5,
+                                                cache_dir=str(tmp_path / "c")), lines.append)
+    assert train.num_classes == 3
+    notes = [line for line in lines if line.startswith("note:")]
+    assert len(notes) == 1 and "3 classes" in notes[0] and "--num-classes 5" in notes[0] \
+        and "classes.txt" in notes[0], lines
+    lines.clear()
+    seg.build_datasets(folder_config(root, augment=False, num_classes=3,
+                                     cache_dir=str(tmp_path / "c")), lines.append)
+    assert not [line for line in lines if line.startswith("note:")], lines
