@@ -48,6 +48,8 @@ SMALLEST = {
                      "0,2"], "engine --prefetch 2"),
     "photos.py": (["--images", "2", "--sizes", "1mp", "--image-size", "64", "--workers", "0",
                    "--finetune-steps", "2", "--repeats", "1"], "targets, per core: first pass"),
+    "preflight.py": (["--repeats", "1", "--", "--network", "mlp", "--synthetic-size", "64",
+                      "--image-size", "8", "--batch-size", "16"], "median of 1: plain"),
     "precision.py": (["--device", "cpu", "--network", "mlp", "--batch-size", "4",
                       "--image-size", "8", "--steps", "2", "--warmup", "1", "--repeats", "1",
                       "--compile", "off", "--amp", "fp32,bf16"], "bf16"),
@@ -94,7 +96,7 @@ def test_gpu_script_is_valid_bash_and_names_every_bench():
     assert subprocess.run(["bash", "-n", path]).returncode == 0
     text = open(path).read()
     missing = [s for s in SMALLEST if f"bench/{s}" not in text
-               and s not in ("distributed.py", "identity.py")]  # CPU checks
+               and s not in ("distributed.py", "identity.py", "preflight.py")]  # CPU checks
     assert missing == []
     # One interpreter throughout: no command calls python or python3 by name.
     bare = [line for line in text.splitlines() if not line.lstrip().startswith("#")
