@@ -270,7 +270,8 @@ def test_the_readme_section_runs_as_written(tmp_path):
                               timeout=600, env=env)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         outputs.append(done.stdout)
-    assert all("stages ok in" in out for out in outputs)
+    assert all("preflight: 5 stages ok in" in out for out in outputs)
+    assert "training simple_cnn" not in outputs[0] and "done:" in outputs[1]
     assert os.listdir(tmp_path / "runs" / "check" / "checkpoints") == []
     assert "last.pt" in os.listdir(tmp_path / "runs" / "checked" / "checkpoints")
     assert torch.load(tmp_path / "runs" / "checked" / "checkpoints" / "last.pt",
