@@ -1,5 +1,5 @@
-"""Train an image model: a classifier, a segmentation network (--task segmentation) or a
-GAN (--task gan: two networks, two optimizers, in phases).
+"""Train an image model. What is trained (its data, networks, loss and figures) is the
+task's (--task, tasks/); how a run runs is here, the same for every task.
 
     python train.py                                    # CIFAR-10, the default recipe
     python train.py --dataset synthetic --epochs 2     # no download, seconds on a CPU
@@ -12,7 +12,7 @@ processes, data, network, optimizer, resume; then the epoch loop (``run_epochs``
 step loop (``run_epoch``), where logging, checkpoints and stopping are decided in plain
 sight. Everything else is one hop away:
 
-    what is trained: a batch, its loss, its figures          tasks/ (a GAN's: dcgan.py)
+    what is trained: a batch, its loss, its figures          tasks/ (one file a task)
     the training step (forward, backward, optimizer step)    machinery/engine.py steps
     validation                                               machinery/engine.py evaluate
     the optimizer and its hyper-parameters                   ops.build_optimizer
@@ -359,8 +359,11 @@ def run_epochs(training, train_loader, stop):
                 ended = Ended.EARLY_STOP       # all-reduced
         if ended is not Ended.ALL_EPOCHS:
             break
-    if ended is Ended.MAX_STEPS and state.epoch_samples:  # stopped inside an epoch
-        final = metrics.final_figures(training.task, validate(training))
+    if ended is Ended.MAX_STEPS and state.epoch_samples:  # stopped inside an epoch: the
+        record = {**summary(training, state.epoch + state.epoch_samples / sampler.size),
+                  "final": True, **validate(training)}  # final validation, a record too
+        training.run_log.epoch(record)
+        final = metrics.final_figures(training.task, record)
         save(training, Kind.STOP)
         best = metrics.best_key(training.task)
         runtime.main_print(f"--max-steps {config['max_steps']} reached at step {state.step}"
@@ -495,6 +498,23 @@ def validate(training):
     return figures
 
 
+def summary(training, epoch):
+    """The metrics.jsonl record of the epoch's training so far, at ``epoch`` (finished
+    epochs, or a fraction: a run stopped inside one), its validation to be added."""
+    state, loop, world = training.state, training.loop, training.procs.world_size
+    times = loop.timer.totals()
+    unreadable = sum(dataset.unreadable_count() for dataset in training.datasets)  # skipped
+    loss_sum, loss_count, unreadable = ops.sum_over_processes(
+        [state.loss_sum, state.loss_count, unreadable], loop.device, world)
+    grad_norm = state.grad_norm_sum / state.grad_norm_count if state.grad_norm_count else None
+    record = metrics.epoch_record(
+        epoch, state.step, loss_sum, loss_count, training.optimizer.param_groups[0]["lr"],
+        times, state.epoch_samples - training.timed_from, training.flops_per_sample,
+        training.peak_tflops, unreadable, grad_norm,
+        state.grad_clipped if training.config["grad_clip"] > 0 else None)
+    return {**record, **metrics.epoch_figures(state.figures, loop.device, world)}
+
+
 def finish_epoch(training, stop):
     """Validates (when due), logs the epoch, saves last.pt (and best.pt). A validation
     starts after last.pt holds the epoch's training, and a stop signal ends it at once."""
@@ -503,21 +523,8 @@ def finish_epoch(training, stop):
     if due:  # (a long validation, a GAN's FID: a signal or a kill there costs no step)
         save(training, Kind.STOP)
         training.saver.wait()  # written, before the validation
-    times = training.loop.timer.totals()
-    unreadable = sum(dataset.unreadable_count() for dataset in training.datasets)  # skipped
-    loss_sum, loss_count, unreadable = ops.sum_over_processes(
-        [state.loss_sum, state.loss_count, unreadable], training.loop.device,
-        training.procs.world_size)
     state.epoch += 1
-    grad_norm = state.grad_norm_sum / state.grad_norm_count if state.grad_norm_count else None
-    record = metrics.epoch_record(
-        state.epoch, state.step, loss_sum, loss_count, training.optimizer.param_groups[0]["lr"],
-        times, state.epoch_samples - training.timed_from, training.flops_per_sample,
-        training.peak_tflops,
-        unreadable, grad_norm, state.grad_clipped if config["grad_clip"] > 0 else None)
-    record.update(metrics.epoch_figures(state.figures, training.loop.device,
-                                        training.procs.world_size))  # a GAN's loss_d, ...
-    best = False
+    record, best = summary(training, state.epoch), False
     if due:
         with stop.interruptible(f"during the validation of epoch {state.epoch}"):
             record.update(validate(training))
@@ -586,14 +593,12 @@ def wrap_model(net, config, device, world_size, broadcast_buffers=True):
     layers would train apart on each process. DataParallel's replicas run in threads that
     re-enter autocast without a dtype (float16 on CUDA): each replica sets it again.
 
-    Several networks (an ``nn.ModuleDict``: a GAN's) are wrapped each on its own, and
-    their buffers are not broadcast at each forward: a discriminator with BatchNorm is
-    called twice before one backward (real, then generated images), and a broadcast
-    between the two would change a buffer its backward needs (pytorch #175024). Its
-    running statistics are not read in training mode; process 0's are saved, and its
-    generator makes the validation figures (tasks.GANEvaluation).
+    Several networks (an ``nn.ModuleDict``) are wrapped each on its own, their buffers not
+    broadcast at each forward: a network with BatchNorm called twice before one backward
+    (a discriminator: real, then made images) would have a buffer its backward needs
+    changed by a broadcast between the two (pytorch #175024); process 0's are saved.
     """
-    if isinstance(net, torch.nn.ModuleDict):  # several networks (a GAN's): each its own DDP
+    if isinstance(net, torch.nn.ModuleDict):  # several networks: each its own DDP
         return torch.nn.ModuleDict({name: wrap_model(module, config, device, world_size,
                                                      broadcast_buffers=False)
                                     for name, module in net.items()})
@@ -684,14 +689,7 @@ def restore(saved, path, net, ema, optimizer, scaler, state, config, procs, task
         scaler.load_state_dict(saved["scaler"])
     rngs = saved.get("rng_per_rank") or [saved["rng"]]
     checkpoint.set_rng_state(rngs[procs.rank] if len(rngs) == procs.world_size else rngs[0])
-    before = saved["config"]  # --batch-size is per process: say so when the count changed
-    per_step = (before["virtual_batch_size"] or before["batch_size"]) * len(rngs)
-    now = (config["virtual_batch_size"] or config["batch_size"]) * procs.world_size
-    if per_step != now:
-        runtime.main_print(
-            f"note: the checkpoint took {per_step} samples per optimizer step ({len(rngs)} "
-            f"process(es)), this run takes {now} ({procs.world_size}); to continue the same "
-            f"training, set --batch-size (per process) so that they match")
+    runtime.note_step_size_change(saved["config"], len(rngs), config, procs.world_size)
 
 
 if __name__ == "__main__":

@@ -466,6 +466,18 @@ def native_bf16(capability):
 
 # Ctrl-C, schedulers, a dropped SSH session, SLURM's warning before a time limit
 # (--signal=USR1@90) or another signal chosen for it (--requeue-signal).
+def note_step_size_change(before, before_world, config, world):
+    """On resume: says so when the samples per optimizer step changed (--batch-size is per
+    process, so a run resumed on another number of processes changes them)."""
+    per_step = (before["virtual_batch_size"] or before["batch_size"]) * before_world
+    now = (config["virtual_batch_size"] or config["batch_size"]) * world
+    if per_step != now:
+        main_print(f"note: the checkpoint took {per_step} samples per optimizer step "
+                   f"({before_world} process(es)), this run takes {now} ({world}); to "
+                   f"continue the same training, set --batch-size (per process) so that "
+                   f"they match")
+
+
 class StopRequest:
     """Remembers SIGINT/SIGTERM/SIGHUP; the loop stops at the next optimizer step and saves.
 

@@ -327,6 +327,21 @@ def test_max_steps_stops_inside_an_epoch_and_saves(tmp_path):
     assert state["progress"]["epoch_samples"] == 3 * 16
 
 
+def test_a_run_stopped_inside_an_epoch_records_its_final_validation(tmp_path, capsys):
+    """Round 5's 'also': --max-steps inside an epoch validates, prints its figure, and
+    metrics.jsonl holds it as a record of its own (``final``, the step, the fraction of
+    the epoch), as TensorBoard does: the last record is not the previous epoch's."""
+    assert train.main(tiny_args(tmp_path, "--max-steps", "7", epochs=5)) == 0  # 4 a epoch
+    records = read_metrics(tmp_path)
+    assert [r["epoch"] for r in records] == [1, 1.75] and "final" not in records[0]
+    last = records[-1]
+    assert last["final"] is True and last["step"] == 7 and "samples_per_sec" in last
+    line = [line for line in capsys.readouterr().out.splitlines() if "--max-steps" in line]
+    assert f"val_acc {last['val_acc']:.4f}" in line[0]
+    tags = events(tmp_path).Scalars("val/acc")
+    assert [(e.step, round(e.value, 6)) for e in tags][-1] == (7, round(last["val_acc"], 6))
+
+
 def test_eval_every_validates_every_nth_epoch_and_the_last(tmp_path):
     assert train.main(tiny_args(tmp_path, "--eval-every", "2", epochs=3)) == 0
     records = read_metrics(tmp_path)
