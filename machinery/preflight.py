@@ -153,18 +153,23 @@ def run(training, train_loader, build_loaders, close, tta, stop=None):
             with contextlib.redirect_stdout(io.StringIO()):  # the run's data path, said
                 built = build_loaders(training.config, training.procs,  # once already
                                       *training.datasets, sampler, stop)
-        names = check_directories(training)
-        names += [train_step(training, built[0])]
-        names += evaluate(training, built[1], tta)
-        names += [check_checkpoint(training)]
+        stages = [(check_directories, ()), (train_step, (built[0],))]
+        stages += [(evaluate, (built[1], tta, *model)) for model in evaluated(training)]
+        stages += [(check_checkpoint, ())]
+        took = {}
+        for function, args in stages:
+            begun = time.perf_counter()
+            name = function(training, *args)
+            took[name] = time.perf_counter() - begun
     finally:
         for loader in built:
             close(loader)
         saved.put_back()
-    runtime.main_print(f"preflight: {len(names)} stages ok in "
-                       f"{time.perf_counter() - start:.1f} s ({', '.join(names)}); "
-                       f"everything put back")
-    return names
+    runtime.main_print(f"preflight: {len(took)} stages ok in "
+                       f"{time.perf_counter() - start:.1f} s ("
+                       + ", ".join(f"{name} {t:.2f} s" for name, t in took.items())
+                       + "); everything put back")
+    return list(took)
 
 
 def check_directories(training):
@@ -174,7 +179,7 @@ def check_directories(training):
         for directory in dict.fromkeys([training.run_log.run_dir, training.saver.dir]):
             with stage(f"{name}: {directory}", training):
                 files.probe_writable(directory)
-    return [name]
+    return name
 
 
 def train_step(training, loader):
@@ -196,29 +201,31 @@ def train_step(training, loader):
     return name
 
 
-def evaluate(training, loader, tta):
-    """The evaluation of the network (and of the EMA) on one validation batch, with the
-    task's figures and pictures from it; the whole set where one batch is refused."""
-    task, names = training.task, training.datasets[0].classes
-    done = []
+def evaluated(training):
+    """``(stage name, model, suffix)`` of each evaluation the run makes."""
     models = [("the evaluation", training.model, "")]
     if training.ema is not None:
         models.append(("the evaluation of the moving average", training.ema.module, "_ema"))
-    for name, model, suffix in models:
-        with stage(name, training):
-            if suffix:
-                training.ema.sync_buffers()
-            try:
-                result = engine.evaluate(model, itertools.islice(loader, 1), training.loop,
-                                         task, tta=tta)
-            except UserError:  # more than one batch's images (a GAN's --fid-samples)
-                result = engine.evaluate(model, loader, training.loop, task, tta=tta)
-            task.extra_figures(result, names, suffix)
-            if training.run_log.enabled:  # drawn on process 0 only, as validate does
-                for _ in task.images(result, names, f"preflight{suffix}"):
-                    pass
-        done.append(name)
-    return done
+    return models
+
+
+def evaluate(training, loader, tta, name, model, suffix):
+    """``model`` evaluated on one validation batch, with the task's figures and pictures
+    from it; on the whole set where the task refuses one batch."""
+    task, names = training.task, training.datasets[0].classes
+    with stage(name, training):
+        if suffix:
+            training.ema.sync_buffers()
+        try:
+            result = engine.evaluate(model, itertools.islice(loader, 1), training.loop,
+                                     task, tta=tta)
+        except UserError:  # more than one batch's images (a GAN's --fid-samples)
+            result = engine.evaluate(model, loader, training.loop, task, tta=tta)
+        task.extra_figures(result, names, suffix)
+        if training.run_log.enabled:  # drawn on process 0 only, as validate does
+            for _ in task.images(result, names, f"preflight{suffix}"):
+                pass
+    return name
 
 
 def check_checkpoint(training):
