@@ -58,7 +58,7 @@ def build_parser():
 
 def _data_flags(g):
     """The task, datasets, augmentation and the data path."""
-    g.add_argument("--task", default="classification", choices=tasks.TASKS,
+    g.add_argument("--task", default=tasks.TASKS[0], choices=tasks.TASKS,
                    help="what is trained: its data, networks, loss and figures (tasks/<name>.py), "
                         "or your own: FILE.py:Class (a tasks.Task; README: Add a task)")
     g.add_argument("--dataset", default="cifar10", help="; ".join(
@@ -470,7 +470,7 @@ def parse_config(argv):
     return apply_pretrained_preset(config, explicit), explicit - {"config"}
 
 
-def default_network(dataset, image_size=32, pretrained=None, task="classification"):
+def default_network(dataset, image_size=32, pretrained=None, task=tasks.TASKS[0]):
     """The network a run gets without --network: resnet18 (the CIFAR one: full
     resolution), simple_cnn for the synthetic set (the README's smoke run takes seconds),
     the task's own where it has one (``Task.default_network``: segmentation's unet), and

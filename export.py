@@ -54,9 +54,7 @@ METADATA_FILE = "metadata.json"  # the extra file of .pt2 and .ts that holds the
 STORED_CONFIG = ("task", "network", "dataset", "data_dir", "seed", "batch_size", "synthetic_size",
                  "crop_pct", "pretrained")  # (the last two: how photos are cropped)
 INPUT_NAME, OUTPUT_NAME = "images", "logits"
-GENERATOR_NAMES = ("latents", "images")  # a GAN generator's input and output (ONNX)
-GAN_CONFIG = ("latent_dim", "image_size", "in_channels", "gan_loss", "gan_width",
-              "gan_attention", "gan_spectral_norm")  # what rebuilds a generator
+GENERATOR_NAMES = ("latents", "images")  # a generator's input and output (ONNX), by default
 
 
 class QuantizationError(Exception):
@@ -228,21 +226,12 @@ def export_metadata(config, val_set, state, source):
                                   "step": state.get("step")})}
 
 
-def generator_metadata(config, state, source, weights, described=None):
+def generator_metadata(config, state, source, weights, described):
     """What a generator's artifact stores (``export_metadata``'s keys for a generator):
     ``training_config`` (the run's identity and what rebuilds the network), ``input``,
     ``output``, ``weights`` (``ema`` or ``raw``), ``quantization`` and ``source``.
-    ``described``: the task's ``(config keys, input, output)``; None: a GAN generator's
-    (GAN_CONFIG, latents in, images out)."""
-    if described is None:
-        latents, images = GENERATOR_NAMES
-        side, channels = config["image_size"], config["in_channels"]
-        described = (
-            GAN_CONFIG,
-            f"{latents}: float32 (batch, {config['latent_dim']}) drawn from N(0, 1) "
-            f"(dcgan.fixed_latents(n, latent_dim, seed) for the run's fixed ones)",
-            f"{images}: float32 (batch, {channels}, {side}, {side}) in [-1, 1]; "
-            f"(x + 1) * 127.5, rounded, gives 0..255 pixels")
+    ``described``: the task's ``(config keys that rebuild it, its input, its output)``
+    (its ``test_checkpoint``'s)."""
     keys, given, made = described
     stored = {key: config[key] for key in (*STORED_CONFIG, *keys) if key in config}
     return {"training_config": json.dumps(stored), "input": given, "output": made,

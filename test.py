@@ -7,8 +7,8 @@
     python test.py --checkpoint best.pt --export model.onnx   # ONNX (onnxruntime, TensorRT...)
     python test.py --checkpoint best.pt --export model.onnx --quantize int8  # + model.int8.onnx
     python test.py --model model.int8.onnx                    # evaluate a file you ship
-    python test.py --checkpoint gan.pt --samples 64 --out samples/   # a GAN: seeded PNGs
-    python test.py --checkpoint gan.pt --fid-samples 10000 --export generator.onnx
+    python test.py --checkpoint made.pt --samples 64 --out samples/  # images made: PNGs
+    python test.py --checkpoint made.pt --fid-samples 10000 --export generator.onnx
 
 The network is rebuilt from the checkpoint's config and evaluated on the validation (or
 test) split the way training validated it: eval mode, the same transforms, batch size,
@@ -22,11 +22,10 @@ onnxruntime, next to the eager network (``compare_onnx``): loss, accuracy, per-c
 accuracy, file size and CPU samples/s at batch 64 (THROUGHPUT_BATCH); an int8 accuracy
 drop beyond ``--max-accuracy-drop`` is a warning.
 
-A GAN checkpoint (train.py --task gan) holds a generator, not predictions: its images of
-the fixed latents of the run's seed (``dcgan.fixed_latents``) as PNGs, FID and KID
-against the first validation images (gan_metrics.py), and the generator's export
-(latents in, images out) are what test.py gives for it (tasks/gan.py's
-``GAN.test_checkpoint``); the accuracy table and --tta are refused in one line.
+The checkpoint of a task that makes images (``Task.generates``) holds a generator, not
+predictions: its images of the run's seeded inputs as PNGs, FID and KID against the first
+validation images (gan_metrics.py), and the generator's export are what test.py gives for
+it (the task's ``test_checkpoint``); the accuracy table and --tta are refused in one line.
 
 Every output (--json, --export, the int8 file and --out) is checked to be writable before
 anything is loaded; a write that fails later (a full disk) is one ``error:`` line, exit
@@ -124,34 +123,33 @@ def build_parser():
         "when the split is smaller)")
     add("--seed", type=int, default=None, help="--quantize int8: which training images "
         "calibrate (the same seed gives the same int8 file); a task that makes images: "
-        "the seed of its inputs (a GAN's latents: dcgan.fixed_latents) and of KID's subsets; "
+        "the seed of its inputs (latents, noise) and of KID's subsets; "
         "default: the training run's seed")
     add("--max-accuracy-drop", type=float, default=0.01, metavar="DELTA", help="warn when "
         "the int8 file's accuracy is more than DELTA (0.01 = 1 point) below the eager "
         "network's")
     making = ", ".join(t.name for t in tasks.built_in() if t.generates)
-    gan = p.add_argument_group(f"a checkpoint of a task that makes images (--task {making})",
-                               "its generator (the moving average by default: --weights), "
-                               "from the fixed inputs of --seed; --export writes it (a "
-                               "GAN's: latents (N, latent_dim) in, images (N, C, H, W) in "
-                               "[-1, 1] out)")
-    gan.add_argument("--samples", type=int, default=None, metavar="N", help="write N "
-                     "images as PNGs into --out (000000.png, ...): the same command writes "
-                     "the same files")
-    gan.add_argument("--out", default=None, metavar="DIR", help="where --samples writes "
-                     "(created if need be)")
-    gan.add_argument("--fid-samples", type=int, default=None, metavar="N", help="FID and "
-                     "KID of N generated images against the first N validation images, "
-                     "on Inception-v3 (its weights file under TORCH_HOME, never downloaded)")
-    gan.add_argument("--fid-features", default=None, metavar="CHECKPOINT", help="with "
-                     "--fid-samples: on the penultimate features of a classifier this "
-                     "project trained instead (fid_classifier, kid_classifier: comparable "
-                     "only with the same checkpoint)")
-    gan.add_argument("--sample-steps", type=int, default=None, metavar="N", help="a task "
-                     "that samples in steps: the timesteps a sample walks (default: the "
-                     "training run's)")
-    gan.add_argument("--sampler", default=None, help="a task that samples in steps: how "
-                     "(its --sampler choices; default: the training run's)")
+    made = p.add_argument_group(f"a checkpoint of a task that makes images (--task {making})",
+                                "its generator (the moving average by default: --weights), "
+                                "from the fixed inputs of --seed; --export writes it: its "
+                                "inputs in, images (N, C, H, W) in [-1, 1] out")
+    made.add_argument("--samples", type=int, default=None, metavar="N", help="write N "
+                      "images as PNGs into --out (000000.png, ...): the same command writes "
+                      "the same files")
+    made.add_argument("--out", default=None, metavar="DIR", help="where --samples writes "
+                      "(created if need be)")
+    made.add_argument("--fid-samples", type=int, default=None, metavar="N", help="FID and "
+                      "KID of N generated images against the first N validation images, "
+                      "on Inception-v3 (its weights file under TORCH_HOME, never downloaded)")
+    made.add_argument("--fid-features", default=None, metavar="CHECKPOINT", help="with "
+                      "--fid-samples: on the penultimate features of a classifier this "
+                      "project trained instead (fid_classifier, kid_classifier: comparable "
+                      "only with the same checkpoint)")
+    made.add_argument("--sample-steps", type=int, default=None, metavar="N", help="a task "
+                      "that samples in steps: the timesteps a sample walks (default: the "
+                      "training run's)")
+    made.add_argument("--sampler", default=None, help="a task that samples in steps: how "
+                      "(its --sampler choices; default: the training run's)")
     return p
 
 
@@ -313,7 +311,7 @@ def load_training_checkpoint(path):
         The state dict: ``model`` a state_dict (string keys, dense CPU tensors with finite
         values), or for a task of named networks ``networks[name]`` one (and
         ``ema[name]`` where there is a moving average; ``name``: the task's
-        ``averaged_name``, a GAN's generator), and ``config`` a dict.
+        ``averaged_name``: a generator), and ``config`` a dict.
 
     Raises:
         checkpoint.CheckpointError: anything else, in one line.
@@ -450,8 +448,8 @@ def evaluate_checkpoint(net, val_set, config, device, batch_size, num_workers, t
     ``tta``, each image and its mirror).
 
     Returns:
-        engine.evaluate's dict: the task's (classification: ``loss``, ``acc``, ``count``,
-        ``confusion``; segmentation: ``loss``, ``miou``, ``pixel_acc``, ``class_iou``...).
+        engine.evaluate's dict: the task's figures (``loss``, ``acc``, ``count``, ``confusion``
+        of a classifier, ...).
     """
     memory_format = torch.channels_last if config["channels_last"] \
         else torch.contiguous_format
@@ -702,7 +700,7 @@ def evaluate_and_export(args):
     net = load_network(state, config, val_set, args.checkpoint, weights)
     result = evaluate_checkpoint(net, val_set, config, device, batch_size, args.num_workers,
                                  task, tta)
-    net = task.inference_network(net)  # (torchvision's segmentation networks: the logits)
+    net = task.inference_network(net)  # (a network whose forward returns a dict: the logits)
     report = task.report(result, "checkpoint", args.checkpoint)
     report.update(weights=weights, tta="flip" if tta else "none")
     say(task.format_report(report, _title(report, state, config)))
@@ -718,9 +716,8 @@ def evaluate_generator(args, suffix, kind, state, config, device, batch_size, we
     """A checkpoint of a task that generates images (``kind.generates``): the task's
     --samples and --fid-samples, then --export of its generator and --json; returns the
     exit code."""
-    report, (generator, shape, *own) = kind.test_checkpoint(args, state, config, device,
-                                                            batch_size, weights)
-    described, names = own or (None, export.GENERATOR_NAMES)  # (a GAN's: the defaults)
+    report, (generator, shape, described, names) = kind.test_checkpoint(
+        args, state, config, device, batch_size, weights)
 
     def export_generator():  # the CPU generator, checked
         metadata = export.generator_metadata(config, state, args.checkpoint, weights,

@@ -294,7 +294,7 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
 
     identity = {"train": tasks.set_identity(config, train_set)}  # a resume sees other data
     state = engine.TrainState()
-    if task.lower_is_better:  # a GAN's FID: any first figure is the best
+    if task.lower_is_better:  # (an FID): any first figure is the best
         state.forget_best(lower_is_better=True)
     if saved is not None:  # weights, EMA, optimizer, scaler, position, RNG of the saved step
         restore(saved, resume_path, net, ema, optimizer, loop.scaler, state, config, procs,
@@ -520,7 +520,7 @@ def finish_epoch(training, stop):
     starts after last.pt holds the epoch's training, and a stop signal ends it at once."""
     config, state = training.config, training.state
     due = (state.epoch + 1) % config["eval_every"] == 0 or state.epoch + 1 == config["epochs"]
-    if due:  # (a long validation, a GAN's FID: a signal or a kill there costs no step)
+    if due:  # (a long validation, an FID: a signal or a kill there costs no step)
         save(training, Kind.STOP)
         training.saver.wait()  # written, before the validation
     state.epoch += 1

@@ -326,8 +326,9 @@ class GAN(Task):
         Inception file, the data) is tried before anything is written.
 
         Returns:
-            ``(report, (network, input_shape))``: the JSON report, and what --export
-            writes (the CPU generator: latents in, images out).
+            ``(report, (network, input_shape, described, names))``: the JSON report, and
+            what --export writes (the CPU generator: latents in, images out), what its
+            metadata says of it (``described``) and its ONNX names.
         """
         path = args.checkpoint
         generator = load_generator(state, config, path, weights)
@@ -357,7 +358,8 @@ class GAN(Task):
             report.update(fid_samples=args.fid_samples, fid_features=args.fid_features,
                           **scores)
             say(_scores_line(scores, args.fid_samples, config, args, seed))
-        return report, (generator, (config["latent_dim"],))
+        return report, (generator, (config["latent_dim"],), described(config),
+                        EXPORT_NAMES)
 
 
 def fid_samples(config, val_set):
@@ -448,6 +450,23 @@ class GANEvaluation(Evaluation):
 
 
 # ------------------------------------------------------------- test.py's generator
+
+EXPORT_NAMES = ("latents", "images")  # the exported generator's input and output (ONNX)
+GENERATOR_CONFIG = ("latent_dim", "image_size", "in_channels", "gan_loss", "gan_width",
+                    "gan_attention", "gan_spectral_norm")  # what rebuilds a generator
+
+
+def described(config):
+    """What an exported generator's metadata says (``export.generator_metadata``): the
+    config keys that rebuild it, its input and its output."""
+    latents, images = EXPORT_NAMES
+    side, channels = config["image_size"], config["in_channels"]
+    return (GENERATOR_CONFIG,
+            f"{latents}: float32 (batch, {config['latent_dim']}) drawn from N(0, 1) "
+            f"(dcgan.fixed_latents(n, latent_dim, seed) for the run's fixed ones)",
+            f"{images}: float32 (batch, {channels}, {side}, {side}) in [-1, 1]; "
+            f"(x + 1) * 127.5, rounded, gives 0..255 pixels")
+
 
 def load_generator(state, config, path, weights):
     """A fresh generator (dcgan.build) holding the checkpoint's ``networks["generator"]``
