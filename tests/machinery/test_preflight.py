@@ -3,6 +3,7 @@ back: the run that follows is bit for bit the run without it (checkpoint, metric
 its time figures, TensorBoard); `--preflight` alone exits 0 with no checkpoint; a failing
 stage is one error line naming it, exit 1."""
 
+import functools
 import os
 import re
 import shlex
@@ -44,11 +45,12 @@ class GlobalDropout(Classification):
 '''
 
 
-def classifier(run_dir, *extra):
+def classifier(run_dir, *extra, workers=0):
     """Accumulation (2 micro-batches), EMA, MixUp, flip TTA, clipping, the DataLoader path."""
     return tiny_args(run_dir, "--virtual-batch-size", "32", "--ema-decay", "0.9",
                      "--mixup-alpha", "0.2", "--tta", "flip", "--grad-clip", "1.0",
-                     "--data-on-device", "off", *extra, batch=16, size=80, epochs=2)
+                     "--data-on-device", "off", "--num-workers", str(workers), *extra,
+                     batch=16, size=80, epochs=2)
 
 
 def twice(tmp_path, args, *extra):
@@ -92,7 +94,8 @@ def said(capsys):
 # ------------------------------------------------------------- the run is the same
 
 def test_a_classifier_with_accumulation_ema_and_mixup_ends_as_without(tmp_path, capsys):
-    plain, checked = twice(tmp_path, classifier)
+    """(With DataLoader workers: the preflight's loaders have workers of their own.)"""
+    plain, checked = twice(tmp_path, functools.partial(classifier, workers=2))
     assert_same_run(plain, checked)
     line = re.search(r"preflight: (\d+) stages ok in [0-9.]+ s \((.*)\)", said(capsys))
     assert line and line.group(1) == "5", line
@@ -110,8 +113,24 @@ def test_a_dropout_drawing_from_the_global_rng_ends_as_without(tmp_path, monkeyp
     assert_same_run(*twice(tmp_path, args))
 
 
-def test_segmentation_ends_as_without(tmp_path):
-    assert_same_run(*twice(tmp_path, seg_args, "--ema-decay", "0.9", "--epochs", "2"))
+def test_segmentation_with_fp16_ends_as_without(tmp_path):
+    """(fp16 on the CPU: the GradScaler's scale and growth tracker are put back too.)"""
+    assert_same_run(*twice(tmp_path, seg_args, "--ema-decay", "0.9", "--epochs", "2",
+                           "--amp", "fp16"))
+
+
+def test_a_resumed_run_ends_as_resumed_without(tmp_path):
+    """Stopped inside an epoch (--max-steps), then resumed with and without the preflight:
+    its step starts at the run's position, which stays the run's."""
+    plain, checked = tmp_path / "plain", tmp_path / "checked"
+    for run_dir in (plain, checked):
+        assert train.main(classifier(run_dir, "--max-steps", "2")) == 0
+    assert final_state(plain)["progress"]["epoch_samples"] == 64  # inside epoch 1 of 80
+    assert train.main(classifier(plain, "--resume", "auto", "--max-steps", "0")) == 0
+    assert train.main(classifier(checked, "--resume", "auto", "--max-steps", "0",
+                                 "--preflight", "train")) == 0
+    assert final_state(checked)["step"] == 6  # 3 steps an epoch
+    assert_same_run(plain, checked, tensorboard=False)
 
 
 @pytest.fixture(scope="module")
