@@ -162,6 +162,14 @@ def _gather_objects(tensor, group=None):
     return every
 
 
+def refuse(task, refused):
+    """Raises one ``UserError`` line for the first flag of ``refused`` that is on:
+    ``[(on, flag, why)]``, said as "FLAG WHY: not for --task TASK"."""
+    for on, flag, why in refused:
+        if on:
+            raise UserError(f"{flag} {why}: not for --task {task}")
+
+
 def joined(state):
     """A ``"cat"`` state as one tensor (None: empty): a list before a reduction, a tensor
     after one."""

@@ -18,7 +18,7 @@ from machinery.runtime import say
 from ops import UserError
 from pipeline import data
 from reporting import gan_metrics
-from tasks import Evaluation, Phase, Task, joined
+from tasks import Evaluation, Phase, Task, joined, refuse
 from tasks.gan import GAN_DATASETS, NATIVE_SIDE, fid_samples, real_images, write_samples
 
 # Ho et al.'s recipe: Adam 2e-4, no weight decay, a constant rate after the warmup, the
@@ -75,9 +75,7 @@ def _check(config):
                (config["find_lr"], "--find-lr", "sweeps a classifier's learning rate"),
                (config["gpus"] and "," in str(config["gpus"]), "--gpus with several GPUs",
                 "(DataParallel) is not for a diffusion model: use torchrun")]
-    for on, flag, why in refused:
-        if on:
-            raise UserError(f"{flag} {why}: not for --task diffusion")
+    refuse("diffusion", refused)
     if config["sample_steps"] is not None and config["sample_steps"] > \
             config["diffusion_steps"]:
         raise UserError(f"--sample-steps {config['sample_steps']}: there are "

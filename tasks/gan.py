@@ -20,7 +20,7 @@ from machinery.runtime import say
 from ops import UserError
 from pipeline import data
 from reporting import gan_metrics
-from tasks import Evaluation, Phase, Task, joined
+from tasks import Evaluation, Phase, Task, joined, refuse
 
 
 def _int_at_least(low):
@@ -74,9 +74,7 @@ def _check_gan(config):
                (config["find_lr"], "--find-lr", "sweeps one optimizer's learning rate"),
                (config["gpus"] and "," in str(config["gpus"]), "--gpus with several GPUs",
                 "(DataParallel) is not for a GAN: use torchrun")]
-    for on, flag, why in refused:
-        if on:
-            raise UserError(f"{flag} {why}: not for --task gan")
+    refuse("gan", refused)
     if config["fid_samples"] == 0 and config["early_stop_patience"]:
         raise UserError("--early-stop-patience follows FID, and --fid-samples 0 measures "
                         "none: give --fid-samples, or drop --early-stop-patience")

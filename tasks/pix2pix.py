@@ -25,7 +25,7 @@ from machinery import checkpoint, engine, files, runtime
 from machinery.runtime import say
 from ops import UserError
 from pipeline import data, device_data, pair_data
-from tasks import Evaluation, Phase, Task
+from tasks import Evaluation, Phase, Task, refuse
 
 # The paper's recipe (Adam 2e-4, betas (0.5, 0.999)), a constant rate; the paper's jitter
 # (resize 286, crop 256, flip) is pair_data's augmentation, kept on by default.
@@ -152,9 +152,7 @@ class Pix2Pix(Task):
              "has no path for pairs (they are read by DataLoader workers)"),
             (config["gpus"] and "," in str(config["gpus"]), "--gpus with several GPUs",
              "(DataParallel) is not for two networks: use torchrun")]
-        for on, flag, why in refused:
-            if on:
-                raise UserError(f"{flag} {why}: not for --task pix2pix")
+        refuse("pix2pix", refused)
 
     @classmethod
     def datasets(cls, config, log, should_stop=None):
