@@ -22,6 +22,7 @@ from helpers import (
     read_metrics,
     seg_args,
     tiny_args,
+    torchrun,
 )
 
 import train
@@ -45,12 +46,12 @@ class GlobalDropout(Classification):
 '''
 
 
-def classifier(run_dir, *extra, workers=0):
+def classifier(run_dir, *extra, workers=0, batch=16):
     """Accumulation (2 micro-batches), EMA, MixUp, flip TTA, clipping, the DataLoader path."""
     return tiny_args(run_dir, "--virtual-batch-size", "32", "--ema-decay", "0.9",
                      "--mixup-alpha", "0.2", "--tta", "flip", "--grad-clip", "1.0",
                      "--data-on-device", "off", "--num-workers", str(workers), *extra,
-                     batch=16, size=80, epochs=2)
+                     batch=batch, size=80, epochs=2)
 
 
 def twice(tmp_path, args, *extra):
@@ -163,6 +164,17 @@ def test_a_gan_whose_fid_needs_more_than_one_batch(tmp_path, features, capsys):
     run_dir = tmp_path / "run"
     assert train.main(gan(features)(run_dir, "--fid-samples", "9", "--preflight")) == 0
     assert "preflight: 5 stages ok" in said(capsys)
+
+
+def test_torchrun_ends_as_without(tmp_path):
+    """2 processes: each takes its share of the step and the batch, process 0 writes and
+    compares the checkpoint (every process's RNG gathered), all put back."""
+    plain, checked = tmp_path / "plain", tmp_path / "checked"
+    torchrun(classifier(plain, "--data-on-device", "on", batch=8))
+    out = torchrun(classifier(checked, "--data-on-device", "on", "--preflight", "train",
+                              batch=8))
+    assert out.count("preflight: 5 stages ok") == 1  # process 0 says it
+    assert_same_run(plain, checked)
 
 
 # ------------------------------------------------------------ --preflight alone
