@@ -498,11 +498,12 @@ def validate(training):
     return figures
 
 
-def summary(training, epoch):
+def summary(training, epoch, times=None):
     """The metrics.jsonl record of the epoch's training so far, at ``epoch`` (finished
-    epochs, or a fraction: a run stopped inside one), its validation to be added."""
+    epochs, or a fraction: a run stopped inside one), its validation to be added;
+    ``times``: the step timer's totals (None: now)."""
     state, loop, world = training.state, training.loop, training.procs.world_size
-    times = loop.timer.totals()
+    times = times or loop.timer.totals()
     unreadable = sum(dataset.unreadable_count() for dataset in training.datasets)  # skipped
     loss_sum, loss_count, unreadable = ops.sum_over_processes(
         [state.loss_sum, state.loss_count, unreadable], loop.device, world)
@@ -520,11 +521,12 @@ def finish_epoch(training, stop):
     starts after last.pt holds the epoch's training, and a stop signal ends it at once."""
     config, state = training.config, training.state
     due = (state.epoch + 1) % config["eval_every"] == 0 or state.epoch + 1 == config["epochs"]
+    times = training.loop.timer.totals()  # the epoch's steps alone, not the save below
     if due:  # (a long validation, an FID: a signal or a kill there costs no step)
         save(training, Kind.STOP)
         training.saver.wait()  # written, before the validation
     state.epoch += 1
-    record, best = summary(training, state.epoch), False
+    record, best = summary(training, state.epoch, times), False
     if due:
         with stop.interruptible(f"during the validation of epoch {state.epoch}"):
             record.update(validate(training))

@@ -610,3 +610,24 @@ def test_top5_counts_a_class_among_the_five_largest_logits():
     result = engine.evaluate(net, [(logits, torch.tensor([4, 0]))], loop,
                              tasks.Classification(7))
     assert result["acc"] == 0.0 and result["acc5"] == 0.5  # class 4 is 5th; class 0 last
+
+
+def test_the_epochs_time_is_its_steps_not_the_save_before_its_validation(tmp_path,
+                                                                          monkeypatch):
+    """The checkpoint written before a validation (round 5's F7) is not the epoch's
+    training time: samples_per_sec and epoch_time count the steps alone. The clock jumps
+    100 s inside every save; the epoch's time stays below it."""
+    from machinery import checkpoint, engine
+
+    offset = [0.0]
+    clock = engine.time.perf_counter
+    monkeypatch.setattr(engine.time, "perf_counter", lambda: clock() + offset[0])
+    save = checkpoint.Saver.save
+
+    def slow_save(self, *args, **kwargs):
+        offset[0] += 100.0
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.Saver, "save", slow_save)
+    assert train.main(tiny_args(tmp_path, epochs=2)) == 0
+    assert all(r["epoch_time"] < 100 for r in read_metrics(tmp_path)), read_metrics(tmp_path)
