@@ -79,33 +79,34 @@ class _NoBar:
         pass
 
 
-def _clone(tensors):
-    return {k: v.detach().clone() for k, v in tensors.items()}
-
-
 class Snapshot:
-    """Everything of a run that the preflight's stages change, copied (``take``) and put
-    back (``put_back``)."""
+    """Everything of a run that the preflight's stages change, copied when it is made (the
+    tensors to the CPU: the device holds no second copy of the weights and the optimizer's
+    state meanwhile) and put back by ``put_back``."""
 
     def __init__(self, training):
         self.training = training
-        loop, saver = training.loop, training.saver
-        self.net = _clone(training.net.state_dict())  # weights and BatchNorm statistics
-        self.modes = [m.training for m in training.net.modules()]
-        self.optimizer = copy.deepcopy(training.optimizer.state_dict())  # lr of each group
-        self.scaler = copy.deepcopy(loop.scaler.state_dict())
-        self.ema = None if training.ema is None else _clone(training.ema.state_dict())
+        loop, saver, net = training.loop, training.saver, training.net
+        self.net = checkpoint.to_cpu(net.state_dict())  # weights and BatchNorm statistics
+        self.modes = [m.training for m in net.modules()]
+        self.requires_grad = [p.requires_grad for p in net.parameters()]
+        self.optimizer = checkpoint.to_cpu(training.optimizer.state_dict())  # and each lr
+        self.scaler = checkpoint.to_cpu(loop.scaler.state_dict())
+        self.ema = None if training.ema is None else checkpoint.to_cpu(training.ema.state_dict())
         self.state = copy.deepcopy(vars(training.state))  # step, position, sums, best
         self.counters = copy.deepcopy(vars(loop.counters))
         self.saver = (saver.dir, saver.last_saved)
         self.rng = checkpoint.rng_state()  # python, numpy, torch CPU and CUDA
 
     def put_back(self):
-        training = self.training
-        training.net.load_state_dict(self.net)  # in place: the optimizer's parameters stay
-        for module, mode in zip(training.net.modules(), self.modes):
+        training, net = self.training, self.training.net
+        net.load_state_dict(self.net)  # in place: the optimizer's parameters stay
+        for module, mode in zip(net.modules(), self.modes):
             module.training = mode
-        training.optimizer.load_state_dict(copy.deepcopy(self.optimizer))
+        for parameter, requires_grad in zip(net.parameters(), self.requires_grad):
+            parameter.requires_grad_(requires_grad)
+            parameter.grad = None  # (a stage that failed inside a window left some)
+        training.optimizer.load_state_dict(self.optimizer)
         ops.place_fused_steps(training.optimizer)
         if self.scaler:  # (an enabled GradScaler's; a disabled one has none)
             training.loop.scaler.load_state_dict(self.scaler)
