@@ -2,7 +2,7 @@
 
     python bench/identity.py --base 661a44d           # that commit against the working tree
     python bench/identity.py --base main --recipes ema-mixup,dcgan
-    python bench/identity.py --record DIR             # this tree's manifests only, into DIR
+    python bench/identity.py --base 661a44d --ignore-config fid_samples  # a default changed
 
 A change that only moves code (a refactor) must leave every run where it was: each recipe
 below is trained by both versions, each in its own processes on the CPU with the same
@@ -135,10 +135,19 @@ def manifest(run_dir):
     return leaves
 
 
-def differences(a, b, most=5):
-    """The first ``most`` leaves that differ, in words."""
-    found = []
+def new_flags(a, b):
+    """The config keys of this tree's checkpoints that the base's lack: flags added
+    since, each at its default (not a difference in what was trained)."""
+    return sorted({key[2] for key in set(b) - set(a) if len(key) == 3 and key[1] == "config"})
+
+
+def differences(a, b, most=5, ignored=()):
+    """The first ``most`` leaves that differ, in words; a flag added since (``new_flags``)
+    and the config keys ``ignored`` (a default changed on purpose) are not counted."""
+    found, added = [], set(new_flags(a, b))
     for key in sorted(set(a) | set(b)):
+        if len(key) == 3 and key[1] == "config" and (key[2] in added or key[2] in ignored):
+            continue
         if key not in a or key not in b:
             found.append(f"{'/'.join(key)}: only in {'the base' if key in a else 'this tree'}")
         elif not same(a[key], b[key]):
@@ -170,7 +179,10 @@ def main(argv=None):
                    help=f"comma-separated, of: {', '.join(RECIPES)}")
     p.add_argument("--dir", default=None, help="where the runs go (default: a temporary "
                    "directory, removed)")
+    p.add_argument("--ignore-config", default="", metavar="KEYS", help="comma-separated "
+                   "config keys whose recorded value changed on purpose (a flag's default)")
     args = p.parse_args(argv)
+    ignored = {k for k in args.ignore_config.split(",") if k}
     names = [n for n in args.recipes.split(",") if n]
     unknown = [n for n in names if n not in RECIPES]
     if unknown:
@@ -196,7 +208,11 @@ def main(argv=None):
             shutil.rmtree(work, ignore_errors=True)
     differ = 0
     for name in names:
-        found = differences(base[name], here[name])
+        found = differences(base[name], here[name], ignored=ignored)
+        added = new_flags(base[name], here[name])
+        if added:
+            print(f"# {name}: {len(added)} flags added since {args.base}, at their "
+                  f"defaults, not compared: {', '.join(added)}")
         print(f"figure: identity.{name} {'equal' if not found else 'differs'} "
               f"({len(base[name])} entries)")
         for line in found:
