@@ -96,8 +96,11 @@ def said(capsys):
 
 def test_a_classifier_with_accumulation_ema_and_mixup_ends_as_without(tmp_path, capsys):
     """(With DataLoader workers: the preflight's loaders have workers of their own.)"""
-    plain, checked = twice(tmp_path, functools.partial(classifier, workers=2))
+    plain, checked = twice(tmp_path, functools.partial(classifier, workers=2),
+                           "--sample-ledger")
     assert_same_run(plain, checked)
+    ledgers = [(d / "samples" / "rank0.jsonl").read_text() for d in (plain, checked)]
+    assert ledgers[0] == ledgers[1]  # the run's samples only, none of the preflight's
     line = re.search(r"preflight: (\d+) stages ok in [0-9.]+ s \((.*)\)", said(capsys))
     assert line and line.group(1) == "5", line
     assert "the evaluation of the moving average" in line.group(2)
@@ -156,6 +159,16 @@ def gan(features):
 def test_a_gan_with_its_fid_ends_as_without(tmp_path, features, capsys):
     assert_same_run(*twice(tmp_path, gan(features)))
     assert "preflight: 5 stages ok" in said(capsys)
+
+
+def test_a_diffusion_model_with_its_fid_ends_as_without(tmp_path, features):
+    def args(run_dir, *extra):
+        return ["--task", "diffusion", "--dataset", "synthetic", "--synthetic-size", "48",
+                "--image-size", "8", "--batch-size", "8", "--epochs", "1", "--fid-samples",
+                "8", "--fid-features", features, "--diffusion-width", "8", "--sample-steps",
+                "2", "--ema-decay", "0.9", "--num-workers", "0", "--log-every", "1",
+                "--device", "cpu", "--run-dir", str(run_dir), *extra]
+    assert_same_run(*twice(tmp_path, args))
 
 
 def test_a_gan_whose_fid_needs_more_than_one_batch(tmp_path, features, capsys):
