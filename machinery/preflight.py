@@ -220,7 +220,9 @@ def evaluate(training, loader, tta, name, model, suffix):
         try:
             result = engine.evaluate(model, itertools.islice(loader, 1), training.loop,
                                      task, tta=tta)
-        except UserError:  # more than one batch's images (a GAN's --fid-samples)
+        except UserError as e:  # more than one batch's images (a GAN's --fid-samples)
+            runtime.main_print(f"preflight: {name}: one batch is too few ({e}): on the "
+                               f"whole validation set")
             result = engine.evaluate(model, loader, training.loop, task, tta=tta)
         task.extra_figures(result, names, suffix)
         if training.run_log.enabled:  # drawn on process 0 only, as validate does

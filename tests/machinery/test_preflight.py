@@ -176,7 +176,10 @@ def test_a_gan_whose_fid_needs_more_than_one_batch(tmp_path, features, capsys):
     so the preflight evaluates the whole validation set."""
     run_dir = tmp_path / "run"
     assert train.main(gan(features)(run_dir, "--fid-samples", "9", "--preflight")) == 0
-    assert "preflight: 5 stages ok" in said(capsys)
+    out = said(capsys)
+    assert "preflight: the evaluation: one batch is too few (--fid-samples 9: the " \
+        "validation set has 8 images" in out and "on the whole validation set" in out
+    assert "preflight: 5 stages ok" in out
 
 
 def test_torchrun_ends_as_without(tmp_path):
