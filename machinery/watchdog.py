@@ -80,12 +80,9 @@ def enable_flight_recorder(config):
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)
     if config.get("run_dir") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # NCCL's own dump (when its watchdog fires first) lands in the run directory,
-        # beside ours, not in torch's default /tmp prefix
-        where = os.path.join(config["run_dir"], "hang-flight-recorder")
+        # beside ours, not in torch's default /tmp prefix (a file prefix: no folder made)
         os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
-                              os.path.join(where, "nccl_trace_rank_"))
-        with contextlib.suppress(OSError):
-            os.makedirs(where, exist_ok=True)
+                              os.path.join(config["run_dir"], "hang-nccl-trace-rank"))
 
 
 class Watchdog:

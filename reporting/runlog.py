@@ -352,6 +352,8 @@ def read_metrics(path, up_to_epoch):
             except (UnicodeDecodeError, ValueError):
                 record = None
             epoch = record.get("epoch") if isinstance(record, dict) else None
+            if isinstance(epoch, float) and record.get("final") is True:
+                epoch = math.floor(epoch)  # a run's final record inside an epoch (1.75)
             if not isinstance(epoch, int) or isinstance(epoch, bool):
                 damaged += 1
             elif epoch <= up_to_epoch:

@@ -97,12 +97,13 @@ def test_run_recorded_and_read_back(tmp_path, capsys):
     assert torch.load(best, weights_only=True)["mlflow_run_id"] == run_id
 
 
-def assert_continued(client, run, run_dir, first_id, steps):
-    """One run, the first one, finished, its curves covering the whole training."""
+def assert_continued(client, run, run_dir, first_id, steps, epochs=(1, 2)):
+    """One run, the first one, finished, its curves covering the whole training
+    (``epochs``: metrics.jsonl's, a --max-steps stop's final record among them)."""
     assert run.info.run_id == first_id
     assert run.info.status == "FINISHED"
     records = read_metrics(run_dir)
-    assert [r["epoch"] for r in records] == [1, 2]
+    assert [r["epoch"] for r in records] == list(epochs)
     for key in ("val_acc", "train_loss"):
         assert_curve(history(client, first_id, key), epoch_history(run_dir, key))
     logged = history(client, first_id, "train/loss")
@@ -127,7 +128,7 @@ def test_max_steps_then_resume_continues_the_mlflow_run(tmp_path, capsys):
                                 epochs=2)) == 0
     assert f"mlflow: continuing run {first_id}" in capsys.readouterr().out
     client, run = only_run(uri)
-    assert_continued(client, run, run_dir, first_id, steps=8)
+    assert_continued(client, run, run_dir, first_id, steps=8, epochs=(0.75, 1, 2))
 
 
 def test_sigterm_leaves_the_run_to_continue(tmp_path, capsys):
