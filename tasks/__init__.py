@@ -162,6 +162,22 @@ def _gather_objects(tensor, group=None):
     return every
 
 
+def check_own_network_and_data(config, task, network, model_file, datasets):
+    """A task that trains a network of its own on some sets: --network must be it,
+    --dataset one of ``datasets``, and --image-size a torchvision set's own side (MNIST's
+    28, CIFAR-10's 32; ``data.native_geometry``), one ``UserError`` line each."""
+    if config["network"] != network:
+        raise UserError(f"--task {task} trains --network {network} ({model_file}), not "
+                        f"{config['network']}")
+    if config["dataset"] not in datasets:
+        raise UserError(f"--task {task}: --dataset must be one of {', '.join(datasets)} "
+                        f"(got {config['dataset']!r})")
+    side, native = config["image_size"], data.native_geometry(config["dataset"])
+    if native is not None and side != native[0]:
+        raise UserError(f"--image-size {side}: {config['dataset']}'s images are {native[0]} "
+                        f"px (--image-size {native[0]}, or leave it out)")
+
+
 def refuse(task, refused):
     """Raises one ``UserError`` line for the first flag of ``refused`` that is on:
     ``[(on, flag, why)]``, said as "FLAG WHY: not for --task TASK"."""

@@ -18,7 +18,7 @@ from machinery.runtime import say
 from ops import UserError
 from pipeline import data
 from reporting import gan_metrics
-from tasks import Evaluation, Phase, Task, joined, refuse
+from tasks import Evaluation, Phase, Task, check_own_network_and_data, joined, refuse
 from tasks.gan import GAN_DATASETS, NATIVE_SIDE, fid_samples, real_images, write_samples
 
 # Ho et al.'s recipe: Adam 2e-4, no weight decay, a constant rate after the warmup, the
@@ -46,16 +46,8 @@ def _key(*parts):
 def _check(config):
     """What --task diffusion takes, and the flags that make no sense for it: one line
     each."""
-    if config["network"] != "ddpm":
-        raise UserError(f"--task diffusion trains --network ddpm (ddpm.py), not "
-                        f"{config['network']}")
-    if config["dataset"] not in GAN_DATASETS:
-        raise UserError(f"--task diffusion: --dataset must be one of "
-                        f"{', '.join(GAN_DATASETS)} (got {config['dataset']!r})")
-    side, native = config["image_size"], NATIVE_SIDE.get(config["dataset"])
-    if native is not None and side != native:
-        raise UserError(f"--image-size {side}: {config['dataset']}'s images are {native} px "
-                        f"(--image-size {native}, or leave it out)")
+    check_own_network_and_data(config, "diffusion", "ddpm", "ddpm.py", GAN_DATASETS)
+    side = config["image_size"]
     try:
         ddpm.check_image_size(side)
     except ValueError as e:

@@ -20,7 +20,7 @@ from machinery.runtime import say
 from ops import UserError
 from pipeline import data
 from reporting import gan_metrics
-from tasks import Evaluation, Phase, Task, joined, refuse
+from tasks import Evaluation, Phase, Task, check_own_network_and_data, joined, refuse
 
 
 def _int_at_least(low):
@@ -28,7 +28,8 @@ def _int_at_least(low):
 
 
 GAN_DATASETS = ("mnist", "fashion_mnist", "cifar10", "imagefolder", "synthetic")
-NATIVE_SIDE = {"mnist": 28, "fashion_mnist": 28, "cifar10": 32}
+NATIVE_SIDE = {name: data.native_geometry(name)[0] for name in GAN_DATASETS
+               if data.native_geometry(name)}  # (MNIST's 28, CIFAR-10's 32)
 FID_SAMPLES = 10_000  # --fid-samples' default, capped at the validation set's size
 
 
@@ -51,16 +52,8 @@ def gan_defaults(config, explicit):
 
 def _check_gan(config):
     """What --task gan takes, and the flags that make no sense for it: one line each."""
-    if config["network"] != "dcgan":
-        raise UserError(f"--task gan trains --network dcgan (dcgan.py), not "
-                        f"{config['network']}")
-    if config["dataset"] not in GAN_DATASETS:
-        raise UserError(f"--task gan: --dataset must be one of {', '.join(GAN_DATASETS)} "
-                        f"(got {config['dataset']!r})")
-    side, native = config["image_size"], NATIVE_SIDE.get(config["dataset"])
-    if native is not None and side != native:
-        raise UserError(f"--image-size {side}: {config['dataset']}'s images are {native} px "
-                        f"(--image-size {native}, or leave it out)")
+    check_own_network_and_data(config, "gan", "dcgan", "dcgan.py", GAN_DATASETS)
+    side = config["image_size"]
     if side not in dcgan.IMAGE_SIZES:
         raise UserError(f"--task gan: --image-size must be one of "
                         f"{', '.join(map(str, dcgan.IMAGE_SIZES))} (got {side})")

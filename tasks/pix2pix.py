@@ -25,7 +25,7 @@ from machinery import checkpoint, engine, files, runtime
 from machinery.runtime import say
 from ops import UserError
 from pipeline import data, device_data, pair_data
-from tasks import Evaluation, Phase, Task, refuse
+from tasks import Evaluation, Phase, Task, check_own_network_and_data, refuse
 
 # The paper's recipe (Adam 2e-4, betas (0.5, 0.999)), a constant rate; the paper's jitter
 # (resize 286, crop 256, flip) is pair_data's augmentation, kept on by default.
@@ -125,12 +125,8 @@ class Pix2Pix(Task):
     def check_config(cls, config):
         """What --task pix2pix takes, and the flags that make no sense for it: one line
         each."""
-        if config["network"] != "pix2pix":
-            raise UserError(f"--task pix2pix trains --network pix2pix (pix2pix.py), not "
-                            f"{config['network']}")
-        if config["dataset"] not in pair_data.DATASETS:
-            raise UserError(f"--task pix2pix: --dataset must be one of "
-                            f"{', '.join(pair_data.DATASETS)} (got {config['dataset']!r})")
+        check_own_network_and_data(config, "pix2pix", "pix2pix", "pix2pix.py",
+                                   pair_data.DATASETS)
         try:
             pix2pix.downs(config["image_size"])
         except ValueError as e:
