@@ -528,8 +528,9 @@ def finish_epoch(training, stop):
     state.epoch += 1
     record, best = summary(training, state.epoch, times), False
     if due:
-        with stop.interruptible(f"during the validation of epoch {state.epoch}"):
-            record.update(validate(training))
+        with stop.interruptible(f"during the validation of epoch {state.epoch}") \
+                if training.procs.world_size == 1 else contextlib.nullcontext():  # (DDP:
+            record.update(validate(training))  # its collectives; the steps' agreement)
         value = None if training.task.best is None else metrics.best_metric(training.task,
                                                                            record)
         best = state.record_best(value)  # (no figure to follow: best.pt is the last)
