@@ -160,3 +160,26 @@ def test_a_missing_data_dir_is_one_line(tmp_path, capsys):
                        "--run-dir", str(tmp_path / "run")]) == 2
     assert f"error: --data-dir {str(tmp_path / 'nowhere')!r} does not exist" in \
         capsys.readouterr().err
+
+
+def test_an_image_whose_body_is_broken_is_one_line_from_a_worker(tmp_path, capfd):
+    """The header is whole, the compressed pixels are not: with DataLoader workers the run
+    still ends in one line naming the file (found by the pairing's check, which reads the
+    PNG's chunks up to its EXIF, or by the worker that decodes it)."""
+    import struct
+    root = tree(tmp_path / "pairs")
+    path = root / "train" / "b" / "y.png"
+    png = bytearray(path.read_bytes())
+    at = png.find(b"IDAT")
+    length = struct.unpack(">I", png[at - 4:at])[0]
+    png[at + 6:at + 4 + length] = b"\x55" * (length - 2)  # the zlib stream, not its header
+    path.write_bytes(bytes(png))
+    with Image.open(path) as image:
+        assert image.size == (32, 32)  # the header is whole
+    assert train.main(["--task", "pix2pix", "--dataset", "pairfolder", "--data-dir", str(root),
+                       "--pix2pix-width", "8", "--epochs", "1", "--batch-size", "2",
+                       "--num-workers", "2", "--device", "cpu",
+                       "--run-dir", str(tmp_path / "run")]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: cannot read {path}"), err
+    assert "Traceback" not in "\n".join(err) and "DataLoader worker" not in "\n".join(err)
