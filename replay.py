@@ -309,10 +309,16 @@ def run(config, explicit, stop, build_training, unfreeze_point, unfreeze):
         with runlog.RunDirectory(run_dir, is_main=True):
             procs = runtime.setup_processes(config, stop.pending)
             runtime.set_memory_options(config, procs.device)
-            runtime.seed_everything(config["seed"], 0, config["deterministic"], procs.device)
+            # cuDNN's timed choice can differ from one replay to the next: its default
+            # algorithms instead, the same each time
+            runtime.seed_everything(config["seed"], 0, config["deterministic"], procs.device,
+                                    benchmark=False)
             start = f"{resume_path} (step {saved['step']})" if saved else "the initial weights"
+            together = f" ({record['world_size']} processes' batches together on one " \
+                f"device: --device cpu where they do not fit)" if record["world_size"] > 1 \
+                else ""
             runtime.say(f"replaying step {record['step']} from {start} in a scratch "
-                        f"directory")
+                        f"directory{together}")
             with contextlib.redirect_stdout(io.StringIO()):
                 training, loader = build_training(config, procs, run_dir, saved, resume_path,
                                                   stop.pending)  # its lines are the run's

@@ -396,14 +396,18 @@ def gpu_count(config, procs):
     return len(gpu_ids(config["gpus"])) if config["gpus"] else 1
 
 
-def seed_everything(seed, rank, deterministic, device):
-    """Seeds python, numpy and torch; sets the cuDNN and determinism switches."""
+def seed_everything(seed, rank, deterministic, device, benchmark=None):
+    """Seeds python, numpy and torch; sets the cuDNN and determinism switches
+    (``benchmark``: cuDNN's timed choice of algorithms; by default on CUDA unless
+    deterministic)."""
     random.seed(seed + rank)
     np.random.seed(seed + rank)
     torch.manual_seed(seed + rank)  # DDP broadcasts rank 0's initial weights anyway
     torch.use_deterministic_algorithms(deterministic)  # both ways: main() may run again
     torch.backends.cudnn.deterministic = deterministic
-    torch.backends.cudnn.benchmark = device.type == "cuda" and not deterministic
+    if benchmark is None:
+        benchmark = device.type == "cuda" and not deterministic
+    torch.backends.cudnn.benchmark = benchmark
 
 
 AMP_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}

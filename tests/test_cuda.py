@@ -247,7 +247,10 @@ def test_data_on_device_auto_fits_within_the_memory_fraction(tmp_path, capsys):
     args = cuda_args(tmp_path, "--gpu-memory-fraction", str(fraction), "--data-on-device",
                      "auto", "--epochs", "1", "--max-steps", "3", "--image-size", str(side))
     args[args.index("--synthetic-size") + 1] = str(samples)
-    assert train.main(args) == 0
+    try:
+        assert train.main(args) == 0
+    finally:  # the cap stays with the process: the CUDA tests after this one need the card
+        torch.cuda.set_per_process_memory_fraction(1.0)
     assert "data path: per-sample" in capsys.readouterr().out
 
 

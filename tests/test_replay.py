@@ -10,7 +10,9 @@ from helpers import finish, snapshot, start_torchrun, tiny_args, write_image_fol
 from torch import nn
 
 import networks
+import replay
 import train
+from machinery import runtime
 from pipeline import data
 
 MARK = 100.0  # synthetic pixels are about N(0, 1): only the marked sample reaches this
@@ -137,9 +139,20 @@ def test_the_record_names_the_micro_batch_of_a_step(tmp_path, capsys, monkeypatc
     assert index in record["micro_batches"][1]["samples"]
     assert record["checkpoint"] is None
     capsys.readouterr()
-    assert train.main(["--replay", str(record_path)]) == 0
+    # As on CUDA, where training times cuDNN's algorithms (benchmark): the replay does not,
+    # or another algorithm each replay could make it "not reproduced"
+    real_seed, real_replay_to, seen = runtime.seed_everything, replay.replay_to, []
+    monkeypatch.setattr(runtime, "seed_everything", lambda seed, rank, deterministic, device,
+                        **kw: real_seed(seed, rank, deterministic, torch.device("cuda"), **kw))
+    monkeypatch.setattr(replay, "replay_to", lambda *a: seen.append(
+        torch.backends.cudnn.benchmark) or real_replay_to(*a))
+    try:
+        assert train.main(["--replay", str(record_path)]) == 0
+    finally:
+        torch.backends.cudnn.benchmark = False
+    assert seen == [False]
     out = capsys.readouterr().out
-    assert "from the initial weights" in out
+    assert "from the initial weights" in out and "together" not in out
     assert "micro-batch 2 of 2" in out and f"samples: {index}\n" in out + "\n"
 
 
@@ -181,6 +194,8 @@ def test_under_ddp_the_record_holds_every_process_share_and_replays_in_one(
                                          "nonfinite-step-00000007.json")]) == 0
     out = capsys.readouterr().out
     assert "module '0' (Blowup)" in out and f"samples: {index}\n" in out
+    assert "(2 processes' batches together on one device: --device cpu where they do not " \
+        "fit)" in out
 
 
 LAUNCH = """sys.path.insert(0, {tests!r})
