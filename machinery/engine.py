@@ -420,7 +420,9 @@ def _phase_steps(model, optimizer, task, loop, held):
     The training loss (``Counters.add_loss``) of a micro-batch is the sum of its phases'
     losses (a repeated phase's: their mean); each phase's own figures
     (``task.phase_loss``'s) and its network's gradient norm (``grad_norm_<network>``) are
-    kept as figures.
+    kept as figures. The step's gradient norm (train/grad_norm, --grad-clip's count) is the
+    largest of its optimizer steps', and it counts as skipped (train/scaler_skips) where
+    any of them was.
     """
     world, scaler = loop.world_size, loop.scaler
     total = sum(n for _, _, n, _ in held) * world  # the step's samples, all processes
@@ -428,6 +430,7 @@ def _phase_steps(model, optimizer, task, loop, held):
     totals = [0.0] * len(held)
     kept = [{} for _ in held]  # what a phase leaves for a later one, per micro-batch
     stepped = set()  # the optimizers the scaler stepped since its last update
+    norms, skips = [], []  # each optimizer step's gradient norm and skip
     earlier = set()  # the networks of the phases before this one
     for phase in task.phases:
         for name, net in plain.items():  # gradients through them are not theirs
@@ -448,14 +451,22 @@ def _phase_steps(model, optimizer, task, loop, held):
                     scaler.scale(loss * weight if weight != 1.0 else loss).backward()
                 totals[i] = totals[i] + loss.detach().float() / phase.repeats
                 loop.counters.add_figures(figures, local_n)
-            norm = _optimizer_step(plain[phase.network].parameters(), optimizer[phase.network],
-                                   loop, update=False)
+            norm, skipped = _optimizer_step(plain[phase.network].parameters(),
+                                            optimizer[phase.network], loop, update=False,
+                                            counted=False)
             stepped.add(phase.network)
             loop.counters.add_figures({f"grad_norm_{phase.network}": norm}, 1)
+            norms.append(norm.to(loop.device))
+            skips.append(skipped)
         earlier.add(phase.network)
     for net in plain.values():
         net.requires_grad_(True)
     scaler.update()
+    # One training step, one gradient norm (clipped or not finite where any network's was:
+    # its largest) and one skip (any optimizer's), as a one-network step counts them
+    loop.counters.add_grad_norm(torch.stack(norms).max())
+    if skips[0] is not None:
+        loop.counters.skips += torch.stack(skips).any()
     for (_, _, local_n, _), loss in zip(held, totals):
         loop.counters.add_loss(loss, local_n)
 
@@ -486,11 +497,13 @@ def bare(module):
             return module
 
 
-def _optimizer_step(params, optimizer, loop, update=True):
-    """Clips (--grad-clip) and keeps the gradient norm of ``params``, steps ``optimizer``
-    through the GradScaler, updates the scaler (unless ``update`` is off: the caller does,
-    once for several optimizers) and clears the gradients; returns the norm (0-d, on the
-    device, before clipping)."""
+def _optimizer_step(params, optimizer, loop, update=True, counted=True):
+    """Clips (--grad-clip) the gradients of ``params``, steps ``optimizer`` through the
+    GradScaler, updates the scaler (unless ``update`` is off: the caller does, once for
+    several optimizers) and clears the gradients. Returns the gradient norm (0-d, on the
+    device, before clipping) and whether the scaler skipped the step (0-d on the device;
+    None without fp16); ``counted``: both kept in ``loop.counters`` as the training step's
+    (off: the caller keeps one figure for the step's several optimizers)."""
     scaler = loop.scaler
     params = list(params)
     if loop.grad_clip > 0:
@@ -500,18 +513,22 @@ def _optimizer_step(params, optimizer, loop, update=True):
         norm = total_norm([p.grad for p in params if p.grad is not None])
         if scaler.is_enabled():
             norm = norm / scaler._scale  # (get_scale() would read it back: a sync)
-    loop.counters.add_grad_norm(norm)
+    if counted:
+        loop.counters.add_grad_norm(norm)
     scaler.step(optimizer)
+    skipped = None
     if scaler.is_enabled():
         # No public API tells whether this step was skipped without a sync; the
         # per-device found-inf tensors stay on the device and are summed there.
         found = scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device")
         if found:
-            loop.counters.skips += sum(found.values())
+            skipped = sum(found.values()) > 0
+            if counted:
+                loop.counters.skips += skipped
     if update:
         scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return norm
+    return norm, skipped
 
 
 def total_norm(grads):

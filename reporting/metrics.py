@@ -10,7 +10,8 @@ TensorBoard scalars (``scalars`` dicts: tag -> value):
     train/grad_norm, train/grad_clipped (--grad-clip)    (the means/counts since the last)
     train/loss_d, train/loss_g, train/d_real,            a GAN's (--task gan), the same
     train/d_fake, train/gradient_penalty (wgan-gp),      way
-    train/grad_norm_discriminator, _generator
+    train/grad_norm_discriminator, _generator            (train/grad_norm: each step's
+                                                         largest; scaler_skips: steps)
     val/fid, val/kid (val/fid_classifier, ...);          a GAN's, at each validation
     val/samples (image); val_ema/* (EMA generator)
     val/loss, val/acc, val/acc5 (over 5 classes);       at each validation

@@ -348,6 +348,31 @@ def test_every_step_is_unscaled_by_the_scale_its_backward_used(tmp_path, feature
     assert len({s for _, s in events}) > 2  # the scale did grow between them
 
 
+def test_a_step_of_several_optimizers_counts_once(tmp_path, features, monkeypatch):
+    """The CUDA review's L5: a GAN step of --d-steps 2 steps three optimizers; its gradient
+    norm, its clipping and its skip are counted once, as a classifier's step (clipped or
+    skipped where any of them was), not three times."""
+    assert train.main(gan_args(tmp_path / "clip", features, "--max-steps", "3", "--d-steps",
+                               "2", "--grad-clip", "1e-9")) == 0
+    record = read_metrics(tmp_path / "clip")[-1]
+    assert record["step"] == 3 and record["grad_clipped"] == 3
+    acc = events(tmp_path / "clip")
+    # the step's norm is its largest optimizer step's: at least the generator's and the
+    # mean of the discriminator's two (a mean of all three would be below one of them)
+    for d, g, step in zip(acc.Scalars("train/grad_norm_discriminator"),
+                          acc.Scalars("train/grad_norm_generator"),
+                          acc.Scalars("train/grad_norm")):
+        assert step.value >= max(d.value, g.value) * (1 - 1e-6), (d, g, step)
+
+    init = torch.amp.GradScaler.__init__  # a scale that overflows every backward in fp16
+    monkeypatch.setattr(torch.amp.GradScaler, "__init__",
+                        lambda self, *a, **k: init(self, *a, **{**k, "init_scale": 2.0 ** 100}))
+    assert train.main(gan_args(tmp_path / "skip", features, "--amp", "fp16", "--max-steps",
+                               "3", "--d-steps", "2")) == 0
+    assert [e.value for e in events(tmp_path / "skip").Scalars("train/scaler_skips")] == \
+        [1, 2, 3]
+
+
 def test_each_phase_gives_gradients_to_its_own_network_only(features):
     config = config_module.with_defaults({"task": "gan", "dataset": "synthetic",
                                           "latent_dim": 8, "gan_width": 4, "fid_samples": 2,
