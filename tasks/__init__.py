@@ -162,6 +162,37 @@ def _gather_objects(tensor, group=None):
     return every
 
 
+def first_images(kept, n):
+    """The first ``n`` images of the validation set, for FID: on process 0 (None on the
+    others; one process: its own). ``kept`` is this process's, in order, at most ``n`` (its
+    shard is contiguous: in rank order the shards are the set's order). Each process
+    sends only its share of the first ``n`` (their counts gathered first), and only to
+    process 0 (``gather_object``): under NCCL no GPU holds every process's images.
+
+    Raises:
+        UserError: the set has fewer than ``n`` images (on every process alike).
+    """
+    import torch.distributed as dist
+
+    mine = torch.cat(kept) if kept else torch.zeros(0)
+    if n == 0:  # (--fid-samples 0: no FID, nothing to gather)
+        return mine[:0]
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        have, first = len(mine), mine[:n]
+    else:
+        rank, counts = dist.get_rank(), [None] * dist.get_world_size()
+        dist.all_gather_object(counts, len(mine))
+        have = sum(counts)
+        parts = counts if rank == 0 else None  # (a list to fill on process 0)
+        dist.gather_object(mine[:max(0, n - sum(counts[:rank]))], parts, dst=0)
+        first = torch.cat([p for p in parts if len(p)] or [mine[:0]])[:n] if rank == 0 \
+            else None
+    if have < n:
+        raise UserError(f"--fid-samples {n}: the validation set has {have} images; lower "
+                        f"--fid-samples")
+    return first
+
+
 def check_own_network_and_data(config, task, network, model_file, datasets):
     """A task that trains a network of its own on some sets: --network must be it,
     --dataset one of ``datasets``, and --image-size a torchvision set's own side (MNIST's

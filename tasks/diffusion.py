@@ -18,7 +18,14 @@ from machinery.runtime import say
 from ops import UserError
 from pipeline import data
 from reporting import gan_metrics
-from tasks import Evaluation, Phase, Task, check_own_network_and_data, joined, refuse
+from tasks import (
+    Evaluation,
+    Phase,
+    Task,
+    check_own_network_and_data,
+    first_images,
+    refuse,
+)
 from tasks.gan import GAN_DATASETS, NATIVE_SIDE, fid_samples, real_images, write_samples
 
 # Ho et al.'s recipe: Adam 2e-4, no weight decay, a constant rate after the warmup, the
@@ -391,9 +398,8 @@ class DiffusionEvaluation(Evaluation):
 
     def __init__(self, task, unet, sampling):
         super().__init__(gather_objects=True)
-        self.task, self.sampling, self.have = task, sampling, 0
+        self.task, self.sampling, self.real, self.have = task, sampling, [], 0
         self.add_state("total", torch.zeros(2, dtype=torch.float64), "sum")  # sum, count
-        self.add_state("real", [], "cat")
         self.measured = (unet,)  # (a tuple: not a submodule of the metric)
 
     def update(self, losses, y, x=None):
@@ -414,11 +420,7 @@ class DiffusionEvaluation(Evaluation):
         result = {"loss": total / count if count else float("nan"), "count": int(count)}
         if not self.sampling:
             return result
-        real = joined(self.real)
-        real = torch.zeros(0) if real is None else real[:task.fid_samples]
-        if len(real) < task.fid_samples:
-            raise UserError(f"--fid-samples {task.fid_samples}: the validation set has "
-                            f"{len(real)} images; lower --fid-samples")
+        real = first_images(self.real, task.fid_samples)  # (process 0's; None elsewhere)
         several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         sampled = None
         if not several or dist.get_rank() == 0:

@@ -20,7 +20,14 @@ from machinery.runtime import say
 from ops import UserError
 from pipeline import data
 from reporting import gan_metrics
-from tasks import Evaluation, Phase, Task, check_own_network_and_data, joined, refuse
+from tasks import (
+    Evaluation,
+    Phase,
+    Task,
+    check_own_network_and_data,
+    first_images,
+    refuse,
+)
 
 
 def _int_at_least(low):
@@ -388,10 +395,9 @@ class GANEvaluation(Evaluation):
     """One GAN evaluation: the first ``fid_samples`` real validation images, then (in
     ``compute``) as many of the generator's images from the fixed latents, their FID and
     KID (gan_metrics.measure) and a grid of the first ``GAN.grid``. Under DDP the real
-    images are gathered on the CPU (``all_gather_object``; the shards are contiguous: in
-    rank order they are the set's order), process 0 measures and the others take its
-    figures: every process decides alike and the figures are those of the generator
-    process 0 saves.
+    images are gathered on process 0 (``tasks.first_images``), which measures; the others
+    take its figures: every process decides alike and the figures are those of the
+    generator process 0 saves.
 
     Args:
         task: the ``GAN``.
@@ -400,9 +406,8 @@ class GANEvaluation(Evaluation):
     """
 
     def __init__(self, task, model):
-        super().__init__(gather_objects=True)
-        self.task, self.have = task, 0
-        self.add_state("real", [], "cat")
+        super().__init__()  # no state to reduce: compute gathers the images process 0 needs
+        self.task, self.real, self.have = task, [], 0
         generator = model["generator"] if isinstance(model, torch.nn.ModuleDict) else model
         self.measured = (engine.bare(generator),)  # (a tuple: not a submodule of the metric)
 
@@ -418,11 +423,7 @@ class GANEvaluation(Evaluation):
         import torch.distributed as dist
 
         task, (generator,) = self.task, self.measured
-        real = joined(self.real)
-        real = torch.zeros(0) if real is None else real[:task.fid_samples]
-        if len(real) < task.fid_samples:
-            raise UserError(f"--fid-samples {task.fid_samples}: the validation set has "
-                            f"{len(real)} images; lower --fid-samples")
+        real = first_images(self.real, task.fid_samples)  # (process 0's; None elsewhere)
         several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         result = None
         if not several or dist.get_rank() == 0:

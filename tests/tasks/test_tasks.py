@@ -1,6 +1,8 @@
 """The task seam's classification sums: the same figures with a dense confusion matrix
 and, beyond tasks.DENSE_CLASSES, with each sample's (label, prediction)."""
 
+import os
+
 import pytest
 import torch
 from helpers import read_metrics, tiny_args
@@ -137,3 +139,46 @@ def test_deterministic_torchvision_segmentation_on_cuda_is_refused_in_one_line(m
         checked("--network", "torchvision/lraspp_mobilenet_v3_large")
     checked("--network", "torchvision/lraspp_mobilenet_v3_large", "--device", "cpu")
     checked("--network", "unet")  # its loss is summed per pixel: deterministic on CUDA
+
+
+def _first_images_worker(rank, world_size, port, out_dir, sizes, n):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size)
+    sent = []
+    real_gather = dist.gather_object
+    dist.gather_object = lambda obj, *a, **k: (sent.append(len(obj)), real_gather(obj, *a,
+                                                                                   **k))[1]
+    try:
+        start = sum(sizes[:rank])  # the contiguous shards: image i holds the value i
+        kept = [torch.arange(start, start + sizes[rank]).float().view(-1, 1, 1, 1)[:n]]
+        try:
+            first = tasks.first_images(kept, n)
+        except tasks.UserError as e:
+            first = str(e)
+        torch.save({"first": first, "sent": sent}, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.gather_object = real_gather
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("n, sent", [(5, [3, 2, 0]), (8, [3, 3, 2]), (9, None)])
+def test_fids_real_images_reach_process_0_only_and_each_sends_its_share(tmp_path, n, sent):
+    """The CUDA review's L6: each process sends only its share of the set's first n
+    images, to process 0 alone; a set too small is one error on every process."""
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_first_images_worker, args=(3, port, str(tmp_path), [3, 3, 2], n),
+                       nprocs=3, start_method="fork")
+    got = [torch.load(tmp_path / f"{r}.pt", weights_only=True) for r in range(3)]
+    if sent is None:
+        assert [g["first"] for g in got] == ["--fid-samples 9: the validation set has 8 "
+                                             "images; lower --fid-samples"] * 3
+        return
+    assert got[0]["first"].flatten().tolist() == list(range(n))
+    assert got[1]["first"] is None and got[2]["first"] is None
+    assert [g["sent"] for g in got] == [[s] for s in sent]
