@@ -432,9 +432,12 @@ def _phase_steps(model, optimizer, task, loop, held):
     stepped = set()  # the optimizers the scaler stepped since its last update
     norms, skips = [], []  # each optimizer step's gradient norm and skip
     earlier = set()  # the networks of the phases before this one
+    off = set()  # the networks whose parameters do not require gradients now
     for phase in task.phases:
-        for name, net in plain.items():  # gradients through them are not theirs
-            net.requires_grad_(name not in earlier or name == phase.network)
+        now_off = earlier - {phase.network}  # gradients through them are not theirs
+        for name in now_off ^ off:  # (only the switches that change: each walks a network)
+            plain[name].requires_grad_(name not in now_off)
+        off = now_off
         wrapped = model[phase.network]
         for repeat in range(phase.repeats):
             if phase.network in stepped:  # a repeated phase: the scaler takes one step per
@@ -459,8 +462,8 @@ def _phase_steps(model, optimizer, task, loop, held):
             norms.append(norm.to(loop.device))
             skips.append(skipped)
         earlier.add(phase.network)
-    for net in plain.values():
-        net.requires_grad_(True)
+    for name in off:
+        plain[name].requires_grad_(True)
     scaler.update()
     # One training step, one gradient norm (clipped or not finite where any network's was:
     # its largest) and one skip (any optimizer's), as a one-network step counts them
