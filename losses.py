@@ -4,6 +4,7 @@ Besides the classification criterion: the perceptual loss, the GAN losses and th
 WGAN-GP gradient penalty for image-to-image and generative models.
 """
 
+import contextlib
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -261,7 +262,9 @@ def gradient_penalty(critic, real, fake, weight=10.0):
     taken per sample over all its elements. The gradient is built with
     ``create_graph=True`` so the penalty back-propagates into the critic's parameters;
     ``real`` and ``fake`` are detached, so nothing reaches the generator. The critic must
-    treat samples independently (no BatchNorm; the paper suggests LayerNorm).
+    treat samples independently (no BatchNorm; the paper suggests LayerNorm). Under fp16
+    autocast the penalty's pass through the critic runs in float32: its gradient with
+    respect to the images is not scaled by the GradScaler, and would underflow in fp16.
 
     Args:
         critic: module mapping a batch shaped like ``real`` to scores, one or more per
@@ -277,8 +280,14 @@ def gradient_penalty(critic, real, fake, weight=10.0):
     shape = (real.shape[0],) + (1,) * (real.dim() - 1)
     alpha = torch.rand(shape, device=real.device, dtype=real.dtype)
     interpolate = (alpha * real + (1 - alpha) * fake).requires_grad_(True)
-    score = critic(interpolate)
-    (grad,) = torch.autograd.grad(score, interpolate, grad_outputs=torch.ones_like(score),
-                                  create_graph=True)
-    norm = grad.flatten(1).norm(2, dim=1)  # (N,)
-    return weight * ((norm - 1) ** 2).mean()
+    device = real.device.type
+    # Under fp16 autocast the gradient with respect to the images would be taken in fp16
+    # without the GradScaler's scale (per pixel it is small: it underflows): in float32
+    fp16 = torch.is_autocast_enabled(device) and \
+        torch.get_autocast_dtype(device) == torch.float16
+    with torch.autocast(device, enabled=False) if fp16 else contextlib.nullcontext():
+        score = critic(interpolate.float() if fp16 else interpolate)
+        (grad,) = torch.autograd.grad(score, interpolate, grad_outputs=torch.ones_like(score),
+                                      create_graph=True)
+        norm = grad.float().flatten(1).norm(2, dim=1)  # (N,)
+        return weight * ((norm - 1) ** 2).mean()

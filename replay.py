@@ -44,7 +44,7 @@ NOT_WITH_REPLAY = ("resume", "run_dir", "find_lr", "mlflow")
 
 # ----------------------------------------------------------------- keeping the batch
 
-def record_nonfinite(found, config, state, procs, loop, set_size, last_saved, several=False):
+def record_nonfinite(found, config, state, procs, loop, set_size, last_saved):
     """Writes the record of the first non-finite value the last counter read found, and
     prints the command that replays it; train.py calls it once a run.
 
@@ -54,15 +54,12 @@ def record_nonfinite(found, config, state, procs, loop, set_size, last_saved, se
             (its accumulation and GradScaler).
         set_size: the training set's number of samples.
         last_saved: the last checkpoint written, or None.
-        several: the task trains several networks (their phases are not replayed, yet).
 
     Returns:
         The record's path; "recorded" on the other processes (the main one writes every
-        process's share); None where nothing is recorded (several networks, or fp16's
-        infinite gradients alone, which the GradScaler skips).
+        process's share); None where nothing is recorded (fp16's infinite gradients
+        alone, which the GradScaler skips).
     """
-    if several:
-        return None
     if loop.scaler.is_enabled():  # fp16: inf gradients are the GradScaler's to skip
         found = {**found, "grad_norm": None}
         if found["loss"] is None:
@@ -345,7 +342,7 @@ def replay_to(training, loader, record, unfreeze_point, unfreeze, stop):
         ops.Interrupted: a stop signal (``stop``, a ``runtime.StopRequest``) came.
     """
     state, sampler, target = training.state, loader.batch_sampler, record["step"]
-    watch = Watch(training.net, training.task)
+    watch = Watch(training.net, training.task, len(record["micro_batches"]))
     with contextlib.ExitStack() as armed:
         if state.step == target - 1:
             armed.enter_context(watch.armed())
@@ -408,27 +405,40 @@ class _NoBar:
 class Watch:
     """Hooks on every module of ``net`` (and the task's criterion) while armed: the first
     non-finite module output in the forward pass, and in the backward pass the first
-    module output and parameter whose gradient is not finite.
+    module output and parameter whose gradient is not finite. A task of several networks
+    (``task.phases``: ``net`` a ModuleDict, its modules named ``discriminator.main.0``...)
+    is told by its ``phase_loss`` calls which micro-batch and phase each forward is of.
 
     Args:
-        net: the plain network.
+        net: the plain network (or networks).
         task: the task (its ``criterion``, where a module, is watched as ``loss``).
+        per_step: the micro-batches of the recorded step.
     """
 
-    def __init__(self, net, task):
+    def __init__(self, net, task, per_step=1):
         self.modules = list(net.named_modules())
-        self.net = net
+        self.net, self.task, self.per_step = net, task, per_step
         criterion = task.criterion
         if isinstance(criterion, torch.nn.Module):
             self.modules.append(("loss", criterion))
-        self.active, self.micro_batch, self.anomaly = False, -1, None
+        self.active, self.micro_batch, self.phase, self.anomaly = False, -1, None, None
         self.forward = self.backward = self.parameter = None
         self.last_finite_grad = None  # the module whose output gradient was last finite
 
     @contextlib.contextmanager
     def armed(self):
         """Hooks in place and anomaly detection on, for the recorded step."""
-        handles = [self.net.register_forward_pre_hook(self._count)]
+        handles = []
+        if self.task.phases:  # engine._phase_steps calls it phase by phase, then repeat
+            real, calls = self.task.phase_loss, [0]  # by repeat, then micro-batch by one
+
+            def phase_loss(network, *args):
+                self.micro_batch, self.phase = calls[0] % self.per_step, network
+                calls[0] += 1
+                return real(network, *args)
+            self.task.phase_loss = phase_loss  # (an instance attribute: deleted below)
+        else:
+            handles.append(self.net.register_forward_pre_hook(self._count))
         for name, module in self.modules:
             handles.append(module.register_forward_hook(self._forward_hook(name)))
         for name, p in self.net.named_parameters():
@@ -441,6 +451,7 @@ class Watch:
                 yield self
         finally:
             self.active = False
+            self.task.__dict__.pop("phase_loss", None)
             for handle in handles:
                 handle.remove()
 
@@ -449,9 +460,9 @@ class Watch:
         module whose output gradient was the last seen finite made it."""
         self.anomaly = message
         if self.forward is None and self.backward is None and self.last_finite_grad:
-            name, kind, micro_batch = self.last_finite_grad
+            name, kind, micro_batch, phase = self.last_finite_grad
             self.backward = {"module": name, "type": kind, "micro_batch": micro_batch,
-                             "rows": None, "after": None, "inside": True}
+                             "rows": None, "after": None, "inside": True, "phase": phase}
 
     def found(self):
         return self.forward or self.backward or self.parameter or self.anomaly
@@ -466,24 +477,24 @@ class Watch:
                 inputs_finite = all(_finite(t) for t in _tensors(args))
                 self.forward = {"module": name, "type": type(module).__name__,
                                 "micro_batch": self.micro_batch, "rows": _bad_rows(outputs),
-                                "inputs_finite": inputs_finite}
+                                "inputs_finite": inputs_finite, "phase": self.phase}
             for t in outputs:
                 if t.requires_grad:
                     t.register_hook(self._gradient_hook(name, type(module).__name__))
         return hook
 
     def _gradient_hook(self, name, kind):
-        micro_batch = self.micro_batch
+        micro_batch, phase = self.micro_batch, self.phase
 
         def hook(grad):
             if self.backward is not None:
                 return
             if _finite(grad):
-                self.last_finite_grad = name, kind, micro_batch
+                self.last_finite_grad = name, kind, micro_batch, phase
             else:
                 self.backward = {"module": name, "type": kind, "micro_batch": micro_batch,
                                  "rows": _bad_rows([grad]), "inside": False,
-                                 "after": self.last_finite_grad}
+                                 "after": self.last_finite_grad, "phase": phase}
         return hook
 
     def _parameter_hook(self, name):
@@ -549,15 +560,16 @@ def report(record, watch, start, dataset):
     lines = [f"replay of step {step} (epoch {record['epoch'] + 1}) from {start}: "
              f"reproduced the non-finite {record['what']}"]
     where = watch.forward or watch.backward
+    of = "" if where is None else f"micro-batch {where['micro_batch'] + 1} of " \
+        f"{len(record['micro_batches'])}" + \
+        (f" (the {where['phase']}'s phase)" if where["phase"] else "")
     if watch.forward:
         f = watch.forward
         lines.append(f"  first non-finite output: module '{f['module']}' ({f['type']}) in "
-                     f"the forward pass of micro-batch {f['micro_batch'] + 1} of "
-                     f"{len(record['micro_batches'])}; its inputs were "
+                     f"the forward pass of {of}; its inputs were "
                      f"{'finite' if f['inputs_finite'] else 'already not finite (the data?)'}")
     elif watch.backward:
-        b, of = watch.backward, f"micro-batch {watch.backward['micro_batch'] + 1} of " \
-            f"{len(record['micro_batches'])}"
+        b = watch.backward
         if b["inside"]:
             lines.append(f"  first non-finite gradient: made in the backward pass of module "
                          f"'{b['module']}' ({b['type']}), {of}; the gradient of its output "

@@ -433,8 +433,7 @@ def read_losses(training):
     if training.meter.nonfinite is not None and training.nonfinite_record is None:  # once
         training.nonfinite_record = replay.record_nonfinite(
             training.meter.nonfinite, training.config, training.state, training.procs,
-            training.loop, len(training.datasets[0]), training.saver.last_saved,
-            several=bool(training.task.phases))
+            training.loop, len(training.datasets[0]), training.saver.last_saved)
     if worst >= training.config["max_nonfinite"]:
         raise RunFailed(
             f"the loss was not finite for {worst} steps in a row (at step "

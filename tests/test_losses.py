@@ -98,6 +98,25 @@ def test_gradient_penalty_of_a_linear_critic_and_its_gradient():
     torch.testing.assert_close(critic.weight.grad, 2.0 * 2 * (norm - 1) * w / norm)
 
 
+def test_gradient_penalty_under_fp16_autocast_is_taken_in_float32():
+    """The CUDA review's L2: under fp16 autocast (the GradScaler's precision) the
+    penalty's gradient with respect to the images is not scaled: taken in fp16 it loses
+    digits (and underflows). It is the float32 penalty, and its parameter gradient too."""
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.LeakyReLU(0.2), nn.Flatten(),
+                           nn.Linear(16 * 8 * 8, 1))
+    real, fake = torch.randn(8, 3, 8, 8), torch.randn(8, 3, 8, 8)
+    torch.manual_seed(5)
+    want = gradient_penalty(critic, real, fake)
+    (want_grad,) = torch.autograd.grad(want, critic[0].weight)
+    torch.manual_seed(5)
+    with torch.autocast("cpu", dtype=torch.float16):
+        got = gradient_penalty(critic, real, fake)
+    (got_grad,) = torch.autograd.grad(got, critic[0].weight)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert torch.equal(got_grad, want_grad)
+
+
 def test_gradient_penalty_does_not_reach_the_generator():
     torch.manual_seed(0)
     critic = _tiny_critic()

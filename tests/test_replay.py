@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -345,4 +346,34 @@ def test_a_record_that_starts_just_before_its_step_watches_that_step(
     out = capsys.readouterr().out
     assert "reproduced the non-finite loss" in out, out
     assert "first non-finite output: module '0' (Blowup)" in out, out
+    assert f"samples: {index}\n" in out + "\n"
+
+
+def test_a_gan_step_is_recorded_and_replayed_phase_by_phase(tmp_path, capsys, monkeypatch):
+    """A task of several networks (--task gan): the record names the step, the replay the
+    network's module, the phase (the discriminator's, which sees the real images first)
+    and the sample."""
+    run_dir = tmp_path / "run"
+    index = bad_sample(epoch=1, batch=2, position=5)  # epoch 2's 3rd batch: step 7
+    plain = data.SeededDataset.__getitem__
+
+    def getitem(self, key):  # a real image holding inf: the data's fault, as replay says
+        image, label = plain(self, key)
+        return (torch.full_like(image, float("inf")) if key == (index, 1) else image), label
+
+    monkeypatch.setattr(data.SeededDataset, "__getitem__", getitem)
+    args = ["--task", "gan", "--dataset", "synthetic", "--synthetic-size", "64", "--gan-width",
+            "8", "--latent-dim", "16", "--fid-samples", "0", "--batch-size", "16", "--epochs",
+            "2", "--num-workers", "0", "--log-every", "1", *PER_SAMPLE, "--run-dir",
+            str(run_dir)]
+    train.main(args)
+    record_path = run_dir / "checkpoints" / "nonfinite-step-00000007.json"
+    assert f"replay it with: python train.py --replay {record_path}" in capsys.readouterr().err
+    record = json.loads(record_path.read_text())
+    assert record["step"] == 7 and index in record["micro_batches"][0]["samples"]
+    assert train.main(["--replay", str(record_path)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"first non-finite output: module 'discriminator\.[\w.]+' \(Conv2d\) in "
+                     r"the forward pass of micro-batch 1 of 1 \(the discriminator's phase\); "
+                     r"its inputs were already not finite \(the data\?\)", out), out
     assert f"samples: {index}\n" in out + "\n"
