@@ -292,7 +292,8 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
                                       procs, loop.amp_dtype)  # the RNG untouched
     presets.network_notes(config, log, flops=flops)  # a CIFAR network on photos: its cost
 
-    identity = {"train": tasks.set_identity(config, train_set)}  # a resume sees other data
+    identity = {"train": tasks.set_identity(config, train_set),  # a resume sees other data
+                **device_data.path_record(train_loader, procs.device)}  # (or path: CUDA)
     state = engine.TrainState()
     if task.lower_is_better:  # (an FID): any first figure is the best
         state.forget_best(lower_is_better=True)

@@ -180,6 +180,16 @@ def crop_flip_batch(images, top, left, flip, padding):
     return padded.reshape(n, c, -1).gather(2, where).view(n, c, h, w)
 
 
+def path_record(loader, device):
+    """What a checkpoint records of the data path (``checkpoint.check_same_path``): on
+    CUDA, where the device path and the DataLoader round a resize apart by up to a level,
+    ``{"path": "device"}`` or ``{"path": "loader"}``; elsewhere, where both give the same
+    bits, nothing."""
+    if torch.device(device).type != "cuda":
+        return {}
+    return {"path": "device" if isinstance(loader, DeviceLoader) else "loader"}
+
+
 class DeviceLoader:
     """Batches gathered from a set held as one tensor on the device: the DataLoader of the
     device path.

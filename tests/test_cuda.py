@@ -389,3 +389,14 @@ def test_fid_leaves_every_cuda_generator_as_it_was(cuda_features):
     before = torch.cuda.get_rng_state_all()
     gan_metrics.measure(features, real, fake, seed=0)
     assert all(torch.equal(a, b) for a, b in zip(before, torch.cuda.get_rng_state_all()))
+
+
+def test_a_resume_on_the_other_data_path_says_so(tmp_path, capsys):
+    """The CUDA review's L7: the checkpoint records the data path on CUDA; a resume that
+    takes the other one (auto deciding otherwise) warns, naming the flag that keeps it."""
+    assert train.main(cuda_args(tmp_path, "--data-on-device", "on", "--epochs", "1")) == 0
+    assert torch.load(tmp_path / "checkpoints" / "last.pt",
+                      weights_only=True)["data"]["path"] == "device"
+    capsys.readouterr()
+    assert train.main(cuda_args(tmp_path, "--data-on-device", "off", "--resume", "auto")) == 0
+    assert "--data-on-device on keeps its path" in capsys.readouterr().err

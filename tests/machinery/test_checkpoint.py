@@ -543,3 +543,30 @@ def test_a_resume_with_another_thread_count_says_how_to_restore_it(tmp_path, cap
     err = capsys.readouterr().err
     assert f"was trained with {threads} CPU thread(s) per process, this run has " \
            f"{threads + 1}" in err and f"OMP_NUM_THREADS={threads} restores it" in err
+
+
+def test_a_cuda_resume_on_the_other_data_path_says_how_to_keep_it():
+    """The CUDA review's L7: --data-on-device auto decides by the free memory, which a
+    restart may find otherwise; on CUDA the two paths round a resize apart, so a resume
+    on the other path says so, and which flag keeps the path. On the CPU (the same bits)
+    nothing is recorded."""
+    from pipeline import device_data
+
+    loader = object.__new__(device_data.DeviceLoader)
+    assert device_data.path_record(loader, "cpu") == {}
+    assert device_data.path_record(loader, "cuda") == {"path": "device"}
+    assert device_data.path_record(object(), "cuda:1") == {"path": "loader"}
+    said = []
+    saved = {"data": {"train": {"size": 4}, "path": "device"}}
+    checkpoint.check_same_data(saved, "last.pt", {"train": {"size": 4}, "path": "loader"},
+                               said.append)
+    assert said == ["warning: 'last.pt' was trained on the device data path, this run takes "
+                    "the per-sample DataLoader (--data-on-device auto decides by the free "
+                    "memory): on CUDA their resizes round apart by up to one level, so it "
+                    "will not end bit for bit as the run that never stopped; "
+                    "--data-on-device on keeps its path"]
+    for now in ({"train": {"size": 4}, "path": "device"}, {"train": {"size": 4}}):
+        checkpoint.check_same_data(saved, "last.pt", now, said.append)
+    checkpoint.check_same_data({"data": {"train": {"size": 4}}}, "last.pt",
+                               {"train": {"size": 4}, "path": "loader"}, said.append)
+    assert len(said) == 1  # the same path, a CPU run, a checkpoint from before: nothing
