@@ -13,9 +13,10 @@ seconds (``run``):
    a task's phases) for one accumulation window of the real batches at the run's position,
    then the EMA's update; its loss and the weights after it must be finite;
 3. the evaluation: ``engine.evaluate`` with the network on one validation batch (with
-   --tta as set), the task's figures and pictures from it; a task whose evaluation needs
-   more images than one batch holds (a GAN's FID on --fid-samples images) refuses one
-   batch, and gets the whole validation set;
+   --tta as set), the task's figures and pictures from it; a task whose figures need
+   more images than one batch holds (an FID on --fid-samples images) takes one batch's
+   for the while (``Task.evaluating_on``), and one that refuses one batch anyway gets the
+   whole validation set;
 4. the evaluation of the moving average (--ema-decay), the same way;
 5. the checkpoint: the run's own ``Saver`` writes it into a temporary directory (never
    the run's), ``checkpoint.load_checkpoint`` reads it back, and every tensor and value
@@ -218,8 +219,11 @@ def evaluate(training, loader, tta, name, model, suffix):
         if suffix:
             training.ema.sync_buffers()
         try:
-            result = engine.evaluate(model, itertools.islice(loader, 1), training.loop,
-                                     task, tta=tta)
+            with task.evaluating_on(training.config["batch_size"]) as fewer:
+                if fewer:  # (an FID on one batch's images: the path, not the figure)
+                    runtime.main_print(f"preflight: {name}: {fewer}")
+                result = engine.evaluate(model, itertools.islice(loader, 1), training.loop,
+                                         task, tta=tta)
         except UserError as e:  # more than one batch's images (a GAN's --fid-samples)
             runtime.main_print(f"preflight: {name}: one batch is too few ({e}): on the "
                                f"whole validation set")

@@ -51,6 +51,7 @@ figure is one (an FID).
 A micro-batch weighs its number of samples (the sampler's plan), for every task.
 """
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -333,6 +334,13 @@ class Task:
     @staticmethod
     def extra_figures(result, names, suffix=""):
         return {}
+
+    @contextlib.contextmanager
+    def evaluating_on(self, count):
+        """An evaluation made on ``count`` validation images per process (--preflight's
+        one batch): as ever by default; a task whose figures need more images than that
+        (an FID) takes fewer for the while. Yields a line saying so, or None."""
+        yield None
 
     @staticmethod
     def images(result, names, title):

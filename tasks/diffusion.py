@@ -26,7 +26,14 @@ from tasks import (
     first_images,
     refuse,
 )
-from tasks.gan import GAN_DATASETS, NATIVE_SIDE, fid_samples, real_images, write_samples
+from tasks.gan import (
+    GAN_DATASETS,
+    NATIVE_SIDE,
+    fewer_fid_samples,
+    fid_samples,
+    real_images,
+    write_samples,
+)
 
 # Ho et al.'s recipe: Adam 2e-4, no weight decay, a constant rate after the warmup, the
 # gradient clipped at norm 1; no crop (a padded crop would teach the model black borders)
@@ -245,6 +252,8 @@ class Diffusion(Task):
             x = torch.where(flips[:, None, None, None], x.flip(-1), x)
         loss, _ = ddpm.loss(model[network], self.schedule, x, t, noise)
         return loss, {}
+
+    evaluating_on = fewer_fid_samples  # --preflight's one batch: FID on fewer images
 
     @staticmethod
     def averaged(net):

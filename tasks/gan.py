@@ -5,6 +5,7 @@ generator for export).
 """
 
 import argparse
+import contextlib
 import copy
 import io
 import os
@@ -82,6 +83,19 @@ def _check_gan(config):
         raise UserError("--compile with --gan-loss wgan-gp: the gradient penalty "
                         "differentiates the critic twice, which torch.compile's autograd "
                         "does not support; drop --compile, or take another --gan-loss")
+
+
+@contextlib.contextmanager
+def fewer_fid_samples(task, count):
+    """``Task.evaluating_on`` for a task measuring FID on ``task.fid_samples`` images:
+    on at most ``count`` for the while (the same code, fewer images)."""
+    kept = task.fid_samples
+    task.fid_samples = min(kept, count)
+    try:
+        yield None if task.fid_samples == kept else \
+            f"FID and KID on one batch's {task.fid_samples} images (the run's: {kept})"
+    finally:
+        task.fid_samples = kept
 
 
 class GAN(Task):
@@ -265,6 +279,8 @@ class GAN(Task):
                 kept["z"] = z
         return dcgan.discriminator_loss(model["discriminator"], x, fake, self.kind,
                                         self.gp_weight)
+
+    evaluating_on = fewer_fid_samples  # --preflight's one batch: FID on fewer images
 
     @staticmethod
     def averaged(net):

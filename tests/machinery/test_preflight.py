@@ -25,6 +25,8 @@ from helpers import (
     torchrun,
 )
 
+import tasks
+import tasks.gan
 import train
 from machinery import checkpoint, files, preflight
 
@@ -171,15 +173,33 @@ def test_a_diffusion_model_with_its_fid_ends_as_without(tmp_path, features):
     assert_same_run(*twice(tmp_path, args))
 
 
-def test_a_gan_whose_fid_needs_more_than_one_batch(tmp_path, features, capsys):
-    """--fid-samples above the validation batch (8 of the 9 images): one batch is refused,
-    so the preflight evaluates the whole validation set."""
-    run_dir = tmp_path / "run"
-    assert train.main(gan(features)(run_dir, "--fid-samples", "9", "--preflight")) == 0
+def test_a_gan_whose_fid_needs_more_than_one_batch(tmp_path, features, capsys,
+                                                  monkeypatch):
+    """--fid-samples above the validation batch (8 of the 9 images): the preflight
+    measures FID on the batch's 8 (the same code on fewer images, not the whole set's
+    worth: --fid-samples 10000 would take minutes); a task that refuses one batch anyway
+    is evaluated on the whole validation set."""
+    from reporting import gan_metrics
+
+    real_scores, measured = gan_metrics.generator_scores, []
+    monkeypatch.setattr(gan_metrics, "generator_scores", lambda g, real, f, n, seed: (
+        measured.append((len(real), n)), real_scores(g, real, f, n, seed))[1])
+    assert train.main(gan(features)(tmp_path / "run", "--fid-samples", "9",
+                                    "--preflight")) == 0
+    out = said(capsys)
+    assert "preflight: the evaluation: FID and KID on one batch's 8 images (the run's: 9)" \
+        in out and "on the whole validation set" not in out
+    assert "preflight: 5 stages ok" in out
+    assert measured == [(8, 8), (8, 8)]  # the network's and its moving average's
+
+    monkeypatch.setattr(tasks.gan.GAN, "evaluating_on", tasks.Task.evaluating_on)
+    measured.clear()
+    assert train.main(gan(features)(tmp_path / "whole", "--fid-samples", "9",
+                                    "--preflight")) == 0
     out = said(capsys)
     assert "preflight: the evaluation: one batch is too few (--fid-samples 9: the " \
         "validation set has 8 images" in out and "on the whole validation set" in out
-    assert "preflight: 5 stages ok" in out
+    assert "preflight: 5 stages ok" in out and (9, 9) in measured
 
 
 def test_torchrun_ends_as_without(tmp_path):
