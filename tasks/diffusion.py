@@ -18,14 +18,7 @@ from machinery.runtime import say
 from ops import UserError
 from pipeline import data
 from reporting import gan_metrics
-from tasks import (
-    Evaluation,
-    Phase,
-    Task,
-    check_own_network_and_data,
-    first_images,
-    refuse,
-)
+from tasks import Evaluation, Phase, Task, check_own_network_and_data, first_images, refuse
 from tasks.gan import (
     GAN_DATASETS,
     NATIVE_SIDE,
