@@ -20,6 +20,8 @@ train.py, ...):
   same steps (``--steps`` rounded up to whole epochs): its steps/s over the epochs after
   the first, its ``val_fid_classifier`` from metrics.jsonl. Its draws come from (seed,
   epoch, step) (exact resume, N processes == 1), the plain loop's from the global RNG.
+  Turn k seeds both sides with ``--seed`` + k - 1 (the set and the classifier stay): each
+  seed gives its own FID, so the medians weigh the samplers' spread, not one draw.
 
 FID of each is measured alike (gan_metrics.measure): ``--fid-samples`` DDIM samples
 (``--sample-steps``) against as many validation images, on the penultimate features of a
@@ -88,16 +90,17 @@ def steps_per_epoch(args):
     return -(-args.samples // args.batch_size)
 
 
-def plain(real, args, device, features):
-    """The example's loop for ``--steps`` steps: ``(steps/s, FID/KID dict)``."""
-    torch.manual_seed(args.seed)
+def plain(real, args, device, features, seed):
+    """The example's loop for ``--steps`` steps, its draws from ``seed``: ``(steps/s,
+    FID/KID dict)``."""
+    torch.manual_seed(seed)
     unet = ddpm.UNet(3, args.image_size, args.width, args.blocks).to(device)
     schedule = ddpm.Schedule(args.schedule, args.diffusion_steps)
     optimizer = torch.optim.Adam(unet.parameters(), lr=args.lr, weight_decay=0.0)
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(real["train"]), batch_size=args.batch_size,
         shuffle=True, num_workers=args.workers,
-        generator=torch.Generator().manual_seed(args.seed))
+        generator=torch.Generator().manual_seed(seed))
     step, start = 0, None
     while step < args.steps:
         for (x,) in loader:
@@ -120,14 +123,15 @@ def plain(real, args, device, features):
                 break
     sync(device)
     rate = (args.steps - args.warmup) / (time.perf_counter() - start)
-    sampler = ddpm.Sampler(unet, schedule, "ddim", args.sample_steps, args.seed)
+    sampler = ddpm.Sampler(unet, schedule, "ddim", args.sample_steps, seed)
     fake = dcgan.generate(sampler, torch.arange(args.fid_samples), args.batch_size)
     return rate, gan_metrics.measure(features, real["val"][:args.fid_samples], fake,
                                      args.seed, args.batch_size)
 
 
-def train_py(root, args, device, features_path, run_dir):
-    """train.py with the same recipe for ``--steps`` steps: ``(steps/s, FID/KID dict)``
+def train_py(root, args, device, features_path, run_dir, seed):
+    """train.py with the same recipe for ``--steps`` steps, ``--seed`` ``seed``: ``(steps/s,
+    FID/KID dict)``
     from metrics.jsonl; steps/s over every epoch but the first (the only one when there
     is one), validation (the FID) only at the end."""
     epochs = args.steps // steps_per_epoch(args)
@@ -141,7 +145,7 @@ def train_py(root, args, device, features_path, run_dir):
          str(args.lr), "--weight-decay", "0", "--scheduler", "none", "--warmup-epochs", "0",
          "--grad-clip", "1", "--fid-samples", str(args.fid_samples), "--fid-features",
          features_path, "--num-workers", "0", "--data-on-device", "on", "--log-every",
-         "1000000", "--device", str(device), "--seed", str(args.seed)],
+         "1000000", "--device", str(device), "--seed", str(seed)],
         run_dir, every=True)
     warm = records[1:] or records
     scores = {k[len("val_"):]: v for k, v in records[-1].items()
@@ -179,10 +183,11 @@ def main(argv=None):
     print(f"{'side':<10}{'turn':>5}{'steps/s':>10}{'fid_classifier':>17}{'kid_classifier':>17}")
     rows = {"plain": [], "train.py": []}
     for turn in range(1, args.repeats + 1):  # side by side, alternating
-        rows["plain"].append(plain(real, args, device, features))
+        seed = args.seed + turn - 1  # each turn its own draws: FID's spread shows
+        rows["plain"].append(plain(real, args, device, features, seed))
         print(_row("plain", turn, *rows["plain"][-1]))
         rows["train.py"].append(train_py(root, args, device, features_path,
-                                         os.path.join(work.name, f"run{turn}")))
+                                         os.path.join(work.name, f"run{turn}"), seed))
         print(_row("train.py", turn, *rows["train.py"][-1]))
     p_rate = statistics.median(r for r, _ in rows["plain"])
     t_rate = statistics.median(r for r, _ in rows["train.py"])
