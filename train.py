@@ -302,6 +302,7 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
                 task)
         warn = functools.partial(runtime.main_print, file=sys.stderr)
         checkpoint.check_same_data(saved, resume_path, identity, warn)
+        device_data.check_same_path(saved, resume_path, identity, warn)  # CUDA
         checkpoint.check_same_threads(saved, resume_path, procs.device, warn)
         if unfrozen_at_resume(config, state):  # wrapped again: DDP must see them
             model = wrap_model(net, config, procs.device, procs.world_size)

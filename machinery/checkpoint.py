@@ -607,9 +607,7 @@ def check_same_threads(saved, path, device, warn=print):
 def check_same_data(saved, path, identity, warn=print):
     """Says, in one line, when a run resumes onto another training set than the one its
     checkpoint was trained on: the epoch's order and the augmentation then follow the new
-    set, so the run is no longer the one that never stopped; and on another data path
-    (``check_same_path``). It continues."""
-    check_same_path(saved, path, identity, warn)
+    set, so the run is no longer the one that never stopped. It continues."""
     before = saved.get("data", {}).get("train")
     now = identity["train"]
     if before is None or before == now:
@@ -619,23 +617,6 @@ def check_same_data(saved, path, identity, warn=print):
     warn(f"warning: the training set is not the one {path!r} was trained on ({change}): "
          f"the rest of the run follows the new set, so it will not end as the run that "
          f"never stopped would have; continuing")
-
-
-PATHS = {"device": "the device data path", "loader": "the per-sample DataLoader"}
-
-
-def check_same_path(saved, path, identity, warn=print):
-    """Says, in one line, when a CUDA run resumes on the other data path than its
-    checkpoint's (``identity["path"]``: recorded on CUDA only; ``--data-on-device auto``
-    decides by the free memory, which a restart may find otherwise): there the two round a
-    resize apart by up to one level, so the batches are not the same bits. It continues."""
-    before, now = saved.get("data", {}).get("path"), identity.get("path")
-    if before is None or now is None or before == now:
-        return
-    warn(f"warning: {path!r} was trained on {PATHS[before]}, this run takes {PATHS[now]} "
-         f"(--data-on-device auto decides by the free memory): on CUDA their resizes round "
-         f"apart by up to one level, so it will not end bit for bit as the run that never "
-         f"stopped; --data-on-device {'on' if before == 'device' else 'off'} keeps its path")
 
 
 # ------------------------------------------------------------ the training checkpoint

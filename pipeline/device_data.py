@@ -181,13 +181,30 @@ def crop_flip_batch(images, top, left, flip, padding):
 
 
 def path_record(loader, device):
-    """What a checkpoint records of the data path (``checkpoint.check_same_path``): on
+    """What a checkpoint records of the data path (``check_same_path``): on
     CUDA, where the device path and the DataLoader round a resize apart by up to a level,
     ``{"path": "device"}`` or ``{"path": "loader"}``; elsewhere, where both give the same
     bits, nothing."""
     if torch.device(device).type != "cuda":
         return {}
     return {"path": "device" if isinstance(loader, DeviceLoader) else "loader"}
+
+
+PATHS = {"device": "the device data path", "loader": "the per-sample DataLoader"}
+
+
+def check_same_path(saved, path, identity, warn=print):
+    """Says, in one line, when a CUDA run resumes on the other data path than its
+    checkpoint's (``identity["path"]``: recorded on CUDA only; ``--data-on-device auto``
+    decides by the free memory, which a restart may find otherwise): there the two round a
+    resize apart by up to one level, so the batches are not the same bits. It continues."""
+    before, now = saved.get("data", {}).get("path"), identity.get("path")
+    if before is None or now is None or before == now:
+        return
+    warn(f"warning: {path!r} was trained on {PATHS[before]}, this run takes {PATHS[now]} "
+         f"(--data-on-device auto decides by the free memory): on CUDA their resizes round "
+         f"apart by up to one level, so it will not end bit for bit as the run that never "
+         f"stopped; --data-on-device {'on' if before == 'device' else 'off'} keeps its path")
 
 
 class DeviceLoader:

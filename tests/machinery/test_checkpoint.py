@@ -558,15 +558,15 @@ def test_a_cuda_resume_on_the_other_data_path_says_how_to_keep_it():
     assert device_data.path_record(object(), "cuda:1") == {"path": "loader"}
     said = []
     saved = {"data": {"train": {"size": 4}, "path": "device"}}
-    checkpoint.check_same_data(saved, "last.pt", {"train": {"size": 4}, "path": "loader"},
-                               said.append)
+    device_data.check_same_path(saved, "last.pt", {"train": {"size": 4}, "path": "loader"},
+                                said.append)
     assert said == ["warning: 'last.pt' was trained on the device data path, this run takes "
                     "the per-sample DataLoader (--data-on-device auto decides by the free "
                     "memory): on CUDA their resizes round apart by up to one level, so it "
                     "will not end bit for bit as the run that never stopped; "
                     "--data-on-device on keeps its path"]
     for now in ({"train": {"size": 4}, "path": "device"}, {"train": {"size": 4}}):
-        checkpoint.check_same_data(saved, "last.pt", now, said.append)
-    checkpoint.check_same_data({"data": {"train": {"size": 4}}}, "last.pt",
-                               {"train": {"size": 4}, "path": "loader"}, said.append)
+        device_data.check_same_path(saved, "last.pt", now, said.append)
+    device_data.check_same_path({"data": {"train": {"size": 4}}}, "last.pt",
+                                {"train": {"size": 4}, "path": "loader"}, said.append)
     assert len(said) == 1  # the same path, a CPU run, a checkpoint from before: nothing
