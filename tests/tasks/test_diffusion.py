@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from helpers import (
@@ -152,8 +153,8 @@ def test_test_py_writes_seeded_pngs_and_says_when_it_replaces_a_file(trained, tm
     names = sorted(os.listdir(out))
     assert names == [f"{i:06d}.png" for i in range(5)]
     def pixels(folder):
-        return torch.stack([torch.tensor(list(Image.open(folder / n).convert("RGB")
-                                              .getdata())) for n in names]).float()
+        return torch.stack([torch.from_numpy(np.array(Image.open(folder / n).convert("RGB")))
+                            .reshape(-1, 3) for n in names]).float()  # (pixels, RGB) each
 
     first = pixels(out)
     assert Image.open(out / names[0]).size == (8, 8)
