@@ -91,9 +91,9 @@ def main(argv=None):
         if requeued:
             runtime.say(requeued)
         return 128 + e.signum
-    except OSError as e:  # a file system that failed mid-run: full, gone, read-only
+    except OSError as e:  # a file system that failed mid-run (full, gone), a worker killed
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
-        runtime.say(f"error: {e.strerror or e}{where}", file=sys.stderr)
+        runtime.say(f"error: {data.worker_death(e) or (e.strerror or e)}{where}", file=sys.stderr)
         return EXIT_FAILED
     except (MemoryError, RuntimeError) as e:
         if runtime.cublas_config_error(e) is not None:  # --deterministic after a gemm

@@ -623,17 +623,30 @@ def worker_death(error):
     killer's doing; SIGBUS, a full shared memory (/dev/shm), which workers hand their
     batches through.
 
+    A worker killed while this process read a batch from it can also surface as the
+    socket it shared the batch through, reset (``ConnectionResetError``: the DataLoader
+    looked for dead workers a moment before the kernel had reaped it): then the workers
+    of the loader in ``error``'s frames say which one died.
+
     Args:
         error: an exception.
 
     Returns:
         The line (without ``error:``), or None.
     """
-    match = _WORKER_DIED.search(str(error))
-    if not isinstance(error, RuntimeError) or match is None:
-        return None
-    pids, how, code = match[1].strip(), match[2], match[3]
     names = {signal.strsignal(s): s.name for s in signal.Signals if signal.strsignal(s)}
+    if isinstance(error, (ConnectionError, EOFError)):
+        dead = _dead_workers(error)
+        if not dead:
+            return None
+        pids = ", ".join(str(w.pid) for w in dead)
+        code = dead[0].exitcode  # (negative: the signal that ended it)
+        how = signal.strsignal(-code) if code < 0 else None
+    else:
+        match = _WORKER_DIED.search(str(error))
+        if not isinstance(error, RuntimeError) or match is None:
+            return None
+        pids, how, code = match[1].strip(), match[2], match[3]
     if how is None and code is None:  # found dead while the loader waited: its status is
         how = _killed_by(error)       # with the loader's frame (its SIGCHLD handler has it)
     what = f"was killed by {names.get(how, how)}" if how else "exited unexpectedly"
@@ -648,6 +661,22 @@ def worker_death(error):
         cause = "it crashed; --num-workers 0 reads the data in this process and shows why"
     return (f"a DataLoader worker (pid{'s' if ',' in pids else ''} {pids}) {what}: {cause}. "
             f"The checkpoints are intact: continue with --resume auto")
+
+
+def _dead_workers(error, wait=2.0):
+    """The worker processes that ended with an error (an exit code other than 0) of the
+    DataLoader iterator in ``error``'s frames (``self._workers``), each waited for up to
+    ``wait`` seconds in all: one being killed is reaped a moment after its sockets close."""
+    traceback, workers = error.__traceback__, []
+    while traceback is not None and not workers:
+        workers = list(getattr(traceback.tb_frame.f_locals.get("self"), "_workers", None) or ())
+        traceback = traceback.tb_next
+    deadline = time.monotonic() + wait
+    for worker in workers:
+        if worker.exitcode is None:
+            with contextlib.suppress(Exception):  # (not a child of this process)
+                worker.join(max(deadline - time.monotonic(), 0))
+    return [w for w in workers if w.exitcode not in (None, 0)]
 
 
 def _killed_by(error):

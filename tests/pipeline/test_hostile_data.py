@@ -374,3 +374,42 @@ def test_a_worker_found_dead_while_the_loader_waits_is_named_with_its_signal():
         f"kernel's out-of-memory killer: the machine ran out of memory; use fewer "
         f"--num-workers or a smaller --batch-size. The checkpoints are intact: continue with "
         f"--resume auto")
+
+
+class _Iterator:
+    """What the DataLoader's iterator holds of its workers."""
+
+    def __init__(self, workers):
+        self._workers = workers
+
+    def next_batch(self):
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+
+def test_a_worker_killed_as_its_batch_is_read_is_named_not_the_reset_socket():
+    """The third way (a CI run saw it): the batch's shared-memory socket is reset by the
+    dying worker before the DataLoader finds it dead, and the read raises
+    ConnectionResetError: the line still names the worker and its signal, from the
+    loader's workers in the error's frames; a reset with no dead worker is not one."""
+    import multiprocessing
+
+    worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    worker.start()
+    os.kill(worker.pid, signal.SIGKILL)  # (reaped by worker_death's wait)
+    with pytest.raises(ConnectionResetError) as info:
+        _Iterator([worker]).next_batch()
+    assert data.worker_death(info.value) == (
+        f"a DataLoader worker (pid {worker.pid}) was killed by SIGKILL: most likely the "
+        f"kernel's out-of-memory killer: the machine ran out of memory; use fewer "
+        f"--num-workers or a smaller --batch-size. The checkpoints are intact: continue with "
+        f"--resume auto")
+    alive = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    alive.start()
+    try:
+        with pytest.raises(ConnectionResetError) as info:
+            _Iterator([alive]).next_batch()
+        assert data.worker_death(info.value) is None  # (waited 2 s for it: still alive)
+        assert data.worker_death(ConnectionResetError(104, "reset")) is None
+    finally:
+        alive.kill()
+        alive.join()
