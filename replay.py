@@ -429,14 +429,9 @@ class Watch:
     def armed(self):
         """Hooks in place and anomaly detection on, for the recorded step."""
         handles = []
-        if self.task.phases:  # engine._phase_steps calls it phase by phase, then repeat
-            real, calls = self.task.phase_loss, [0]  # by repeat, then micro-batch by one
-
-            def phase_loss(network, *args):
-                self.micro_batch, self.phase = calls[0] % self.per_step, network
-                calls[0] += 1
-                return real(network, *args)
-            self.task.phase_loss = phase_loss  # (an instance attribute: deleted below)
+        if self.task.phases:  # told by the task's phase_loss calls (an instance attribute)
+            self._phase_loss, self._calls = self.task.phase_loss, 0
+            self.task.phase_loss = self._counted_phase_loss
         else:
             handles.append(self.net.register_forward_pre_hook(self._count))
         for name, module in self.modules:
@@ -469,6 +464,13 @@ class Watch:
 
     def _count(self, module, args):
         self.micro_batch += 1
+
+    def _counted_phase_loss(self, network, *args):
+        """The task's ``phase_loss``, counted: ``engine._phase_steps`` calls it phase by
+        phase, then repeat by repeat, then micro-batch by micro-batch."""
+        self.micro_batch, self.phase = self._calls % self.per_step, network
+        self._calls += 1
+        return self._phase_loss(network, *args)
 
     def _forward_hook(self, name):
         def hook(module, args, output):

@@ -635,7 +635,7 @@ def worker_death(error):
         The line (without ``error:``), or None.
     """
     names = {signal.strsignal(s): s.name for s in signal.Signals if signal.strsignal(s)}
-    if isinstance(error, (ConnectionError, EOFError)):
+    if isinstance(error, ConnectionError):
         dead = _dead_workers(error)
         if not dead:
             return None
