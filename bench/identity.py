@@ -21,7 +21,9 @@ The recipes (what issue 35 must keep bit for bit):
 * adam-clip: Adam with --grad-clip;
 * torchrun-2x8: two processes of 8 (gloo);
 * unet-ema: a unet segmentation run with EMA;
-* dcgan: a DCGAN with EMA and --d-steps 2, FID on the adam-clip classifier's features.
+* dcgan: a DCGAN with EMA and --d-steps 2, FID on the adam-clip classifier's features;
+* pix2pix: pix2pix at 64 px (its hashed dropout on) with accumulation and EMA;
+* ddpm: a DDPM with accumulation and EMA, FID on the adam-clip classifier's features.
 """
 
 import argparse
@@ -64,6 +66,19 @@ RECIPES = {  # name -> (launcher, flags); "{adam-clip}" is that recipe's run dir
                          "--d-steps", "2", "--ema-decay", "0.9", "--fid-samples", "8",
                          "--fid-features", "{adam-clip}/checkpoints/best.pt"
                          ]),
+    "pix2pix": ("python", ["--task", "pix2pix", "--dataset", "synthetic", "--synthetic-size",
+                           "40", "--image-size", "64", "--pix2pix-width", "4",
+                           "--num-classes", "3", "--epochs", "2", "--batch-size", "4",
+                           "--virtual-batch-size", "8", "--ema-decay", "0.9",
+                           "--num-workers", "0", "--device", "cpu", "--log-every", "2",
+                           "--seed", "3"]),
+    "ddpm": ("python", ["--task", "diffusion", "--dataset", "synthetic", "--synthetic-size",
+                        "48", "--image-size", "16", "--diffusion-width", "8",
+                        "--diffusion-steps", "50", "--sample-steps", "3", "--epochs", "2",
+                        "--batch-size", "8", "--virtual-batch-size", "16", "--ema-decay",
+                        "0.9", "--num-workers", "0", "--device", "cpu", "--log-every", "2",
+                        "--seed", "3", "--fid-samples", "8",
+                        "--fid-features", "{adam-clip}/checkpoints/best.pt"]),
 }
 TIMINGS = {"data_time", "compute_time", "epoch_time", "samples_per_sec", "tflops", "mfu",
            "compute_efficiency"}
@@ -165,7 +180,7 @@ def short(value):
 def run_side(tree, names, runs):
     os.makedirs(runs, exist_ok=True)
     order = sorted(names, key=lambda n: n != "adam-clip")  # dcgan reads its classifier
-    if "dcgan" in names and "adam-clip" not in names:
+    if {"dcgan", "ddpm"} & set(names) and "adam-clip" not in names:
         order.insert(0, "adam-clip")
     for name in order:
         launch(tree, name, os.path.join(runs, name), runs)

@@ -427,6 +427,7 @@ def _phase_steps(model, optimizer, task, loop, held):
     world, scaler = loop.world_size, loop.scaler
     total = sum(n for _, _, n, _ in held) * world  # the step's samples, all processes
     plain = {name: bare(m) for name, m in model.items()}
+    params = {name: list(m.parameters()) for name, m in plain.items()}  # one walk each
     totals = [0.0] * len(held)
     kept = [{} for _ in held]  # what a phase leaves for a later one, per micro-batch
     stepped = set()  # the optimizers the scaler stepped since its last update
@@ -435,8 +436,8 @@ def _phase_steps(model, optimizer, task, loop, held):
     off = set()  # the networks whose parameters do not require gradients now
     for phase in task.phases:
         now_off = earlier - {phase.network}  # gradients through them are not theirs
-        for name in now_off ^ off:  # (only the switches that change: each walks a network)
-            plain[name].requires_grad_(name not in now_off)
+        for name in now_off ^ off:  # (only the switches that change)
+            _requires_grad(params[name], name not in now_off)
         off = now_off
         wrapped = model[phase.network]
         for repeat in range(phase.repeats):
@@ -454,7 +455,7 @@ def _phase_steps(model, optimizer, task, loop, held):
                     scaler.scale(loss * weight if weight != 1.0 else loss).backward()
                 totals[i] = totals[i] + loss.detach().float() / phase.repeats
                 loop.counters.add_figures(figures, local_n)
-            norm, skipped = _optimizer_step(plain[phase.network].parameters(),
+            norm, skipped = _optimizer_step(params[phase.network],
                                             optimizer[phase.network], loop, update=False,
                                             counted=False)
             stepped.add(phase.network)
@@ -463,7 +464,7 @@ def _phase_steps(model, optimizer, task, loop, held):
             skips.append(skipped)
         earlier.add(phase.network)
     for name in off:
-        plain[name].requires_grad_(True)
+        _requires_grad(params[name], True)
     scaler.update()
     # One training step, one gradient norm (clipped or not finite where any network's was:
     # its largest) and one skip (any optimizer's), as a one-network step counts them
@@ -472,6 +473,12 @@ def _phase_steps(model, optimizer, task, loop, held):
         loop.counters.skips += torch.stack(skips).any()
     for (_, _, local_n, _), loss in zip(held, totals):
         loop.counters.add_loss(loss, local_n)
+
+
+def _requires_grad(params, flag):
+    """``Module.requires_grad_`` on a network's parameters, listed once per step."""
+    for p in params:
+        p.requires_grad_(flag)
 
 
 def train_one_epoch(model, loader, optimizer, task, loop, state):

@@ -45,18 +45,23 @@ class Counters:
         self.folded = torch.tensor([0.0, 0.0, 0.0, NONE_YET, NONE_YET], device=self.device,
                                    dtype=torch.float64)
         self.steps = self.micro_batches = 0  # since the last read
-        self.figures = {}  # a task's own figures (a GAN's loss_d, ...): name -> (sum, count)
+        # a task's own figures (a GAN's loss_d, ...), kept by the names of each call:
+        # (names) -> (finite sums, counts), 1-d tensors in the names' order
+        self.figures = {}
 
     def add_figures(self, figures, count):
         """Adds a micro-batch's figures (0-d tensors, means over its ``count`` samples; a
-        GAN's ``loss_d``, ``d_real``, ...) to their sums, on the device; a non-finite one
-        adds nothing (its mean is that of the finite ones)."""
-        for name, value in figures.items():
-            value = value.detach().double()
-            finite = torch.isfinite(value)
-            total, n = self.figures.get(name, (0.0, 0))
-            self.figures[name] = (total + torch.where(finite, value * count, 0.0),
-                                  n + finite * count)
+        GAN's ``loss_d``, ``d_real``, ...) to their sums, on the device, all in one (a few
+        kernels a call, not a few a figure); a non-finite one adds nothing (its mean is
+        that of the finite ones)."""
+        if not figures:
+            return
+        names = tuple(figures)
+        values = torch.stack([v.detach().double() for v in figures.values()])
+        finite = torch.isfinite(values)
+        total, n = self.figures.get(names, (0.0, 0))
+        self.figures[names] = (total + torch.where(finite, values * count, 0.0),
+                               n + finite * count)
 
     def add_loss(self, loss, count):
         """Adds a batch's mean loss for ``count`` samples; tracks non-finite streaks.
@@ -125,9 +130,9 @@ class Counters:
             figures (``add_figures``), name -> (finite sum, count).
         """
         self._fold()
-        names = sorted(self.figures)
-        figures = [torch.as_tensor(v, device=self.device, dtype=torch.float64).reshape(1)
-                   for name in names for v in self.figures[name]]
+        groups = list(self.figures.items())
+        figures = [torch.as_tensor(v, device=self.device, dtype=torch.float64).reshape(-1)
+                   for _, held in groups for v in held]
         (loss_sum, loss_count, worst, streak, skips, grad_sum, grad_count, clipped,
          first_grad, first_loss, *figure_values) = torch.cat([torch.stack([t.double() for t in (
              self.loss_sum, self.loss_count, self.worst, self.streak, self.skips)]),
@@ -141,10 +146,23 @@ class Counters:
                   "first_nonfinite_grad_norm": None if first_grad == NONE_YET
                   else int(first_grad),
                   "first_nonfinite_loss": None if first_loss == NONE_YET else int(first_loss),
-                  "figures": {name: (figure_values[2 * i], figure_values[2 * i + 1])
-                              for i, name in enumerate(names)}}
+                  "figures": _by_name(groups, figure_values)}
         self.reset()
         return values
+
+
+def _by_name(groups, values):
+    """``Counters.read``'s figures, name -> (finite sum, count), sorted by name, from the
+    groups' sums and counts read back in one list (``values``: each group's sums, then
+    its counts); a name kept in several groups adds them."""
+    out, at = {}, 0
+    for names, _ in groups:
+        k = len(names)
+        for name, total, count in zip(names, values[at:at + k], values[at + k:at + 2 * k]):
+            before = out.get(name, (0.0, 0.0))
+            out[name] = (before[0] + total, before[1] + count)
+        at += 2 * k
+    return dict(sorted(out.items()))
 
 
 NONE_YET = 2.0 ** 52  # Counters' "no non-finite value yet" (an index no window reaches)

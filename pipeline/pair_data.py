@@ -57,6 +57,20 @@ class PairSet(data.SeededDataset):
         both, _ = self.transform(both, nothing)
         return both[:self.in_channels], both[self.in_channels:]
 
+    def __getitems__(self, keys):
+        """A batch's pairs (the DataLoader asks for them together): where nothing is drawn
+        and nothing moves (no augmentation: only the normalisation, elementwise) and the
+        pairs are held in memory (``base.inputs``, ``base.targets``: the synthetic set), the
+        whole batch is normalised at once, the same bits as pair by pair; else pair by
+        pair."""
+        if self.random or self.transform.transforms or not hasattr(self.base, "targets"):
+            return [self[key] for key in keys]
+        index = torch.tensor([key[0] if isinstance(key, tuple) else key for key in keys],
+                             dtype=torch.long)
+        both = torch.cat([self.base.inputs[index], self.base.targets[index]], 1)
+        both, _ = self.transform(both, torch.zeros(0, dtype=torch.uint8))
+        return list(zip(both[:, :self.in_channels], both[:, self.in_channels:]))
+
     def __getitem__(self, key):
         index, epoch = key if isinstance(key, tuple) else (key, 0)
         if not self.random:

@@ -201,8 +201,11 @@ class Pix2Pix(Task):
                                 f"(--perceptual-weight 0)")
             self.perceptual = losses.PerceptualLoss(weights="imagenet")
 
-    def keys(self, where, device):
-        """The dropout keys of a micro-batch's samples: their places in the epoch."""
+    def keys(self, generator, where, device):
+        """The dropout keys of a micro-batch's samples: their places in the epoch; None
+        where ``generator`` (bare) drops nothing (below 64 px, or ``--pix2pix-dropout 0``)."""
+        if not (generator.dropout > 0 and generator.dropped):
+            return None
         first = where.first + where.offset
         return pix2pix.sample_keys(self.seed, where.epoch,
                                    torch.arange(first, first + where.count)).to(device)
@@ -219,13 +222,13 @@ class Pix2Pix(Task):
         if network == "generator":
             fake = kept.pop("fake", None)
             if fake is None:
-                fake = model["generator"](x, self.keys(where, x.device))
+                fake = model["generator"](x, self.keys(plain["generator"], where, x.device))
             if self.perceptual is not None:
                 self.perceptual.to(x.device)
             return pix2pix.generator_loss(plain["discriminator"], x, y, fake,
                                           self.criterion_of, self.l1_weight, self.perceptual,
                                           self.perceptual_weight)
-        keys = self.keys(where, x.device)
+        keys = self.keys(plain["generator"], where, x.device)
         if where.alone:
             fake = kept["fake"] = model["generator"](x, keys)
         else:

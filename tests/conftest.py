@@ -40,7 +40,8 @@ torch.set_num_threads(2)
 QUICK_MODULES = {"test_config", "test_layers", "test_losses", "test_ops_blocks", "test_files",
                  "test_runtime", "test_runlog", "test_data", "test_seg_parts",
                  "test_segmentation_data", "test_docs_blocks", "test_optional_imports",
-                 "test_gan_parts", "test_checkpoint", "test_cuda", "test_layout"}
+                 "test_gan_parts", "test_checkpoint", "test_cuda", "test_layout",
+                 "test_meters"}
 
 
 def pytest_collection_modifyitems(items):

@@ -84,6 +84,24 @@ def test_the_per_sample_path_does_not_depend_on_the_workers(tmp_path):
         assert torch.equal(a0, a1) and torch.equal(b0, b1)
 
 
+@pytest.mark.parametrize("augment", [False, True])
+def test_a_batch_is_fetched_with_the_bits_of_its_pairs_one_by_one(augment):
+    """The DataLoader's batched fetch (``__getitems__``: an unaugmented synthetic batch is
+    normalised at once) gives every pair's bits as indexing pair by pair does."""
+    train_set, val_set = pair_data.build_datasets(config(augment=augment))
+    for dataset in (train_set, val_set):
+        keys = [(i * 7 % len(dataset), 2) for i in (5, 3, 19, 0, 3)]  # a repeat too
+        batched = dataset.__getitems__(keys)
+        assert len(batched) == len(keys)
+        for (a, b), key in zip(batched, keys):
+            one_a, one_b = dataset[key]
+            assert torch.equal(a, one_a) and torch.equal(b, one_b)
+    sampler = data.EpochBatchSampler(len(train_set), 4, 3)
+    sampler.set_epoch(1)
+    for x, y in data.build_loader(train_set, batch_sampler=sampler):
+        assert x.shape == y.shape == (len(x), 3, 32, 32) and x.is_contiguous()
+
+
 def test_a_pairfolder_pairs_by_name_and_resizes_to_the_side(tmp_path):
     tree(tmp_path)
     write_pair(tmp_path, "train", "w", size=(50, 40))
