@@ -293,6 +293,7 @@ def steps(model, loader, optimizer, task, loop, state, bar):
     held = []  # with phases: the step's micro-batches, each (x, y, local_n, where)
     if phases is not None:  # each batch's first sample (and the plan's end), for _where
         starts = [0, *itertools.accumulate(g for g, _ in plan)]
+        networks = _Networks(model)  # their parameters, listed once an epoch
     model.train()
     keep_frozen_norms_eval(model)
     batches = _Prefetcher(loader, loop.prefetch)
@@ -312,7 +313,7 @@ def steps(model, loader, optimizer, task, loop, state, bar):
                                                    accum, k)))
                 if last_micro_batch:
                     doing.now("a training phase", local_n)
-                    _phase_steps(model, optimizer, task, loop, held)
+                    _phase_steps(model, optimizer, task, loop, held, networks)
                     held = []
             else:
                 _micro_batch(model, optimizer, task, loop, x, y, local_n,
@@ -402,7 +403,18 @@ def _where(sampler, plan, starts, epoch, first, accum, k):
                  local_n, step_samples)
 
 
-def _phase_steps(model, optimizer, task, loop, held):
+class _Networks:
+    """A task's networks by name (``model``: an ``nn.ModuleDict`` of wrapped networks), bare
+    (``plain``) and their parameters (``params``), listed once for a run of steps: which
+    tensors are parameters does not change within an epoch (--unfreeze-at switches only
+    whether they require gradients)."""
+
+    def __init__(self, model):
+        self.plain = {name: bare(m) for name, m in model.items()}
+        self.params = {name: list(m.parameters()) for name, m in self.plain.items()}
+
+
+def _phase_steps(model, optimizer, task, loop, held, networks=None):
     """One optimizer step of each of the task's phases, in order, over the step's held
     micro-batches: each phase accumulates its loss, weighted by sample, over all of them
     (``no_sync`` but for the last), then clips and steps its own optimizer; a phase with
@@ -426,9 +438,9 @@ def _phase_steps(model, optimizer, task, loop, held):
     """
     world, scaler = loop.world_size, loop.scaler
     total = sum(n for _, _, n, _ in held) * world  # the step's samples, all processes
-    plain = {name: bare(m) for name, m in model.items()}
-    params = {name: list(m.parameters()) for name, m in plain.items()}  # one walk each
-    totals = [0.0] * len(held)
+    networks = networks or _Networks(model)
+    plain, params = networks.plain, networks.params
+    totals = [None] * len(held)  # each micro-batch's loss, summed over the phases
     kept = [{} for _ in held]  # what a phase leaves for a later one, per micro-batch
     stepped = set()  # the optimizers the scaler stepped since its last update
     norms, skips = [], []  # each optimizer step's gradient norm and skip
@@ -453,7 +465,9 @@ def _phase_steps(model, optimizer, task, loop, held):
                                                         where, kept[i])
                     weight = local_n * world / total
                     scaler.scale(loss * weight if weight != 1.0 else loss).backward()
-                totals[i] = totals[i] + loss.detach().float() / phase.repeats
+                part = loss.detach().float()
+                part = part / phase.repeats if phase.repeats > 1 else part
+                totals[i] = part if totals[i] is None else totals[i] + part
                 loop.counters.add_figures(figures, local_n)
             norm, skipped = _optimizer_step(params[phase.network],
                                             optimizer[phase.network], loop, update=False,

@@ -11,15 +11,18 @@ import time
 import torch
 import torch.distributed as dist
 
-FOLD_NORMS = 64  # Counters keeps at most this many per-step norms (and loss flags) as tensors
+FOLD_NORMS = 64  # Counters keeps at most this many per-step entries as tensors, then folds
 
 
 class Counters:
     """Running sums kept on the device and read (one transfer) only when logging or saving.
 
-    Per micro-batch and per optimizer step they only append to lists (no kernel, no sync);
-    every ``FOLD_NORMS`` entries the lists are folded into sums on the device, so a long
-    --log-every keeps few tensors alive.
+    Per micro-batch and per optimizer step they only keep what they are given in lists (a
+    task's figures: one ``stack``; no kernel else, no sync); every ``FOLD_NORMS`` entries
+    a list is folded into sums on the device, a few kernels for all of them, so a long
+    --log-every keeps few tensors alive. The sums are float64 sums of float32 (or
+    narrower) values times sample counts: exact in any realistic window, so folding them
+    together gives the bits one-by-one adding gives.
 
     Args:
         device: where the sums live.
@@ -33,12 +36,14 @@ class Counters:
 
     def reset(self):
         self.loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
-        self.loss_count = torch.zeros((), device=self.device, dtype=torch.long)
+        self.loss_count = torch.zeros((), device=self.device, dtype=torch.float64)
         self.samples = 0
         self.worst = torch.zeros((), device=self.device, dtype=torch.long)
         self.skips = torch.zeros((), device=self.device)
         self.grad_norms = []  # the latest steps' norms, 0-d tensors on the device ...
-        self.finite = []      # ... the latest micro-batches' "loss was finite" flags ...
+        self.losses = []      # ... the latest micro-batches' mean losses (0-d) ...
+        self.loss_counts = []  # ... and their samples ...
+        self.kept_figures = []  # ... and the latest calls' figures: (names, values, count)
         # ... and the earlier ones', folded in: the finite norms' sum, their count, the
         # clipped, the index of the first non-finite norm and of the first non-finite loss
         # (NONE_YET while there is none)
@@ -50,35 +55,27 @@ class Counters:
         self.figures = {}
 
     def add_figures(self, figures, count):
-        """Adds a micro-batch's figures (0-d tensors, means over its ``count`` samples; a
-        GAN's ``loss_d``, ``d_real``, ...) to their sums, on the device, all in one (a few
-        kernels a call, not a few a figure); a non-finite one adds nothing (its mean is
-        that of the finite ones)."""
+        """Keeps a micro-batch's figures (0-d tensors, means over its ``count`` samples; a
+        GAN's ``loss_d``, ``d_real``, ...) for their sums, made on the device when folded;
+        a non-finite one adds nothing then (its mean is that of the finite ones)."""
         if not figures:
             return
-        names = tuple(figures)
-        values = torch.stack([v.detach().double() for v in figures.values()])
-        finite = torch.isfinite(values)
-        total, n = self.figures.get(names, (0.0, 0))
-        self.figures[names] = (total + torch.where(finite, values * count, 0.0),
-                               n + finite * count)
+        values = torch.stack(list(figures.values())).detach()  # (a copy: one kernel)
+        self.kept_figures.append((tuple(figures), values, count))
+        if len(self.kept_figures) >= FOLD_NORMS:
+            self._fold()
 
     def add_loss(self, loss, count):
-        """Adds a batch's mean loss for ``count`` samples; tracks non-finite streaks.
+        """Keeps a batch's mean loss for ``count`` samples (a list append, no kernel).
 
         A non-finite loss adds nothing to the sums (the mean stays the mean of the
-        finite ones) and lengthens the streak.
+        finite ones) and lengthens the streak of non-finite losses.
         """
-        loss = loss.detach()
-        finite = torch.isfinite(loss)
-        self.loss_sum += torch.where(finite, loss.double() * count, 0.0)
-        self.loss_count += finite * count
+        self.losses.append(loss.detach())
+        self.loss_counts.append(count)
         self.samples += count
-        self.streak = torch.where(finite, 0, self.streak + 1)
-        self.worst = torch.maximum(self.worst, self.streak)
-        self.finite.append(finite)  # no kernel: folded every FOLD_NORMS micro-batches
         self.micro_batches += 1
-        if len(self.finite) >= FOLD_NORMS:
+        if len(self.losses) >= FOLD_NORMS:
             self._fold()
 
     def add_grad_norm(self, norm):
@@ -91,9 +88,11 @@ class Counters:
             self._fold()
 
     def _fold(self):
-        """Folds the kept norms and flags into ``folded``, on the device: the non-finite
-        norms (an fp16 step the GradScaler skipped) left out of the sum and count and not
-        counted as clipped; the first non-finite norm's and loss's index kept."""
+        """Folds the kept norms, losses and figures into sums on the device: the
+        non-finite norms (an fp16 step the GradScaler skipped) left out of the sum and
+        count and not counted as clipped, the non-finite losses and figures out of theirs;
+        the first non-finite norm's and loss's index kept, and the streaks of non-finite
+        losses carried on."""
         parts = []
         if self.grad_norms:
             norms = torch.stack(self.grad_norms).double()
@@ -105,14 +104,38 @@ class Counters:
                                        finite.sum().double(), clipped.sum().double()]),
                           _first_false(finite, first), 3))
             self.grad_norms = []
-        if self.finite:
-            first = self.micro_batches - len(self.finite)
-            parts.append((None, _first_false(torch.stack(self.finite), first), 4))
-            self.finite = []
+        if self.losses:
+            losses = torch.stack(self.losses).double()  # (any float dtype: exact)
+            counts = self._counts(self.loss_counts)
+            finite = torch.isfinite(losses)
+            self.loss_sum += torch.where(finite, losses * counts, 0.0).sum()
+            self.loss_count += (finite * counts).sum()
+            self.streak, worst = _streaks(finite, self.streak)
+            self.worst = torch.maximum(self.worst, worst)
+            first = self.micro_batches - len(self.losses)
+            parts.append((None, _first_false(finite, first), 4))
+            self.losses, self.loss_counts = [], []
         for sums, bad, at in parts:
             if sums is not None:
                 self.folded[:3] += sums
             self.folded[at] = torch.minimum(self.folded[at], bad)
+        groups = {}  # the kept figures by their names, in the order first kept
+        for names, values, count in self.kept_figures:
+            rows, counts = groups.setdefault(names, ([], []))
+            rows.append(values)
+            counts.append(count)
+        for names, (rows, counts) in groups.items():
+            values = torch.stack(rows).double()  # (calls, names)
+            finite = torch.isfinite(values)
+            counts = self._counts(counts)[:, None]
+            total, n = self.figures.get(names, (0.0, 0.0))
+            self.figures[names] = (total + torch.where(finite, values * counts, 0.0).sum(0),
+                                   n + (finite * counts).sum(0))
+        self.kept_figures = []
+
+    def _counts(self, counts):
+        """Sample counts as a float64 tensor on the device (exact: whole numbers)."""
+        return torch.tensor(counts, dtype=torch.float64).to(self.device, non_blocking=True)
 
     def read(self):
         """Returns the sums since the last read as numbers (one read from the device),
@@ -166,6 +189,16 @@ def _by_name(groups, values):
 
 
 NONE_YET = 2.0 ** 52  # Counters' "no non-finite value yet" (an index no window reaches)
+
+
+def _streaks(finite, streak):
+    """The streak of non-finite losses after a run of ``finite`` flags (1-d bool) that
+    follows a streak of ``streak`` (0-d long), and the longest streak within the run:
+    ``streak = 0 if finite else streak + 1`` after each flag, all at once on the device."""
+    index = torch.arange(len(finite), device=finite.device)
+    last = torch.where(finite, index, -1).cummax(0).values  # the latest finite one so far
+    streaks = torch.where(last >= 0, index - last, streak + index + 1)
+    return streaks[-1], streaks.max()
 
 
 def _first_false(flags, offset=0):
