@@ -25,6 +25,11 @@ repeat's median, and every warm epoch of every repeat pooled (their median; and 
 fastest epoch, the one least disturbed by other jobs on a shared machine, as ``timeit``
 takes its minimum).
 
+``--alternate-epochs N`` then runs both sides once more, in one run: ``train.main`` with
+an epoch of the plain loop before each of its epochs (after it, every other pair), so that
+the swings of a shared machine, longer than a turn of a few epochs, fall on both sides
+alike; the figure is the ratio of the two sides' median epochs.
+
 PSNR is measured the same way for both (tasks.pix2pix's ``Pix2PixEvaluation``: torchmetrics'
 PeakSignalNoiseRatio of the outputs in [0, 1] on the validation pairs, eval mode). Prints
 each repeat's steps/s and PSNR of both sides, the pooled figures, and the issue's targets
@@ -70,6 +75,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--alternate-epochs", type=int, default=0, metavar="N",
+                   help="then N epochs of each side in one run, an epoch of each in turn "
+                   "(0: not)")
     p.add_argument("--dir", default=None, help="where the runs go (a temp dir)")
     args = p.parse_args(argv)
     if args.image_size % 32 or args.samples < 5 or args.repeats < 1:
@@ -104,9 +112,9 @@ def psnr(generator, val, device):
     return evaluation.compute()["psnr"]
 
 
-def plain(pairs, args, device):
-    """The reference's loop for ``--steps`` steps (whole epochs): ``(times, PSNR)``, the
-    wall time of each epoch after the first."""
+def plain_epochs(pairs, args, device):
+    """The reference's loop, an epoch at a time: yields each epoch's wall time, forever;
+    ``.generator`` is the network being trained (for its PSNR)."""
     torch.manual_seed(args.seed)
     net_g, net_d = (n.to(device) for n in pix2pix.build(
         {"image_size": args.image_size, "pix2pix_width": args.width}, 3, 3))
@@ -117,33 +125,75 @@ def plain(pairs, args, device):
         torch.utils.data.TensorDataset(*pairs["train"]), batch_size=args.batch_size,
         shuffle=True, num_workers=args.workers,
         generator=torch.Generator().manual_seed(args.seed))
-    step, times = 0, []
-    while step < args.steps:
-        sync(device)
-        start = time.perf_counter()
-        for x, y in loader:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            fake = net_g(x)
-            # (1) D: real pairs against the generator's, detached
-            net_d.requires_grad_(True)
-            opt_d.zero_grad()
-            pred_fake = net_d(torch.cat([x, fake.detach()], 1))
-            pred_real = net_d(torch.cat([x, y], 1))
-            loss_d = (criterion(pred_fake, torch.zeros_like(pred_fake))
-                      + criterion(pred_real, torch.ones_like(pred_real))) * 0.5
-            loss_d.backward()
-            opt_d.step()
-            # (2) G: fool D, and be near the target
-            net_d.requires_grad_(False)
-            opt_g.zero_grad()
-            pred = net_d(torch.cat([x, fake], 1))
-            loss_g = criterion(pred, torch.ones_like(pred)) + args.l1_weight * F.l1_loss(fake, y)
-            loss_g.backward()
-            opt_g.step()
-            step += 1
-        sync(device)
-        times.append(time.perf_counter() - start)
+
+    def epochs():
+        while True:
+            sync(device)
+            start = time.perf_counter()
+            for x, y in loader:
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                fake = net_g(x)
+                # (1) D: real pairs against the generator's, detached
+                net_d.requires_grad_(True)
+                opt_d.zero_grad()
+                pred_fake = net_d(torch.cat([x, fake.detach()], 1))
+                pred_real = net_d(torch.cat([x, y], 1))
+                loss_d = (criterion(pred_fake, torch.zeros_like(pred_fake))
+                          + criterion(pred_real, torch.ones_like(pred_real))) * 0.5
+                loss_d.backward()
+                opt_d.step()
+                # (2) G: fool D, and be near the target
+                net_d.requires_grad_(False)
+                opt_g.zero_grad()
+                pred = net_d(torch.cat([x, fake], 1))
+                loss_g = criterion(pred, torch.ones_like(pred)) + \
+                    args.l1_weight * F.l1_loss(fake, y)
+                loss_g.backward()
+                opt_g.step()
+            sync(device)
+            yield time.perf_counter() - start
+
+    return net_g, epochs()
+
+
+def plain(pairs, args, device):
+    """The reference's loop for ``--steps`` steps (whole epochs): ``(times, PSNR)``, the
+    wall time of each epoch after the first."""
+    net_g, epochs = plain_epochs(pairs, args, device)
+    times = [next(epochs) for _ in range(args.steps // steps_per_epoch(args))]
     return warm(times), psnr(net_g, pairs["val"], device)
+
+
+def alternating(pairs, args, device, run_dir):
+    """``--alternate-epochs N``: both sides in one run, an epoch of each in turn (the
+    plain loop's epoch before train.py's in odd pairs, after it in even ones), so that
+    the machine's swings fall on both alike: the epoch pairs' times, the first left out.
+    train.py runs as ``train_py`` runs it; its epochs are timed around ``run_epoch``."""
+    import train
+
+    _, epochs = plain_epochs(pairs, args, device)
+    pairs_timed, run_epoch = [], train.run_epoch
+
+    def both(*a, **k):
+        turn = len(pairs_timed)
+        timed = {}
+        for side in ("plain", "train.py")[::1 if turn % 2 == 0 else -1]:
+            if side == "plain":
+                timed[side] = next(epochs)
+            else:
+                start = time.perf_counter()
+                ended = run_epoch(*a, **k)
+                sync(device)
+                timed[side] = time.perf_counter() - start
+        pairs_timed.append((timed["plain"], timed["train.py"]))
+        return ended
+
+    train.run_epoch = both
+    try:
+        train_py(args, device, run_dir, epochs=args.alternate_epochs)
+    finally:
+        train.run_epoch = run_epoch
+    return pairs_timed[1:]
 
 
 def warm(times):
@@ -165,10 +215,11 @@ def run_train_py(argv, run_dir):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def train_py(args, device, run_dir):
-    """train.py with the same recipe for ``--steps`` steps: ``(times, PSNR)``, the
-    ``epoch_time`` of each epoch after the first (validation only at the end)."""
-    epochs = args.steps // steps_per_epoch(args)
+def train_py(args, device, run_dir, epochs=None):
+    """train.py with the same recipe for ``--steps`` steps (or ``epochs``): ``(times,
+    PSNR)``, the ``epoch_time`` of each epoch after the first (validation only at the
+    end)."""
+    epochs = epochs or args.steps // steps_per_epoch(args)
     records = run_train_py(
         ["--task", "pix2pix", "--dataset", "synthetic", "--synthetic-size", str(args.samples),
          "--num-classes", "4", "--image-size", str(args.image_size), "--no-augment",
@@ -223,6 +274,15 @@ def main(argv=None):
           f"{'yes' if t_rate >= 0.95 * p_rate else 'no'}; fastest epochs "
           f"{t_best / p_best:.2f}); PSNR {t_psnr:.3f} vs {p_psnr:.3f} "
           f"(no worse: {'yes' if t_psnr >= p_psnr else 'no'})")
+    if args.alternate_epochs:
+        timed = alternating(pairs, args, device, os.path.join(work.name, "alternating"))
+        p_med, t_med = (statistics.median(t[i] for t in timed) for i in (0, 1))
+        paired = statistics.median(p / t for p, t in timed)
+        print(f"alternating, {len(timed)} warm epochs of each in turn: plain "
+              f"{per_epoch / p_med:.2f} steps/s, train.py {per_epoch / t_med:.2f}; "
+              f"train.py / plain {p_med / t_med:.3f} (medians; the epoch pairs' median "
+              f"ratio {paired:.3f}; >= 0.95: {'yes' if p_med / t_med >= 0.95 else 'no'})")
+        print(f"figure: pix2pix.alternating.train_py_over_plain {p_med / t_med:.3f}")
     # bench/gpu.sh collects these lines
     print(f"figure: pix2pix.plain.steps_per_s {p_rate:.2f}")
     print(f"figure: pix2pix.train_py.steps_per_s {t_rate:.2f}")
