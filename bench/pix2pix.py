@@ -113,8 +113,9 @@ def psnr(generator, val, device):
 
 
 def plain_epochs(pairs, args, device):
-    """The reference's loop, an epoch at a time: yields each epoch's wall time, forever;
-    ``.generator`` is the network being trained (for its PSNR)."""
+    """The reference's loop, an epoch at a time: ``(generator, epochs)``, the generator it
+    trains (for its PSNR) and an iterator that trains an epoch per ``next`` and gives its
+    wall time, for as many epochs as asked."""
     torch.manual_seed(args.seed)
     net_g, net_d = (n.to(device) for n in pix2pix.build(
         {"image_size": args.image_size, "pix2pix_width": args.width}, 3, 3))

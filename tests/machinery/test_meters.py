@@ -45,7 +45,8 @@ def test_folded_losses_keep_the_streaks_and_sums_of_one_by_one_adding():
     generator = torch.Generator().manual_seed(0)
     n = 3 * meters.FOLD_NORMS + 11
     bad = torch.rand(n, generator=generator) < 0.3
-    bad[70:75] = True  # a streak of 5 across the first fold (at 64)
+    bad[102:107] = True  # a streak of 5 across a fold: 64 losses after the read at 40,
+    #                    the list is folded at 104
     values = torch.rand(n, generator=generator) * 3
     counters = Counters(torch.device("cpu"))
     streak = worst = 0
