@@ -462,7 +462,7 @@ def parse_config(argv):
     if config["network"] is None:
         config["network"] = default_network(config["dataset"], config["image_size"],
                                             config["pretrained"], config["task"])
-    tasks.defaults(config, explicit)  # the task's own (a GAN's recipe)
+    tasks.of(config).defaults(config, explicit)  # the task's own (a GAN's recipe)
     foreign = tasks.foreign_flags(config, explicit)
     if foreign:  # a recipe of another task, say: one line, not silence
         _warn(f"{', '.join(flag for flag, _ in foreign)}: --task {foreign[0][1]}'s, ignored "
@@ -597,9 +597,8 @@ def check_config(c):
         if key in actions:
             _typed(key, value, actions[key])
             _check_choice(key, value, actions[key])
-    if tasks.owner_of(c["network"]):
-        pass  # a task's own network (tasks.check_config)
-    elif c["network"] not in NETWORKS and not str(c["network"]).startswith("torchvision/"):
+    if tasks.owner_of(c["network"], tasks.of(c)) is None and \
+            c["network"] not in NETWORKS and not str(c["network"]).startswith("torchvision/"):
         raise UserError(f"unknown network {c['network']!r}; choose one of: "
                         f"{', '.join(sorted(NETWORKS))}, or torchvision/<name>")
     for key, action in actions.items():

@@ -1,5 +1,6 @@
 """DCGAN (Radford et al., 2016): a generator and a discriminator, their losses per phase,
-the fixed latents and the grid of their samples.
+the fixed latents (their images and grid: gan_metrics.py's ``generate``,
+tasks/_generative.py's ``sample_grid``).
 
 The styleguide's rule: a finished model (one or more networks) lives in a file named
 after it, and the train and test scripts import it from here.
@@ -18,7 +19,6 @@ which then has no BatchNorm. Image sides 28 (MNIST: 7 -> 14 -> 28), 32 (CIFAR-10
 
 import torch
 import torch.nn as nn
-import torchvision
 
 import losses
 from layers import ConvBlock, SelfAttention, spectral_norm
@@ -288,52 +288,3 @@ def fixed_latents(n, latent_dim, seed):
     """
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, latent_dim, generator=g)
-
-
-@torch.no_grad()
-def generate(generator, latents, batch_size=256):
-    """The generator's images for ``latents``, in eval mode (BatchNorm's running
-    statistics: the image of a latent does not depend on its batch), in batches.
-
-    Args:
-        generator: G.
-        latents: ``(n, latent_dim)``, on any device (moved to G's).
-        batch_size: latents per forward pass.
-
-    Returns:
-        Images ``(n, C, H, W)`` in [-1, 1], float32, on G's device. G's training mode is
-        put back afterwards.
-    """
-    device = next(generator.parameters()).device
-    was_training = generator.training
-    generator.eval()
-    try:
-        out = [generator(z.to(device)).float() for z in latents.split(batch_size)]
-    finally:
-        generator.train(was_training)
-    return torch.cat(out)
-
-
-def to_uint8(images):
-    """Images in [-1, 1] as uint8 in [0, 255]: ``round((x + 1) * 127.5)``, clamped."""
-    return ((images.float() + 1) * 127.5).round_().clamp_(0, 255).to(torch.uint8)
-
-
-def sample_grid(generator, latents, nrow=None):
-    """A grid of the generator's samples for the fixed latents, as TensorBoard takes it
-    (``runlog.image``).
-
-    Args:
-        generator: G (sampled in eval mode; its mode is put back).
-        latents: ``(n, latent_dim)``.
-        nrow: images per row (default: about the square root of n).
-
-    Returns:
-        An ``(H, W, 3)`` uint8 numpy array: the samples, [-1, 1] mapped to [0, 255],
-        2 px apart (grayscale repeated to three channels).
-    """
-    images = generate(generator, latents).cpu()  # (n, C, h, w)
-    n = len(images)
-    nrow = nrow or max(1, round(n ** 0.5))
-    grid = torchvision.utils.make_grid(to_uint8(images), nrow=nrow, padding=2)  # (3, H, W)
-    return grid.permute(1, 2, 0).contiguous().numpy()

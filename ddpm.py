@@ -16,13 +16,13 @@ embedding (the Transformer's) through a two-layer MLP. The last convolution star
 zero (the paper's), so the first prediction is no noise at all.
 
 Schedules: ``linear`` (the paper's 1e-4 to 0.02 over 1000 steps, scaled by 1000 / steps
-as improved-diffusion does, so other step counts keep its shape) and ``cosine`` (Nichol &
-Dhariwal, 2021). Sampling walks a subsequence of the timesteps (``--sample-steps``,
-evenly spaced, the last and the first included) through the predicted clean image,
-clipped to [-1, 1]: DDIM (eta 0: deterministic once the starting noise is drawn) or DDPM
-(the posterior of the subsequence's steps: the paper's ancestral sampling when it is all
-of them). Image sides: multiples of 4 from 8 to 256 (MNIST's 28: 28, 14, 7; CIFAR's 32:
-32, 16, 8).
+as improved-diffusion does, so other step counts keep its shape; below 20 steps its last
+betas are clipped at 0.999, as the cosine's are) and ``cosine`` (Nichol & Dhariwal,
+2021). Sampling walks a subsequence of the timesteps (``--sample-steps``, evenly spaced,
+the last and the first included) through the predicted clean image, clipped to [-1, 1]:
+DDIM (eta 0: deterministic once the starting noise is drawn) or DDPM (the posterior of
+the subsequence's steps: the paper's ancestral sampling when it is all of them). Image
+sides: multiples of 4 from 8 to 256 (MNIST's 28: 28, 14, 7; CIFAR's 32: 32, 16, 8).
 """
 
 import math
@@ -39,6 +39,7 @@ DDIM_STEPS = 50  # --sample-steps' default for DDIM (DDPM's: every timestep)
 MULTIPLIERS = (1, 2, 2)  # channels at the three resolutions, times the width
 CHUNK = 16  # sampling: the noise of images i // CHUNK comes from one generator
 MIN_SIDE, MAX_SIDE = 8, 256
+MAX_BETA = 0.999  # both schedules' betas are clipped here (Nichol & Dhariwal's)
 
 
 def check_image_size(side):
@@ -183,19 +184,21 @@ def betas(kind, steps):
     """The noise schedule: ``(steps,)`` float64 betas.
 
     Args:
-        kind: ``linear`` (Ho et al.: 1e-4 to 0.02 for 1000 steps, scaled by 1000 / steps)
-            or ``cosine`` (Nichol & Dhariwal: alpha-bar a squared cosine, offset 0.008,
-            each beta at most 0.999).
+        kind: ``linear`` (Ho et al.: 1e-4 to 0.02 for 1000 steps, scaled by 1000 / steps;
+            each beta at most 0.999, as the cosine's: below 20 steps the last ones would
+            pass 1) or ``cosine`` (Nichol & Dhariwal: alpha-bar a squared cosine, offset
+            0.008, each beta at most 0.999).
         steps: the number of diffusion steps T.
     """
     if kind == "linear":
         scale = 1000 / steps
-        return torch.linspace(scale * 1e-4, scale * 0.02, steps, dtype=torch.float64)
+        return torch.linspace(scale * 1e-4, scale * 0.02, steps,
+                              dtype=torch.float64).clamp(max=MAX_BETA)
     if kind == "cosine":
         s = 0.008
         t = torch.arange(steps + 1, dtype=torch.float64) / steps
         alpha_bar = torch.cos((t + s) / (1 + s) * math.pi / 2) ** 2
-        return (1 - alpha_bar[1:] / alpha_bar[:-1]).clamp(max=0.999)
+        return (1 - alpha_bar[1:] / alpha_bar[:-1]).clamp(max=MAX_BETA)
     raise ValueError(f"unknown noise schedule {kind!r}; choose one of {', '.join(SCHEDULES)}")
 
 
@@ -273,7 +276,7 @@ class Sampler(nn.Module):
     asked for.
 
     Args:
-        unet: the noise predictor (sampled in eval mode by ``dcgan.generate``).
+        unet: the noise predictor (sampled in eval mode by ``gan_metrics.generate``).
         schedule: its ``Schedule``.
         kind: ``ddim`` or ``ddpm``.
         steps: the timesteps walked (``--sample-steps``; None: DDIM_STEPS for DDIM, all

@@ -420,7 +420,7 @@ def choose_weights(state, which, path):
     return which
 
 
-def load_network(state, config, val_set, path, weights="raw"):
+def load_network(state, config, val_set, path, weights="raw", kind=None):
     """A fresh network holding the checkpoint's weights: CPU, float32, eval mode, contiguous.
 
     Args:
@@ -429,11 +429,12 @@ def load_network(state, config, val_set, path, weights="raw"):
         val_set: the dataset (its classes, channels and image size shape the network).
         path: the checkpoint file, for messages.
         weights: ``"raw"`` (``model``) or ``"ema"`` (the moving average, ``ema``).
+        kind: the task class (None: the config's).
 
     Returns:
         The nn.Module.
     """
-    net = tasks.build_networks(config, val_set)
+    net = (kind or tasks.of(config)).build_networks(config, val_set)
     tensors = checkpoint.unwrap_state_dict(state["ema" if weights == "ema" else "model"])
     checkpoint.check_compatible(net, tensors, path)
     net.load_state_dict(tensors)  # copies into the fresh (contiguous) tensors
@@ -545,7 +546,7 @@ def compare_onnx(args, net, val_set, train_set, config, batch_size, report, meta
         files.append((f"onnx {args.quantize}", path))
     for name, path in files:
         run = export.load_onnx(path)
-        task = tasks.build_task(config, val_set)
+        task = tasks.of(config).build(config, val_set)
         result = evaluate_exported(run, val_set, batch_size, args.num_workers, task)
         file_report = task.report(result, "model", path)
         rows[name] = measured(file_report, os.path.getsize(path),
@@ -610,9 +611,10 @@ def evaluate_model_file(args):
     config = exported_config(args, metadata, shape, outputs)
     check_stored_config(config, path, need_batch_size=False)
     batch_size = args.batch_size or config["batch_size"]
-    _, val_set = tasks.build_datasets(config, say)
+    kind = tasks.of(config)  # the task class, looked up once
+    _, val_set = kind.datasets(config, say)
     export.check_exported_data(path, metadata, val_set, config, shape)
-    task = tasks.build_task(config, val_set)
+    task = kind.build(config, val_set)
     result = evaluate_exported(run, val_set, batch_size, args.num_workers, task)
     report = task.report(result, "model", path)
     sample_shape = (val_set.in_channels, val_set.image_size, val_set.image_size)
@@ -693,11 +695,11 @@ def evaluate_and_export(args):
 
     # 3. Data and network, evaluated as training validated (the training split unaugmented:
     #    --quantize int8 calibrates on it).
-    train_set, val_set = tasks.build_datasets(dict(config, augment=False), say)
-    task = tasks.build_task(config, val_set)
+    train_set, val_set = kind.datasets(dict(config, augment=False), say)
+    task = kind.build(config, val_set)
     tta = (args.tta or config["tta"]) == "flip" and \
         data.mirror_keeps_class(config["dataset"])
-    net = load_network(state, config, val_set, args.checkpoint, weights)
+    net = load_network(state, config, val_set, args.checkpoint, weights, kind)
     result = evaluate_checkpoint(net, val_set, config, device, batch_size, args.num_workers,
                                  task, tta)
     net = task.inference_network(net)  # (a network whose forward returns a dict: the logits)

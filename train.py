@@ -204,8 +204,8 @@ def fit(config, argv, resume_path, saved, directory, stop):
                                  training.run_log, (train_loader, training.val_loader),
                                  stop)
         if config["preflight"] != "none":  # every stage once, all put back: preflight.py
-            run_preflight(training, train_loader, tasks.build_loaders, data.shutdown_loader,
-                          tasks.use_tta(config), stop.pending)
+            run_preflight(training, train_loader, type(training.task).loaders,
+                          data.shutdown_loader, tasks.use_tta(config), stop.pending)
             if config["preflight"] == "only":
                 return 0
         log(f"training {config['network']} on {config['dataset']} "
@@ -266,17 +266,17 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
     Returns:
         ``(training, train_loader)``: a ``Training`` and the training batches.
     """
-    log = runtime.main_print
+    log, task_class = runtime.main_print, tasks.of(config)  # looked up once, here
     train_set, val_set = runtime.main_process_first(
-        procs, f"reading {config['dataset']} (downloading it if needed)", tasks.build_datasets,
+        procs, f"reading {config['dataset']} (downloading it if needed)", task_class.datasets,
         config, log, stop=stop, should_stop=stop)
     sampler = data.EpochBatchSampler(len(train_set), config["batch_size"], config["seed"],
                                      rank=procs.rank, world_size=procs.world_size)
-    train_loader, val_loader = tasks.build_loaders(config, procs, train_set, val_set, sampler,
-                                                   stop)
-    config = tasks.recorded(config, train_set)  # what rebuilds the networks (test.py)
-    task = tasks.build_task(config, train_set, val_set)  # a batch, its loss, its figures
-    net, model = build_model(config, train_set, procs.device, procs.world_size, log,
+    train_loader, val_loader = task_class.loaders(config, procs, train_set, val_set, sampler,
+                                                  stop)
+    config = task_class.recorded(config, train_set)  # what rebuilds the networks (test.py)
+    task = task_class.build(config, train_set, val_set)  # a batch, its loss, its figures
+    net, model = build_model(config, train_set, procs.device, procs.world_size, log, task,
                              resuming=saved is not None)
     optimizer = ops.build_optimizer(net, config, procs.device, task.network_lr)  # per network
     ema = recipes.build_ema(config, task.averaged(net))  # --ema-decay: None when off
@@ -292,11 +292,9 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
                                       procs, loop.amp_dtype)  # the RNG untouched
     presets.network_notes(config, log, flops=flops)  # a CIFAR network on photos: its cost
 
-    identity = {"train": tasks.set_identity(config, train_set),  # a resume sees other data
+    identity = {"train": task.set_identity(train_set),  # a resume sees other data
                 **device_data.path_record(train_loader, procs.device)}  # (or path: CUDA)
-    state = engine.TrainState()
-    if task.lower_is_better:  # (an FID): any first figure is the best
-        state.forget_best(lower_is_better=True)
+    state = engine.TrainState()  # (its best figure -inf: any first validation's is the best)
     if saved is not None:  # weights, EMA, optimizer, scaler, position, RNG of the saved step
         restore(saved, resume_path, net, ema, optimizer, loop.scaler, state, config, procs,
                 task)
@@ -554,7 +552,7 @@ def early_stop_due(config, state):
 
 # --------------------------------------------------------------------- data, network
 
-def build_model(config, train_set, device, world_size, log, resuming=False):
+def build_model(config, train_set, device, world_size, log, task, resuming=False):
     """The network: built, pretrained weights, frozen parts, moved and wrapped.
 
     A resumed run takes its weights from the checkpoint, so it does not read --pretrained
@@ -564,7 +562,7 @@ def build_model(config, train_set, device, world_size, log, resuming=False):
         ``(net, model)``: the plain network (saved in checkpoints) and the module to call
         (wrapped in DDP / DataParallel / torch.compile as asked).
     """
-    net = tasks.build_networks(config, train_set)  # the task's network(s)
+    net = task.build_networks(config, train_set)  # the task's network(s)
     if config["pretrained"] and not resuming:
         presets.load_pretrained(net, config["pretrained"], log, config["pretrained_weights"],
                         config["network"])
@@ -674,7 +672,7 @@ def restore(saved, path, net, ema, optimizer, scaler, state, config, procs, task
     state.load_state_dict(saved["progress"])
     changed = [k for k in task.best_depends_on if saved["config"].get(k) != config.get(k)]
     if changed:  # another --fid-features: its FID is no other's
-        state.forget_best(task.lower_is_better)
+        state.forget_best()
         runtime.main_print(f"note: --{changed[0].replace('_', '-')} changed since {path!r}: "
                            f"its {task.best} cannot be compared with the checkpoint's best; "
                            f"best.pt starts afresh")

@@ -145,7 +145,7 @@ def main(argv=None):
     os.makedirs(ckpt_dir)
     steps_per_epoch = -(-args.epoch_samples // args.epoch_batch)
     progress = {"epoch": 0, "step": 0, "epoch_samples": 0, "loss_sum": 0.0,
-                "loss_count": 0, "best_val_acc": 0.5, "scaler_skips": 0}
+                "loss_count": 0, "best": 0.5, "scaler_skips": 0}
     build_t, write_t, rotate_t, save_t, load_t, restore_t = [], [], [], [], [], []
     memory_t = []  # torch.save into memory: the part of a save that no disk can speed up
     snapshot_t = []  # build + CPU copy: all the training thread waits for (the rest is

@@ -49,7 +49,6 @@ import torch.nn.functional as F
 from common import setup_device, sync  # (puts the repository on the path)
 from gan import COLOURS, run_train_py, train_classifier, write_set
 
-import dcgan  # noqa: E402
 import ddpm  # noqa: E402
 from reporting import gan_metrics  # noqa: E402
 
@@ -128,7 +127,7 @@ def plain(real, args, device, features, seed):
     sync(device)
     rate = (args.steps - args.warmup) / (time.perf_counter() - start)
     sampler = ddpm.Sampler(unet, schedule, "ddim", args.sample_steps, seed)
-    fake = dcgan.generate(sampler, torch.arange(args.fid_samples), args.batch_size)
+    fake = gan_metrics.generate(sampler, torch.arange(args.fid_samples), args.batch_size)
     return rate, gan_metrics.measure(features, real["val"][:args.fid_samples], fake,
                                      args.seed, args.batch_size)
 

@@ -44,10 +44,10 @@ sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != HERE
 import torch  # noqa: E402
 
 import export  # noqa: E402
-import tasks  # noqa: E402
 import train  # noqa: E402
 from config import with_defaults  # noqa: E402
 from pipeline import data  # noqa: E402
+from tasks.classification import Classification  # noqa: E402
 
 FORMATS = (("eager", None), (".pt2", ".pt2"), (".ts", ".ts"), (".onnx", ".onnx"),
            ("int8 .onnx", ".onnx"))
@@ -136,7 +136,7 @@ def measure(test_py, network, ckpt, files, batches):
         else:
             run, size = loaders[suffix](files[name]), os.path.getsize(files[name])
         result = test_py.evaluate_exported(run, val_set, 64, 0,
-                                           tasks.Classification(val_set.num_classes))
+                                           Classification(val_set.num_classes))
         speeds = [test_py.samples_per_second(run, shape, b) for b in batches]
         rows.append((network, name, size, speeds, result["acc"], result["count"]))
     return rows

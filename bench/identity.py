@@ -3,15 +3,17 @@
     python bench/identity.py --base 661a44d           # that commit against the working tree
     python bench/identity.py --base main --recipes ema-mixup,dcgan
     python bench/identity.py --base 661a44d --ignore-config fid_samples  # a default changed
+    python bench/identity.py --base fa3a3bb --ignore-metrics train_grad_norm_denoiser
 
 A change that only moves code (a refactor) must leave every run where it was: each recipe
 below is trained by both versions, each in its own processes on the CPU with the same
 threads, and every entry of its last.pt (the networks, optimizers, EMA, scaler, progress,
 RNG states, config, the data identity) and every key and value of its metrics.jsonl but
-the timings is compared: tensors with ``torch.equal`` (dtype and shape too), the rest with
-``==``. The base version runs from a temporary ``git worktree`` of ``--base``, removed at
-the end. Prints one ``figure: identity.<recipe> equal|differs`` line a recipe, then the
-first differences of each; exits 1 when any recipe differs. Asserts nothing else.
+the timings is compared (an entry renamed since, ``RENAMED``, under its new name): tensors
+with ``torch.equal`` (dtype and shape too), the rest with ``==``. The base version runs
+from a temporary ``git worktree`` of ``--base``, removed at the end. Prints one
+``figure: identity.<recipe> equal|differs`` line a recipe, then the first differences of
+each; exits 1 when any recipe differs. Asserts nothing else.
 
 The recipes (what issue 35 must keep bit for bit):
 
@@ -84,6 +86,7 @@ TIMINGS = {"data_time", "compute_time", "epoch_time", "samples_per_sec", "tflops
            "compute_efficiency"}
 VOLATILE = {("config", "run_dir"), ("config", "fid_features"),  # each side's own paths ...
             ("checksum", "value")}  # ... which the checksum covers
+RENAMED = {("progress", "best_val_acc"): ("progress", "best")}  # (old name: new)
 
 
 def launch(tree, name, run_dir, runs):
@@ -128,24 +131,30 @@ def same(a, b):
     return type(a) is type(b) and a == b
 
 
-def manifest(run_dir):
-    """Every leaf of last.pt and best.pt, and of metrics.jsonl but the timings."""
+def manifest(run_dir, dropped=()):
+    """Every leaf of last.pt and best.pt, each read in today's format (this tree's
+    ``checkpoint.upgrade``: a diffusion model's format-3 checkpoint of one network as
+    format 2), and of metrics.jsonl but the timings and the keys ``dropped``."""
     import json
 
     import torch
+
+    sys.path.insert(0, ROOT)
+    from machinery import checkpoint
 
     leaves = {}
     for name in ("last.pt", "best.pt"):
         path = os.path.join(run_dir, "checkpoints", name)
         if os.path.exists(path):
-            state = torch.load(path, weights_only=True, map_location="cpu")
+            state = checkpoint.upgrade(torch.load(path, weights_only=True,
+                                                  map_location="cpu"), path)
             for key, value in flatten(state):
                 if key[:2] not in VOLATILE:
-                    leaves[(name, *key)] = value
+                    leaves[(name, *RENAMED.get(key, key))] = value
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         for i, line in enumerate(f):
             for key, value in json.loads(line).items():
-                if key not in TIMINGS:
+                if key not in TIMINGS and key not in dropped:
                     leaves[("metrics.jsonl", str(i), key)] = value
     return leaves
 
@@ -177,14 +186,14 @@ def short(value):
     return text if len(text) < 80 else text[:77] + "..."
 
 
-def run_side(tree, names, runs):
+def run_side(tree, names, runs, dropped=()):
     os.makedirs(runs, exist_ok=True)
     order = sorted(names, key=lambda n: n != "adam-clip")  # dcgan reads its classifier
     if {"dcgan", "ddpm"} & set(names) and "adam-clip" not in names:
         order.insert(0, "adam-clip")
     for name in order:
         launch(tree, name, os.path.join(runs, name), runs)
-    return {name: manifest(os.path.join(runs, name)) for name in names}
+    return {name: manifest(os.path.join(runs, name), dropped) for name in names}
 
 
 def main(argv=None):
@@ -196,8 +205,12 @@ def main(argv=None):
                    "directory, removed)")
     p.add_argument("--ignore-config", default="", metavar="KEYS", help="comma-separated "
                    "config keys whose recorded value changed on purpose (a flag's default)")
+    p.add_argument("--ignore-metrics", default="", metavar="KEYS", help="comma-separated "
+                   "metrics.jsonl keys that one side has and the other not, on purpose (a "
+                   "figure dropped)")
     args = p.parse_args(argv)
     ignored = {k for k in args.ignore_config.split(",") if k}
+    dropped = {k for k in args.ignore_metrics.split(",") if k}
     names = [n for n in args.recipes.split(",") if n]
     unknown = [n for n in names if n not in RECIPES]
     if unknown:
@@ -214,8 +227,8 @@ def main(argv=None):
         last = (added.stderr.strip().splitlines() or ["git worktree add failed"])[-1]
         sys.exit(f"error: --base {args.base}: {last}")
     try:
-        base = run_side(base_tree, names, os.path.join(work, "base"))
-        here = run_side(ROOT, names, os.path.join(work, "here"))
+        base = run_side(base_tree, names, os.path.join(work, "base"), dropped)
+        here = run_side(ROOT, names, os.path.join(work, "here"), dropped)
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", base_tree], cwd=ROOT,
                        capture_output=True)

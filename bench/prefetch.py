@@ -36,12 +36,12 @@ import time
 import torch  # noqa: E402
 from common import setup_device, sync  # noqa: E402  (puts the repository on the path)
 
-import tasks  # noqa: E402
 from config import with_defaults  # noqa: E402
 from losses import build_criterion  # noqa: E402
 from machinery import engine, meters  # noqa: E402
 from networks import build_network  # noqa: E402
 from pipeline import data  # noqa: E402
+from tasks.classification import Classification  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -115,7 +115,7 @@ class Config:
         self.progress.epoch_samples = 0
         with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
             engine.train_one_epoch(self.net, self.loader, self.optimizer,
-                                   tasks.Classification(10, criterion=criterion), self.loop,
+                                   Classification(10, criterion=criterion), self.loop,
                                    self.progress)
         self.loop.counters.read()  # the one sync train.py's logging would do
 

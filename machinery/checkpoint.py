@@ -311,6 +311,13 @@ def upgrade(state, path):
             f"project to continue or evaluate it")
     if found == 1:  # format 1 -> 2: only the two version entries were added
         state = {**state, "format": 2, "version": state.get("version", "before 0.2.0")}
+    if found == 3 and isinstance(state.get("networks"), Mapping) and \
+            len(state["networks"]) == 1:  # a diffusion model's, before it was one network:
+        (name, _), = state["networks"].items()  # format 2, the same tensors
+        moved = {to: state[k][name] for k, to in (("networks", "model"), ("optimizers",
+                 "optimizer"), ("ema", "ema")) if name in (state.get(k) or {})}
+        state = {**{k: v for k, v in state.items() if k not in ("networks", "optimizers")},
+                 **moved, "format": SINGLE_FORMAT}
     require(state, path, (("model", "networks"),),
             "every use of a training checkpoint needs its weights")
     return state
@@ -373,17 +380,10 @@ def _newer(path):
 
 
 def refuse_newer(run_dir):
-    """Raises one NewerFormatError when ``run_dir/checkpoints`` holds a checkpoint that a
-    newer version of this project wrote: this version must neither skip it (and start
-    afresh or resume from an older file, rewinding the run) nor write over it.
-
-    Args:
-        run_dir: the run directory (one without checkpoints passes).
-
-    Raises:
-        NewerFormatError: naming the run directory, how many files, and the first one's
-            format and version.
-    """
+    """Raises one NewerFormatError (naming the run directory, how many files, the first
+    one's format and version) when ``run_dir/checkpoints`` holds a checkpoint that a newer
+    version of this project wrote: this version must neither skip it (and start afresh or
+    resume from an older file, rewinding the run) nor write over it."""
     newer = []
     for path in _checkpoint_files(run_dir):
         if _not_a_file(path) is None:

@@ -14,6 +14,7 @@ the wall time: the time the GPU was not computing.
 import contextlib
 import dataclasses
 import functools
+import inspect
 import itertools
 import math
 import threading
@@ -135,13 +136,14 @@ class TrainState:
     epoch_samples: int = 0     # samples of the current epoch consumed, all processes
     loss_sum: float = 0.0      # the current epoch's finite training losses, summed ...
     loss_count: int = 0        # ... over this many samples
-    best_val_acc: float = -1.0
+    best: float = -math.inf    # best.pt's figure, higher is better (an FID negated): any
+    #                            first validation's is the best (older checkpoints: best_val_acc)
     scaler_skips: int = 0      # fp16 steps the GradScaler skipped (inf/nan gradients)
     grad_norm_sum: float = 0.0  # the current epoch's finite gradient norms, summed ...
     grad_norm_count: int = 0    # ... over this many optimizer steps
     grad_clipped: int = 0       # of which clipped by --grad-clip
     best_epoch: int = 0         # the epoch of best.pt (0: none yet)
-    early_stop_best: float = -1.0  # --early-stop-*: the best figure so far ...
+    early_stop_best: float = -math.inf  # --early-stop-*: the best figure so far ...
     early_stop_waited: int = 0     # ... and validations since it improved
     figures: dict = dataclasses.field(default_factory=dict)  # the epoch's task figures
     #                                 (a GAN's loss_d, ...): name -> [finite sum, count]
@@ -149,9 +151,9 @@ class TrainState:
     def record_best(self, value):
         """Whether a validation's ``value`` (higher is better) is the best so far, kept
         as it (with this epoch) when it is; None (no figure): every validation is."""
-        if value is not None and not value > self.best_val_acc:
+        if value is not None and not value > self.best:
             return False
-        self.best_val_acc = self.best_val_acc if value is None else value
+        self.best = self.best if value is None else value
         self.best_epoch = self.epoch
         return True
 
@@ -165,9 +167,9 @@ class TrainState:
         else:
             self.early_stop_waited += 1
 
-    def forget_best(self, lower_is_better=False):
+    def forget_best(self):
         """best.pt and --early-stop-* start afresh (the figure is not comparable)."""
-        self.best_val_acc = self.early_stop_best = -math.inf if lower_is_better else -1.0
+        self.best = self.early_stop_best = -math.inf
         self.best_epoch = self.early_stop_waited = 0
 
     def state_dict(self):
@@ -177,6 +179,11 @@ class TrainState:
         return saved
 
     def load_state_dict(self, saved):
+        if "best_val_acc" in saved:  # a checkpoint of before the rename: the same figure,
+            never = saved.get("best_epoch") == 0  # but no best yet: an accuracy's -1 floor
+            saved = {"best": -math.inf if never else saved["best_val_acc"], **saved}
+            if never:
+                saved["early_stop_best"] = -math.inf
         for field in dataclasses.fields(self):
             if field.name in saved:
                 setattr(self, field.name, field.type(saved[field.name]))
@@ -275,9 +282,10 @@ def steps(model, loader, optimizer, task, loop, state, bar):
             this epoch and position.
         optimizer: the optimizer; its param groups carry ``base_lr``. A task with phases:
             an ``ops.Optimizers``, by network name.
-        task: what a batch is and its loss (tasks.py): ``to_device``, ``prepare``
-            (MixUp/CutMix, before the step's clock) and ``loss`` (mean over the batch), or
-            ``phases`` and ``phase_loss``.
+        task: what a batch is and its loss (tasks/): ``to_device``, ``prepare``
+            (MixUp/CutMix, before the step's clock) and ``loss`` (mean over the batch),
+            each given the micro-batch's ``Where`` (``hooks``), or ``phases`` and
+            ``phase_loss``.
         loop: the LoopSettings.
         state: the TrainState; ``step`` and ``epoch_samples`` advance here.
         bar: a progress display with ``update(n)`` (one per micro-batch).
@@ -289,10 +297,11 @@ def steps(model, loader, optimizer, task, loop, state, bar):
     sampler = loader.batch_sampler
     plan = sampler.plan()  # (global, local) sample counts of each batch
     first_batch = sampler.start // (sampler.batch_size * sampler.world_size)  # of the epoch
+    starts = [0, *itertools.accumulate(g for g, _ in plan)]  # each batch's first sample
+    prepare, loss = hooks(task)  # each called with the micro-batch's ``Where``
     phases = task.phases  # None: one network, one optimizer
     held = []  # with phases: the step's micro-batches, each (x, y, local_n, where)
-    if phases is not None:  # each batch's first sample (and the plan's end), for _where
-        starts = [0, *itertools.accumulate(g for g, _ in plan)]
+    if phases is not None:
         networks = _Networks(model)  # their parameters, listed once an epoch
     model.train()
     keep_frozen_norms_eval(model)
@@ -303,20 +312,21 @@ def steps(model, loader, optimizer, task, loop, state, bar):
         for k, batch in enumerate(batches):
             global_n, local_n = plan[k]
             first = k - k % accum
-            accum_n = sum(g for g, _ in plan[first:first + accum])
+            accum_n = starts[min(first + accum, len(plan))] - starts[first]
             last_micro_batch = k + 1 == min(first + accum, len(plan))
+            where = _where(sampler, plan, starts, state.epoch, first, accum, k,
+                           sampler.seed, first_batch + k)
             x, y = task.to_device(batch, device, loop.memory_format)
-            x, y = task.prepare(x, y, state.epoch, first_batch + k)  # (seed, epoch, batch)
+            x, y = prepare(x, y, where)  # (MixUp, CutMix: before the step's clock)
             timer.start_compute()
             if phases is not None:  # the step's micro-batches, trained phase by phase
-                held.append((x, y, local_n, _where(sampler, plan, starts, state.epoch, first,
-                                                   accum, k)))
+                held.append((x, y, local_n, where))
                 if last_micro_batch:
                     doing.now("a training phase", local_n)
                     _phase_steps(model, optimizer, task, loop, held, networks)
                     held = []
             else:
-                _micro_batch(model, optimizer, task, loop, x, y, local_n,
+                _micro_batch(model, optimizer, loss, loop, x, y, where,
                              local_n * world / accum_n, last_micro_batch,
                              doing.now("the forward pass", local_n))
             if last_micro_batch:
@@ -353,44 +363,110 @@ class _Doing:
         return self
 
 
-def _micro_batch(model, optimizer, task, loop, x, y, n, weight, last, doing):
-    """One micro-batch of a one-network task (``n`` samples here): forward, the loss times
-    ``weight`` (its share of the step's samples, times the processes: DDP averages
-    gradients over them, so the sum over the accumulation is the mean over all of its
-    samples, however they were split), backward (``no_sync`` but for the step's last
-    micro-batch), and the optimizer step after the ``last``."""
+def _micro_batch(model, optimizer, loss_of, loop, x, y, where, weight, last, doing):
+    """One micro-batch of a one-network task (``where.count`` samples here): forward, the
+    loss (``loss_of``: the task's, with ``where``) times ``weight`` (its share of the
+    step's samples, times the processes: DDP averages gradients over them, so the sum over
+    the accumulation is the mean over all of its samples, however they were split),
+    backward (``no_sync`` but for the step's last micro-batch), and the optimizer step
+    after the ``last``."""
     no_sync = loop.world_size > 1 and not last
     with model.no_sync() if no_sync else contextlib.nullcontext():
         with loop.autocast():
-            loss = task.loss(model, x, y)
+            loss = loss_of(model, x, y, where)
         doing.now("the backward pass")
         loop.scaler.scale(loss * weight if weight != 1.0 else loss).backward()
-    loop.counters.add_loss(loss, n)
+    loop.counters.add_loss(loss, where.count)
     if last:
         doing.now("the optimizer step")
         _optimizer_step(model.parameters(), optimizer, loop)
 
 
+def takes_where(method, plain):
+    """Whether a task's hook takes the ``Where`` after its ``plain`` arguments: a parameter
+    named ``where``, or one more positional parameter than ``plain`` (``prepare``'s older
+    form, ``(x, y, epoch, batch)``, is told apart by its names)."""
+    params = [p for p in inspect.signature(method).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names = [p.name for p in params]
+    return "where" in names or (len(params) == plain + 1 and "epoch" not in names)
+
+
+def hooks(task):
+    """``(prepare, loss)``: the task's ``prepare`` and ``loss`` called as ``(x, y, where)``
+    and ``(model, x, y, where)``, whichever form the task wrote: a task written before
+    the ``Where`` (``prepare(x, y, epoch, batch)``, ``loss(model, x, y)``) keeps working.
+    ``loss`` is None for a task of several networks (``phase_loss``)."""
+    prepare = task.prepare
+    if not takes_where(prepare, 2):
+        def prepare(x, y, where, older=task.prepare):
+            return older(x, y, where.epoch, where.batch)
+    if task.phases is not None:
+        return prepare, None
+    loss = task.loss
+    if not takes_where(loss, 3):
+        def loss(model, x, y, where, older=task.loss):
+            return older(model, x, y)
+    return prepare, loss
+
+
+def key(*parts):
+    """One integer seed from integers (a run's seed, an epoch, a sample's position, a
+    stream of one's own): the same on every process, run and resume (Python's ``hash`` of
+    a string is salted per process: not that)."""
+    k = 0
+    for p in parts:
+        k = k * 1_000_003 + int(p)
+    return k % (2**63 - 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Where:
     """Where a micro-batch's samples stand in their optimizer step, for draws that must
-    not depend on how the step was split (a GAN's latents): this process's samples are
-    ``offset`` to ``offset + count`` of the step's ``step_samples`` (all processes, all
-    micro-batches), and the step starts at sample ``first`` of epoch ``epoch``'s order.
-    ``repeat`` is set by ``_phase_steps`` (a phase trained several times per step), and
-    ``alone`` when the micro-batch is its step's only one (what a phase makes may then be
-    kept, with its graph, for a later phase of the same step)."""
+    not depend on how the step was split (noise, a mask, a timestep, a GAN's latents).
+    Every task's ``prepare`` and ``loss`` get one (``tasks.Where``).
+
+    Draw the whole step's ``step_samples`` rows from ``generator(device)`` and keep the
+    rows ``mine``: every micro-batch of every process draws the same rows, so 8 + 8
+    accumulated, 2 processes of 8 and one batch of 16 draw exactly the same, and a resumed
+    run what the whole run drew::
+
+        noise = torch.randn(where.step_samples, *x.shape[1:], generator=where.generator(
+            x.device), device=x.device)[where.mine]
+
+    Fields: this process's samples are ``offset`` to ``offset + count`` of the step's
+    ``step_samples`` (all processes, all micro-batches); the step starts at sample
+    ``first`` of epoch ``epoch``'s order; ``seed`` is the run's --seed and ``batch`` the
+    micro-batch's index in the epoch (what ``prepare(x, y, epoch, batch)`` got). ``repeat``
+    is set by ``_phase_steps`` (a phase trained several times per step), and ``alone``
+    when the micro-batch is its step's only one (what a phase makes may then be kept, with
+    its graph, for a later phase of the same step)."""
 
     epoch: int
     first: int
     offset: int
     count: int
     step_samples: int
+    seed: int = 0
+    batch: int = 0
     repeat: int = 0
     alone: bool = False
 
+    @property
+    def mine(self):
+        """This micro-batch's rows of the step's draws: ``slice(offset, offset + count)``."""
+        return slice(self.offset, self.offset + self.count)
 
-def _where(sampler, plan, starts, epoch, first, accum, k):
+    def generator(self, device):
+        """A new generator on ``device`` seeded from (seed, epoch, the step's first
+        sample): the same for every micro-batch and every process of the step. Each call
+        starts the stream again; a second stream of one's own: ``torch.Generator(device)
+        .manual_seed(key(where.seed, where.epoch, where.first, STREAM))``."""
+        return torch.Generator(device=device).manual_seed(key(self.seed, self.epoch,
+                                                              self.first))
+
+
+def _where(sampler, plan, starts, epoch, first, accum, k, seed=0, batch=0):
     """The ``Where`` of micro-batch ``k``, whose step's first micro-batch is ``first``
     (``starts``: each batch's first sample in the plan, and the plan's end): the sampler
     gives each process a contiguous share of every global batch (the last one's split as
@@ -399,8 +475,9 @@ def _where(sampler, plan, starts, epoch, first, accum, k):
     step_samples = starts[min(first + accum, len(plan))] - starts[first]
     rank, world = sampler.rank, sampler.world_size
     mine = rank * (global_n // world) + min(rank, global_n % world)
-    return Where(epoch, sampler.start + starts[first], starts[k] - starts[first] + mine,
-                 local_n, step_samples)
+    return Where(epoch=epoch, first=sampler.start + starts[first],
+                 offset=starts[k] - starts[first] + mine, count=local_n,
+                 step_samples=step_samples, seed=seed, batch=batch)
 
 
 class _Networks:

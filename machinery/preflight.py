@@ -128,7 +128,7 @@ def run(training, train_loader, build_loaders, close, tta, stop=None):
         training: the built run, resumed if it resumes, before its first step.
         train_loader: the run's training loader: its ``EpochBatchSampler`` is copied (to
             the run's position), never moved, and the loader itself is not iterated.
-        build_loaders: ``tasks.build_loaders``: ``(config, procs, train_set, val_set,
+        build_loaders: the task class's ``loaders``: ``(config, procs, train_set, val_set,
             sampler, stop)`` to ``(train_loader, val_loader)``, as the run's are built.
         close: stops a loader's workers (``data.shutdown_loader``).
         tta: the run's test-time augmentation (``tasks.use_tta``).

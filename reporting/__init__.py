@@ -7,7 +7,8 @@
     plots.py        the confusion-matrix image
     profiling.py    --profile-steps
     lr_finder.py    --find-lr, the LR range test
-    gan_metrics.py  FID and KID (torchmetrics) on Inception's or a classifier's features
+    gan_metrics.py  FID and KID (torchmetrics) on Inception's or a classifier's features;
+                    a generator's images (generate, to_uint8)
 
 Imports the machinery and the input pipeline below it, never a task.
 """

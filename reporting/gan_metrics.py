@@ -1,4 +1,5 @@
-"""FID and KID of a generator's images against real images, by torchmetrics.
+"""FID and KID of a generator's images against real images, by torchmetrics; the images
+themselves (``generate``: a generator's, in eval mode, in batches; ``to_uint8``).
 
 Two feature extractors, each named in every key it gives so that nobody takes one for the
 other:
@@ -88,7 +89,7 @@ class InceptionFeatures(nn.Module):
                             f"{str(e).splitlines()[0][:200]}") from None
 
     def forward(self, images):
-        x = dcgan.to_uint8(images)  # what the FID Inception takes: uint8, 3 channels
+        x = to_uint8(images)  # what the FID Inception takes: uint8, 3 channels
         if x.shape[1] == 1:
             x = x.expand(-1, 3, -1, -1)
         return self.net(x).float()  # (N, 2048)
@@ -338,6 +339,35 @@ def measure(features, real, fake, seed=0, batch_size=256):
             f"kid_std{suffix}": float(kid_std)}
 
 
+@torch.no_grad()
+def generate(generator, latents, batch_size=256):
+    """The generator's images for ``latents``, in eval mode (BatchNorm's running
+    statistics: the image of a latent does not depend on its batch), in batches.
+
+    Args:
+        generator: G.
+        latents: ``(n, latent_dim)``, on any device (moved to G's).
+        batch_size: latents per forward pass.
+
+    Returns:
+        Images ``(n, C, H, W)`` in [-1, 1], float32, on G's device. G's training mode is
+        put back afterwards.
+    """
+    device = next(generator.parameters()).device
+    was_training = generator.training
+    generator.eval()
+    try:
+        out = [generator(z.to(device)).float() for z in latents.split(batch_size)]
+    finally:
+        generator.train(was_training)
+    return torch.cat(out)
+
+
+def to_uint8(images):
+    """Images in [-1, 1] as uint8 in [0, 255]: ``round((x + 1) * 127.5)``, clamped."""
+    return ((images.float() + 1) * 127.5).round_().clamp_(0, 255).to(torch.uint8)
+
+
 def generator_scores(generator, real, features, n, seed, batch_size=256):
     """FID and KID of ``n`` images of ``generator`` from the fixed latents of ``seed``
     (``dcgan.fixed_latents``) against the first ``n`` real images.
@@ -361,5 +391,5 @@ def generator_scores(generator, real, features, n, seed, batch_size=256):
     if len(real) < n:
         raise UserError(f"--fid-samples {n}: there are only {len(real)} real images")
     latents = dcgan.fixed_latents(n, generator.latent_dim, seed)
-    fake = dcgan.generate(generator, latents, batch_size)
+    fake = generate(generator, latents, batch_size)
     return measure(features, real.float(), fake, seed, batch_size)

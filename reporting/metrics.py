@@ -251,4 +251,4 @@ def early_stop_line(config, state, task, ema=False):
     return (f"early stop at epoch {state.epoch}: {name} did not improve by more than "
             f"{config['early_stop_min_delta']:g} in {state.early_stop_waited} validation(s) "
             f"(--early-stop-patience {config['early_stop_patience']}); the best was epoch "
-            f"{state.best_epoch} ({name} {shown_best(task, state.best_val_acc):.4f}): {best}")
+            f"{state.best_epoch} ({name} {shown_best(task, state.best):.4f}): {best}")

@@ -13,8 +13,9 @@ returns the loss; the loop owns accumulation, precision, EMA and resume), Compos
 ``ComposerModel`` (forward, loss, metrics), torchtitan's declared override points. No
 Trainer class and no callbacks: a task is asked, it never calls back.
 
-What a task provides (``Task`` declares each one with its default; README "Add a task"
-writes one):
+What a task provides (``Task`` declares each one with its default, with the command line's
+part in ``CommandLine`` and test.py's in ``Report``; ``REQUIRED`` names what a task must
+write, checked when it is loaded; README "Add a task" has the table and writes one):
 
   before the run (class methods: no task object exists yet)
     defaults(config, explicit)      its own defaults where the user set none
@@ -27,8 +28,9 @@ writes one):
     build(config, train_set, val_set) -> the task
   a step and a validation
     to_device(batch, device, memory_format) -> (inputs, targets)
-    prepare(inputs, targets, epoch, batch)  -> (inputs, targets)   before the step's clock
-    loss(model, inputs, targets)            -> the mean loss of the micro-batch
+    prepare(inputs, targets, where)         -> (inputs, targets)   before the step's clock
+    loss(model, inputs, targets, where)     -> the mean loss of the micro-batch; ``where``
+                                               (a ``Where``) seeds split-proof draws
     predict(model, inputs, tta)             -> outputs for evaluation (--tta flip)
     evaluation(device, model)               -> an ``Evaluation`` (a torchmetrics Metric):
                                                update per batch, compute the figures,
@@ -53,8 +55,10 @@ A micro-batch weighs its number of samples (the sampler's plan), for every task.
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import importlib.util
+import inspect
 import os
 import pkgutil
 import sys
@@ -63,6 +67,7 @@ import torch
 import torchmetrics
 
 import networks
+from machinery import engine
 from ops import UserError
 from pipeline import data, device_data
 
@@ -163,37 +168,6 @@ def _gather_objects(tensor, group=None):
     return every
 
 
-def first_images(kept, n):
-    """The first ``n`` images of the validation set, for FID: on process 0 (None on the
-    others; one process: its own). ``kept`` is this process's, in order, at most ``n`` (its
-    shard is contiguous: in rank order the shards are the set's order). Each process
-    sends only its share of the first ``n`` (their counts gathered first), and only to
-    process 0 (``gather_object``): under NCCL no GPU holds every process's images.
-
-    Raises:
-        UserError: the set has fewer than ``n`` images (on every process alike).
-    """
-    import torch.distributed as dist
-
-    mine = torch.cat(kept) if kept else torch.zeros(0)
-    if n == 0:  # (--fid-samples 0: no FID, nothing to gather)
-        return mine[:0]
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        have, first = len(mine), mine[:n]
-    else:
-        rank, counts = dist.get_rank(), [None] * dist.get_world_size()
-        dist.all_gather_object(counts, len(mine))
-        have = sum(counts)
-        parts = counts if rank == 0 else None  # (a list to fill on process 0)
-        dist.gather_object(mine[:max(0, n - sum(counts[:rank]))], parts, dst=0)
-        first = torch.cat([p for p in parts if len(p)] or [mine[:0]])[:n] if rank == 0 \
-            else None
-    if have < n:
-        raise UserError(f"--fid-samples {n}: the validation set has {have} images; lower "
-                        f"--fid-samples")
-    return first
-
-
 def check_own_network_and_data(config, task, network, model_file, datasets):
     """A task that trains a network of its own on some sets: --network must be it,
     --dataset one of ``datasets``, and --image-size a torchvision set's own side (MNIST's
@@ -226,6 +200,11 @@ def joined(state):
     return torch.cat(state) if state else None
 
 
+# Where a micro-batch stands in its step, for draws that survive any split (``loss``,
+# ``prepare``), and one integer seed from integers: the engine's, a task's to use
+Where, key = engine.Where, engine.key
+
+
 @dataclasses.dataclass(frozen=True)
 class Phase:
     """One part of a training step (``engine._phase_steps``): the network it trains, whose
@@ -235,39 +214,18 @@ class Phase:
     repeats: int = 1
 
 
-class Task:
-    """The thin base of every task: what a task may leave out, declared with its default.
+class CommandLine:
+    """A task's part for train.py's command line (config.py asks it; no task object
+    exists yet). Every member is optional; a ``FILE.py:Class`` task reads the flags that
+    exist and may set its own defaults, refusals and networks."""
 
-    The loop reads these attributes and calls these methods; it never probes a task with
-    ``getattr``. A task sets ``name``, ``figures`` and ``best``, writes ``build``, ``loss``
-    (or ``phases`` and ``phase_loss``), ``evaluation`` and ``report``, and overrides the
-    rest only where it differs from the default here (an image classifier's).
-    """
-
-    name = None               # --task's value, recorded in every checkpoint's config
-    figures = ("loss",)       # validation figures: val_<figure>, val/<figure>
-    best = "loss"             # the figure best.pt and --early-stop-* follow ...
-    lower_is_better = False   # ... higher is better unless this (a GAN's FID)
-    phases = None             # a task of several networks: its ``Phase``s, in order
-    averaged_name = None      # ... and the network --ema-decay averages (by name, in the
-    #                           checkpoint's ``ema``); None: the whole model, as ``ema``
-    network_lr = {}           # a network's own learning-rate flag ({"name": "lr_x"})
-    shown_figures = ()        # training figures on the epoch line (train_<figure>)
-    criterion = None          # the training loss as a module, if any (--replay watches it)
+    flags_title = None        # train.py --help: the title of the group of its own flags
+    ranges = {}               # its own numeric flags' rules: {key: (valid(value), rule)}
+    own_flags = ()            # config keys only this task reads (warned about elsewhere)
     default_network = None    # --network's default (None: config.default_network's)
     own_networks = ()         # --network values only this task trains (refused elsewhere)
     own_networks_are = ""     # ... what they are, for that refusal
-    own_flags = ()            # config keys only this task reads (warned about elsewhere)
-    best_depends_on = ()      # config keys its best figure is measured with (a change on
-    #                           resume: best.pt starts afresh)
-    stored_needs = ()         # test.py: (key, check, expected, optional) in a stored config
-    measured_export = False   # test.py: an ONNX export evaluated (--quantize) beside eager
-    generates = False         # test.py: images made (``test_checkpoint``), no predictions
-    flags_title = None        # train.py --help: the title of the group of its own flags
-    ranges = {}               # its own numeric flags' rules: {key: (valid(value), rule)}
     datasets_named = data.DATASETS  # --dataset values it trains on (--help)
-
-    # ------------------------------------------------------------ before the run
 
     @staticmethod
     def flags(group):
@@ -283,93 +241,14 @@ class Task:
     def check_config(cls, config):
         """Refuses, in one ``UserError`` line each, the flags that make no sense for it."""
 
-    @classmethod
-    def datasets(cls, config, log, should_stop=None):
-        """``(train, val)``: SeededDatasets of (image, label) (data.py). ``should_stop``
-        returns a stop signal's number (a decoded cache's build stops at it)."""
-        return data.build_datasets(config, log, should_stop)
 
-    @classmethod
-    def loaders(cls, config, procs, train_set, val_set, sampler, stop=None):
-        """The training and validation loaders: the device path or DataLoader workers, as
-        --data-on-device decides (``device_data.build_loaders``)."""
-        return device_data.build_loaders(config, procs, train_set, val_set, sampler, stop)
+class Report:
+    """A task's part for test.py (its checkpoints evaluated, exported, sampled). Every
+    member is optional but ``test_checkpoint``, which a task that ``generates`` writes."""
 
-    @staticmethod
-    def set_identity(dataset):
-        """What a checkpoint records of the training set (a resume onto another says so)."""
-        return data.set_identity(dataset)
-
-    @classmethod
-    def build_networks(cls, config, dataset):
-        """The network --network names, for the set's classes, channels and image size."""
-        try:
-            return networks.build_network(config["network"], dataset.num_classes,
-                                          dataset.in_channels, dataset.image_size)
-        except ValueError as e:
-            raise UserError(str(e)) from None
-
-    @classmethod
-    def recorded(cls, config, dataset):
-        """The config every checkpoint records: the flags, and what else rebuilds the
-        networks without the data (test.py, export)."""
-        return config
-
-    @classmethod
-    def build(cls, config, train_set, val_set=None):
-        raise NotImplementedError(f"{cls.__name__}.build(config, train_set, val_set)")
-
-    # ------------------------------------------------------------- defaults of a step
-
-    to_device = staticmethod(to_device)
-
-    @staticmethod
-    def prepare(x, y, epoch, batch):
-        return x, y
-
-    @staticmethod
-    def predict(model, x, tta=False):
-        return model(x)
-
-    @staticmethod
-    def extra_figures(result, names, suffix=""):
-        return {}
-
-    @contextlib.contextmanager
-    def evaluating_on(self, count):
-        """An evaluation made on ``count`` validation images per process (--preflight's
-        one batch): as ever by default; a task whose figures need more images than that
-        (an FID) takes fewer for the while. Yields a line saying so, or None."""
-        yield None
-
-    @staticmethod
-    def images(result, names, title):
-        return []
-
-    @staticmethod
-    def example(dataset):
-        return (dataset.in_channels, dataset.image_size, dataset.image_size)
-
-    def summarised(self, net, dataset):
-        """What summary.txt shows: ``[(name, module, one input's shape)]``."""
-        return [(None, net, self.example(dataset))]
-
-    @staticmethod
-    def averaged(net):
-        """The network --ema-decay averages: all of it."""
-        return net
-
-    @staticmethod
-    def counted(net):
-        """What a step's FLOPs are counted on: the network's forward and backward."""
-        return net
-
-    @staticmethod
-    def inference_network(net):
-        """What test.py exports: the network as it is."""
-        return net
-
-    # ---------------------------------------------------------------------- test.py
+    stored_needs = ()         # (key, check, expected, optional) in a stored config
+    measured_export = False   # an ONNX export evaluated (--quantize) beside eager
+    generates = False         # images made (``test_checkpoint``), no predictions
 
     @classmethod
     def check_test_flags(cls, args, path):
@@ -394,10 +273,220 @@ class Task:
                                            else f"{k} {v}" for k, v in report.items()
                                            if k not in ("checkpoint", "model"))])
 
+    @staticmethod
+    def inference_network(net):
+        """What test.py exports: the network as it is."""
+        return net
+
+
+class Task(CommandLine, Report):
+    """The thin base of every task: the loop's part, with the command line's
+    (``CommandLine``) and test.py's (``Report``) beside it. What a task must write is in
+    ``REQUIRED`` (checked when it is loaded: ``check_parts``); the rest is declared here
+    with its default (an image classifier's).
+
+    The loop reads these attributes and calls these methods; it never probes a task with
+    ``getattr``. A task sets ``name``, ``figures`` and ``best``, writes ``build``, ``loss``
+    (or ``phases`` and ``phase_loss``) and ``evaluation``, and overrides the rest only
+    where it differs from the default here.
+    """
+
+    name = None               # --task's value, recorded in every checkpoint's config
+    figures = ("loss",)       # validation figures: val_<figure>, val/<figure>
+    best = "loss"             # the figure best.pt and --early-stop-* follow ...
+    lower_is_better = False   # ... higher is better unless this (a loss, an FID)
+    phases = None             # a task of several networks: its ``Phase``s, in order
+    averaged_name = None      # ... and the network --ema-decay averages (by name, in the
+    #                           checkpoint's ``ema``); None: the whole model, as ``ema``
+    network_lr = {}           # a network's own learning-rate flag ({"name": "lr_x"})
+    shown_figures = ()        # training figures on the epoch line (train_<figure>)
+    criterion = None          # the training loss as a module, if any (--replay watches it)
+    best_depends_on = ()      # config keys its best figure is measured with (a change on
+    #                           resume: best.pt starts afresh)
+
+    # ------------------------------------------------------------ before the run
+
+    @classmethod
+    def datasets(cls, config, log, should_stop=None):
+        """``(train, val)``: SeededDatasets of (image, label) (data.py). ``should_stop``
+        returns a stop signal's number (a decoded cache's build stops at it)."""
+        return data.build_datasets(config, log, should_stop)
+
+    @classmethod
+    def loaders(cls, config, procs, train_set, val_set, sampler, stop=None):
+        """The training and validation loaders: the device path or DataLoader workers, as
+        --data-on-device decides (``device_data.build_loaders``)."""
+        return device_data.build_loaders(config, procs, train_set, val_set, sampler, stop)
+
+    @staticmethod
+    def set_identity(dataset):
+        """What a checkpoint records of the training set (a resume onto another says so)."""
+        return data.set_identity(dataset)
+
+    @classmethod
+    def build_networks(cls, config, dataset):
+        """The network --network names, for the set's classes, channels and image size
+        (a network of the task's own file, ``@networks.register``, too)."""
+        try:
+            return networks.build_network(config["network"], dataset.num_classes,
+                                          dataset.in_channels, dataset.image_size)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+
+    @classmethod
+    def recorded(cls, config, dataset):
+        """The config every checkpoint records: the flags, and what else rebuilds the
+        networks without the data (test.py, export)."""
+        return config
+
+    @classmethod
+    def build(cls, config, train_set, val_set=None):
+        """The task for a run on ``train_set`` (``val_set``: its validation set). Required."""
+        raise NotImplementedError(f"{cls.__name__}.build(config, train_set, val_set)")
+
+    # ------------------------------------------------------------------- a step
+
+    to_device = staticmethod(to_device)
+
+    @staticmethod
+    def prepare(x, y, where):
+        """The micro-batch before the step's clock (MixUp, CutMix): ``(x, y)``. Draw from
+        ``where`` (a ``Where``) so that any split of the step draws the same."""
+        return x, y
+
+    def loss(self, model, x, y, where):
+        """The micro-batch's mean loss (0-d) of ``model`` on ``x`` against ``y``; random
+        draws (noise, a mask, a timestep) from ``where.generator(x.device)``, the step's
+        ``where.step_samples`` rows sliced by ``where.mine``. ``loss(self, model, x, y)``
+        works too. Required of a task of one network."""
+        raise NotImplementedError(f"{type(self).__name__}.loss(model, x, y, where)")
+
+    def phase_loss(self, network, model, plain, x, y, where, kept):
+        """A task of several networks (``phases``): ``(loss, figures)`` of ``network``'s
+        phase for one micro-batch (``engine._phase_steps``). Required with ``phases``."""
+        raise NotImplementedError(f"{type(self).__name__}.phase_loss(network, model, plain, "
+                                  f"x, y, where, kept)")
+
+    # ------------------------------------------------------------- a validation
+
+    @staticmethod
+    def predict(model, x, tta=False):
+        return model(x)
+
+    def evaluation(self, device, model=None):
+        """An ``Evaluation`` of ``model`` (the run's network or its moving average) on
+        ``device``: updated per batch, its figures computed over every process. Required."""
+        raise NotImplementedError(f"{type(self).__name__}.evaluation(device, model)")
+
+    @staticmethod
+    def extra_figures(result, names, suffix=""):
+        return {}
+
+    @contextlib.contextmanager
+    def evaluating_on(self, count):
+        """An evaluation made on ``count`` validation images per process (--preflight's
+        one batch): as ever by default; a task whose figures need more images than that
+        (an FID) takes fewer for the while. Yields a line saying so, or None."""
+        yield None
+
+    @staticmethod
+    def images(result, names, title):
+        return []
+
+    # ------------------------------------------------- the networks, as the run sees them
+
+    @staticmethod
+    def example(dataset):
+        return (dataset.in_channels, dataset.image_size, dataset.image_size)
+
+    def summarised(self, net, dataset):
+        """What summary.txt shows: ``[(name, module, one input's shape)]``."""
+        return [(None, net, self.example(dataset))]
+
+    @staticmethod
+    def averaged(net):
+        """The network --ema-decay averages: all of it."""
+        return net
+
+    @staticmethod
+    def counted(net):
+        """What a step's FLOPs are counted on: the network's forward and backward."""
+        return net
+
+
+# The parts a task must write: name -> (when, the call as the loop makes it).
+REQUIRED = {"build": (None, "build(cls, config, train_set, val_set=None)"),
+            "loss": ("one network", "loss(self, model, x, y, where)"),
+            "phase_loss": ("phases", "phase_loss(self, network, model, plain, x, y, where, "
+                                     "kept)"),
+            "evaluation": (None, "evaluation(self, device, model=None)"),
+            "test_checkpoint": ("generates", "test_checkpoint(cls, args, state, config, "
+                                             "device, batch_size, weights)")}
+# Each hook's arguments as its callers pass them (besides self or cls): an override must
+# take them. ``prepare`` and ``loss`` also take their form from before the ``Where``.
+ARGUMENTS = {"build": 3, "loss": (3, 4), "phase_loss": 7, "evaluation": 2, "prepare": (3, 4),
+             "predict": 3, "to_device": 3, "datasets": 3, "loaders": 6, "set_identity": 1,
+             "build_networks": 2, "recorded": 2, "extra_figures": 3, "images": 3,
+             "example": 1, "summarised": 2, "averaged": 1, "counted": 1, "flags": 1,
+             "defaults": 2, "check_config": 1, "check_test_flags": 2, "report": 3,
+             "format_report": 2, "inference_network": 1, "evaluating_on": 1,
+             "test_checkpoint": 6}
+
+
+def _takes(cls, name, counts):
+    """Whether ``cls``'s ``name`` can be called with one of ``counts`` positional
+    arguments (after self or cls), and how it is written (for the error)."""
+    raw = inspect.getattr_static(cls, name)
+    if isinstance(raw, (staticmethod, classmethod)):
+        fn, bound = raw.__func__, isinstance(raw, classmethod)
+    elif inspect.isfunction(raw):
+        fn, bound = raw, True
+    else:
+        return True, None  # a callable object, or a wrapped one: not read
+    while isinstance(fn, functools.partial) or hasattr(fn, "__wrapped__"):
+        fn = getattr(fn, "__wrapped__", None) or fn.func
+    signature = inspect.signature(fn)
+    counts = counts if isinstance(counts, tuple) else (counts,)
+    for n in counts:
+        try:
+            signature.bind(*([None] * (n + bound)))
+            return True, None
+        except TypeError:
+            pass
+    return False, f"{name}{signature}"
+
+
+def check_parts(cls, label):
+    """Checks a task class when it is loaded: every required part there, every part it
+    writes callable as the loop calls it. ``label``: how the error names the task.
+
+    Raises:
+        UserError: one line naming the missing or ill-written part and its form.
+    """
+    several = cls.phases is not None or cls.phase_loss is not Task.phase_loss  # networks
+    need = {"build", "evaluation", "phase_loss" if several else "loss"}
+    if cls.generates:
+        need.add("test_checkpoint")
+    for name in sorted(need, key=list(REQUIRED).index):
+        if getattr(cls, name, None) is None or getattr(cls, name) is getattr(Task, name, None):
+            raise UserError(f"--task {label}: {cls.__name__} has no {name}: a task writes "
+                            f"{REQUIRED[name][1]} (README: Add a task)")
+    for name, counts in ARGUMENTS.items():
+        if name not in need and getattr(cls, name, None) is getattr(Task, name, None):
+            continue  # the default
+        if not hasattr(cls, name):
+            continue
+        fits, written = _takes(cls, name, counts)
+        if not fits:
+            form = REQUIRED[name][1] if name in REQUIRED else f"{name} as tasks.Task has it"
+            raise UserError(f"--task {label}: {cls.__name__}.{written} cannot be called as "
+                            f"the loop calls it: write {form}")
+
 
 # ----------------------------------------------------------------------- the registry
 
 _loaded = {}  # a user's "FILE.py:Class" -> the class (loaded once)
+_checked = set()  # the built-in task classes checked (``check_parts``)
 
 
 def _is_user_task(name):
@@ -412,8 +501,11 @@ def task_class(name):
         UserError: an unknown name, a missing file or class, or a class that is no Task.
     """
     if tuple.__contains__(TASKS, name):
-        module = importlib.import_module(f"tasks.{name}")
-        return module.TASK
+        found = importlib.import_module(f"tasks.{name}").TASK
+        if found not in _checked:
+            check_parts(found, name)
+            _checked.add(found)
+        return found
     if not _is_user_task(name):
         raise UserError(f"unknown task {name!r}; choose one of: {', '.join(TASKS)}, or "
                         f"FILE.py:Class (a tasks.Task of your own)")
@@ -445,6 +537,7 @@ def _load_user_task(name):
                         f"{', '.join(have) or 'none'})")
     if found.name != name:
         found.name = name  # recorded in its checkpoints: a resume and test.py find it again
+    check_parts(found, name)
     return found
 
 
@@ -458,43 +551,7 @@ def of(config):
     return task_class(config.get("task", "classification"))
 
 
-# ------------------------------------------------------- what train.py and test.py ask
-
-def build_task(config, train_set, val_set=None):
-    """The task ``config["task"]`` names, for the training set ``train_set`` (and its
-    validation set, which a task may check, e.g. a GAN's --fid-samples)."""
-    return of(config).build(config, train_set, val_set)
-
-
-def build_datasets(config, log, should_stop=None):
-    """The task's training and validation sets: ``(train, val)``."""
-    return of(config).datasets(config, log, should_stop)
-
-
-def build_loaders(config, procs, train_set, val_set, sampler, stop=None):
-    """The task's training and validation loaders."""
-    return of(config).loaders(config, procs, train_set, val_set, sampler, stop)
-
-
-def set_identity(config, dataset):
-    """What a checkpoint records of the training set (a resume onto another says so)."""
-    return of(config).set_identity(dataset)
-
-
-def build_networks(config, dataset):
-    """The task's network(s), built for ``dataset`` (its classes, channels, size)."""
-    return of(config).build_networks(config, dataset)
-
-
-def recorded(config, dataset):
-    """The config the run's checkpoints record."""
-    return of(config).recorded(config, dataset)
-
-
-def defaults(config, explicit):
-    """The task's own defaults, where the user set none."""
-    of(config).defaults(config, explicit)
-
+# ------------------------------------------------------- what config.py asks of every task
 
 def default_network(task):
     """--network's default that the task ``task`` sets (None: it sets none)."""
@@ -514,16 +571,18 @@ def foreign_flags(config, explicit):
     return list(found.items())
 
 
-def owner_of(network):
-    """The built-in task whose own network ``network`` is (dcgan), or None."""
-    return next((t for t in built_in() if network in t.own_networks), None)
+def owner_of(network, task=None):
+    """The task whose own network ``network`` is (dcgan): a built-in one, or ``task`` (a
+    user's, whose file registers it: ``@networks.register``); None: no task's own."""
+    every = built_in() + ([task] if task is not None and task not in built_in() else [])
+    return next((t for t in every if network in t.own_networks), None)
 
 
 def check_config(config):
     """Refuses, in one line each, a network of another task and the flags that make no
     sense for the task."""
     task = of(config)
-    owner = owner_of(config["network"])
+    owner = owner_of(config["network"], task)
     if owner is not None and owner is not task:
         raise UserError(f"--network {config['network']} is {owner.own_networks_are}: train "
                         f"it with --task {owner.name}")
@@ -533,20 +592,3 @@ def check_config(config):
 def use_tta(config):
     """--tta flip, except where a mirror image is another class (digits)."""
     return config["tta"] == "flip" and data.mirror_keeps_class(config["dataset"])
-
-
-# The names of the task files, as ``tasks.<name>`` (PEP 562: loaded when first asked).
-_MOVED = {"Classification": "classification", "ClassificationEvaluation": "classification",
-          "class_accuracy": "classification", "TOP_K": "classification",
-          "DENSE_CLASSES": "classification", "PICTURED_CLASSES": "classification",
-          "TOP_CONFUSED": "classification", "Segmentation": "segmentation",
-          "SegmentationEvaluation": "segmentation",
-          "inference_network": "segmentation", "GAN": "gan", "GANEvaluation": "gan",
-          "gan_defaults": "gan", "GAN_RECIPE": "gan", "GAN_DATASETS": "gan",
-          "NATIVE_SIDE": "gan"}
-
-
-def __getattr__(name):
-    if name in _MOVED:
-        return getattr(importlib.import_module(f"tasks.{_MOVED[name]}"), name)
-    raise AttributeError(f"module 'tasks' has no attribute {name!r}")

@@ -59,11 +59,12 @@ class Classification(Task):
         self.criterion = criterion if criterion is not None else torch.nn.CrossEntropyLoss()
         self.mix = mix
 
-    def prepare(self, x, y, epoch, batch):
-        """MixUp/CutMix, drawn from (seed, epoch, batch); targets become soft."""
-        return (x, y) if self.mix is None else self.mix(x, y, epoch, batch)
+    def prepare(self, x, y, where):
+        """MixUp/CutMix, drawn from (seed, epoch, the micro-batch's index in the epoch);
+        targets become soft."""
+        return (x, y) if self.mix is None else self.mix(x, y, where.epoch, where.batch)
 
-    def loss(self, model, x, y):
+    def loss(self, model, x, y, where):
         return self.criterion(model(x), y)
 
     @staticmethod

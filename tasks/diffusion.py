@@ -11,20 +11,21 @@ import os
 
 import torch
 
-import dcgan
 import ddpm
 from machinery import checkpoint, engine
 from machinery.runtime import say
 from ops import UserError
 from pipeline import data
 from reporting import gan_metrics
-from tasks import Evaluation, Phase, Task, check_own_network_and_data, first_images, refuse
-from tasks.gan import (
+from tasks import Evaluation, Task, check_own_network_and_data, refuse
+from tasks._generative import (
     GAN_DATASETS,
     NATIVE_SIDE,
     fewer_fid_samples,
     fid_samples,
+    first_images,
     real_images,
+    sample_grid,
     write_samples,
 )
 
@@ -41,13 +42,6 @@ _VAL = 7_777_777  # the validation draws' own stream (training's keys hold the e
 
 def _int_in(low, high):
     return lambda v: type(v) is int and low <= v <= high  # not bool, not float
-
-
-def _key(*parts):
-    key = 0
-    for p in parts:
-        key = key * 1_000_003 + int(p)
-    return key % (2**63 - 1)
 
 
 def _check(config):
@@ -85,31 +79,27 @@ def _check(config):
 
 
 class Diffusion(Task):
-    """A DDPM (ddpm.py's U-Net, one network, one phase): per step each image gets a
+    """A DDPM (ddpm.py's U-Net, one network): per step each image gets a
     timestep and noise, the U-Net predicts the noise of the noised image, the loss is
     their mean squared error; the validations measure that loss at seeded timesteps, and
     on the moving average (the U-Net itself without --ema-decay) sample a grid from fixed
     seeds and FID and KID of ``--fid-samples`` images (``--sampler``, ``--sample-steps``).
 
-    The draws (timesteps, noise, mirror flags) come from (seed, epoch, the step's first
-    sample in the epoch's order): every micro-batch of every process draws the whole
-    step's on its device with that key and takes its own slice (``engine.Where``), so
-    accumulation and any number of processes draw exactly what one large batch draws,
-    and a resumed run what the whole run drew. (``prepare``'s (epoch, batch) could not:
-    a batch of an accumulated step is not the large batch, and it knows no process's
-    share.) Images are brought to [-1, 1] (``gan_metrics.to_generator_range``).
+    The draws (timesteps, noise, mirror flags) come from the step's ``tasks.Where``:
+    every micro-batch of every process draws the whole step's on its device from
+    ``where.generator`` and takes its own slice (``where.mine``), so accumulation and any
+    number of processes draw exactly what one large batch draws, and a resumed run what
+    the whole run drew. Images are brought to [-1, 1] (``gan_metrics.to_generator_range``).
 
     Args:
         config: the run's.
         train_set: the training set (its normalisation, its channels).
         val_set: the validation set (its size: this process's shard's first position).
-        fid_samples: images FID measures (``tasks.gan.fid_samples``; 0: none).
+        fid_samples: images FID measures (``_generative.fid_samples``; 0: none).
     """
 
     name = "diffusion"
     lower_is_better = True  # best.pt: the lowest FID
-    averaged_name = "denoiser"  # --ema-decay averages the U-Net
-    phases = (Phase("denoiser"),)
     grid = 64  # images of fixed seeds shown as a grid at each validation
 
     default_network = "ddpm"
@@ -178,9 +168,9 @@ class Diffusion(Task):
 
     @classmethod
     def build_networks(cls, config, dataset):
-        """ddpm.py's U-Net, as the one network of an ``nn.ModuleDict`` (``denoiser``)."""
+        """ddpm.py's U-Net."""
         try:
-            return torch.nn.ModuleDict({"denoiser": ddpm.build(config, dataset.in_channels)})
+            return ddpm.build(config, dataset.in_channels)
         except ValueError as e:
             raise UserError(str(e)) from None
 
@@ -192,7 +182,7 @@ class Diffusion(Task):
 
     @classmethod
     def build(cls, config, train_set, val_set=None):
-        """The task, measuring FID on ``tasks.gan.fid_samples(config, val_set)`` images."""
+        """The task, measuring FID on ``_generative.fid_samples(config, val_set)`` images."""
         return cls(config, train_set, val_set, fid_samples(config, val_set))
 
     def __init__(self, config, train_set, val_set=None, fid_samples=0):
@@ -211,7 +201,6 @@ class Diffusion(Task):
             suffix = "" if self.features.name == "inception" else f"_{self.features.name}"
             self.figures, self.best = ("loss", f"fid{suffix}", f"kid{suffix}"), f"fid{suffix}"
         self.transform = train_set.transform  # its normalisation, undone
-        self._generators = {}  # device -> the generator the draws reseed
         self._val_at = 0  # the next validation image's position in the set
 
     # ------------------------------------------------------------------- a step
@@ -221,45 +210,31 @@ class Diffusion(Task):
         x, y = Task.to_device(batch, device, memory_format)
         return gan_metrics.to_generator_range(x, self.transform), y
 
-    def _generator(self, device):
-        key = str(device)
-        if key not in self._generators:
-            self._generators[key] = torch.Generator(device=device)
-        return self._generators[key]
-
     def draws(self, where, device):
-        """This micro-batch's timesteps, noise and mirror flags: the slice ``where`` names
-        of the step's draws, made on ``device`` from (seed, epoch, the step's first
-        sample) (``ddpm.training_draws``)."""
-        g = self._generator(device).manual_seed(_key(self.seed, where.epoch, where.first))
-        t, noise, flips = ddpm.training_draws(g, where.step_samples, self.shape, self.steps,
-                                              device)
-        mine = slice(where.offset, where.offset + where.count)
-        return t[mine], noise[mine], flips[mine]
+        """This micro-batch's timesteps, noise and mirror flags: its rows
+        (``where.mine``) of the step's draws, made on ``device`` from
+        ``where.generator`` (``ddpm.training_draws``)."""
+        t, noise, flips = ddpm.training_draws(where.generator(device), where.step_samples,
+                                              self.shape, self.steps, device)
+        return t[where.mine], noise[where.mine], flips[where.mine]
 
-    def phase_loss(self, network, model, plain, x, y, where, kept):
+    def loss(self, model, x, y, where):
         """The noise-prediction loss of one micro-batch (``ddpm.loss``) through the
         (wrapped) U-Net, the images mirrored where their flags say."""
         t, noise, flips = self.draws(where, x.device)
         if self.flip:
             x = torch.where(flips[:, None, None, None], x.flip(-1), x)
-        loss, _ = ddpm.loss(model[network], self.schedule, x, t, noise)
-        return loss, {}
+        return ddpm.loss(model, self.schedule, x, t, noise)[0]
 
     evaluating_on = fewer_fid_samples  # --preflight's one batch: FID on fewer images
 
     @staticmethod
-    def averaged(net):
-        """The network --ema-decay averages: the U-Net."""
-        return net["denoiser"]
-
-    @staticmethod
     def counted(net):
         """What a step's FLOPs are counted on: the U-Net's forward and backward."""
-        return ddpm.StepFlops(net["denoiser"])
+        return ddpm.StepFlops(net)
 
     def summarised(self, net, dataset):
-        return [("denoiser", ddpm.StepFlops(net["denoiser"]), self.example(dataset))]
+        return [("denoiser", ddpm.StepFlops(net), self.example(dataset))]
 
     # -------------------------------------------------------------- validation
 
@@ -270,7 +245,7 @@ class Diffusion(Task):
         c0, c1 = first // ddpm.CHUNK, (first + n - 1) // ddpm.CHUNK
         ts, noises = [], []
         for c in range(c0, c1 + 1):
-            g = torch.Generator().manual_seed(_key(self.seed, _VAL, c))
+            g = torch.Generator().manual_seed(engine.key(self.seed, _VAL, c))
             t, noise, _ = ddpm.training_draws(g, ddpm.CHUNK, self.shape, self.steps, "cpu")
             ts.append(t)
             noises.append(noise)
@@ -281,23 +256,23 @@ class Diffusion(Task):
     def predict(self, model, x, tta=False):
         """Each validation image's noise-prediction loss at its seeded timestep (``(N,)``,
         under the run's autocast)."""
-        unet = engine.bare(model["denoiser"] if isinstance(model, torch.nn.ModuleDict)
-                           else model)
+        unet = engine.bare(model)
         t, noise = self.val_draws(self._val_at, len(x), x.device)
         self._val_at += len(x)
         return ddpm.loss(unet, self.schedule, x, t, noise)[1]
 
     def evaluation(self, device, model=None):
-        """The loss of ``model`` (the run's networks, or the moving average of the
-        U-Net); samples, the grid and FID on the moving average when there is one."""
+        """The loss of ``model`` (the run's U-Net, or its moving average, whose parameters
+        need no gradients); samples, the grid and FID on the moving average when there is
+        one."""
         import torch.distributed as dist
 
         several = dist.is_available() and dist.is_initialized()
         rank, world = (dist.get_rank(), dist.get_world_size()) if several else (0, 1)
         self._val_at = rank * self.val_size // world  # its shard's first (data.shard_indices)
-        raw = isinstance(model, torch.nn.ModuleDict)
-        unet = engine.bare(model["denoiser"] if raw else model)
-        return DiffusionEvaluation(self, unet, sampling=not (raw and self.on_average))
+        unet = engine.bare(model)
+        averaged = not any(p.requires_grad for p in unet.parameters())  # recipes.EMA's
+        return DiffusionEvaluation(self, unet, sampling=averaged or not self.on_average)
 
     def sampler_of(self, unet, kind=None, steps=None, seed=None):
         """``ddpm.Sampler`` of ``unet`` with the run's sampler, steps and seed (or those
@@ -371,7 +346,7 @@ class Diffusion(Task):
             say(f"wrote {len(names)} samples to {args.out} ({os.path.basename(names[0])} to "
                 f"{os.path.basename(names[-1])}; noise of seed {seed})")
         if features is not None:
-            fake = dcgan.generate(sampler, torch.arange(args.fid_samples), batch_size)
+            fake = gan_metrics.generate(sampler, torch.arange(args.fid_samples), batch_size)
             scores = gan_metrics.measure(features, real, fake, seed, batch_size)
             report.update(fid_samples=args.fid_samples, fid_features=args.fid_features,
                           **scores)
@@ -389,7 +364,7 @@ class DiffusionEvaluation(Evaluation):
     validation images (summed over the processes); where it samples, the first
     ``fid_samples`` real images too, then (in ``compute``) the grid of the fixed seeds
     and FID and KID of as many sampled images. Under DDP process 0 samples and measures,
-    the others take its figures (as ``tasks.gan.GANEvaluation``).
+    the others take its figures (as the GAN task's ``GANEvaluation``).
 
     Args:
         task: the ``Diffusion``.
@@ -429,11 +404,11 @@ class DiffusionEvaluation(Evaluation):
             sampled, sampler = {}, task.sampler_of(unet)
             if task.fid_samples:
                 task.features.to(next(unet.parameters()).device)
-                fake = dcgan.generate(sampler, torch.arange(task.fid_samples),
-                                      task.batch_size)
+                fake = gan_metrics.generate(sampler, torch.arange(task.fid_samples),
+                                            task.batch_size)
                 sampled.update(gan_metrics.measure(task.features, real, fake, task.seed,
                                                    task.batch_size))
-            sampled["grid"] = dcgan.sample_grid(sampler, torch.arange(task.grid))
+            sampled["grid"] = sample_grid(sampler, torch.arange(task.grid))
         if several:
             shared = [sampled]
             dist.broadcast_object_list(shared, src=0)
@@ -444,18 +419,15 @@ class DiffusionEvaluation(Evaluation):
 # ------------------------------------------------------------- test.py's denoiser
 
 def load_denoiser(state, config, path, weights):
-    """A fresh U-Net (ddpm.build) holding the checkpoint's ``networks["denoiser"]``
-    (``"raw"``) or ``ema["denoiser"]`` (``"ema"``): CPU, float32, eval mode."""
-    checkpoint.require(state, path, ("networks",), "a diffusion model's U-Net is in it")
+    """A fresh U-Net (ddpm.build) holding the checkpoint's ``model`` (``"raw"``) or
+    ``ema`` (``"ema"``): CPU, float32, eval mode. (A checkpoint of before the U-Net was a
+    task's one network, ``networks["denoiser"]``, is read as one: ``checkpoint.upgrade``.)"""
+    checkpoint.require(state, path, ("model",), "a diffusion model's U-Net is in it")
     try:
         unet = ddpm.build(config, config["in_channels"])
     except ValueError as e:
         raise UserError(f"{path!r}: {e}") from None
-    held = state["ema" if weights == "ema" else "networks"].get("denoiser")
-    if held is None:
-        raise UserError(f"{path!r} holds no denoiser (its networks: "
-                        f"{', '.join(state['networks'])})")
-    tensors = checkpoint.unwrap_state_dict(held)
+    tensors = checkpoint.unwrap_state_dict(state["ema" if weights == "ema" else "model"])
     checkpoint.check_compatible(unet, tensors, path)
     unet.load_state_dict(tensors)
     return unet.eval()

@@ -5,33 +5,32 @@ generator for export).
 """
 
 import argparse
-import contextlib
 import copy
-import io
 import os
-import re
-import sys
 
 import torch
-from PIL import Image
 
 import dcgan
-from machinery import checkpoint, engine, files, runtime
+from machinery import checkpoint, engine, runtime
 from machinery.runtime import say
 from ops import UserError
-from pipeline import data
 from reporting import gan_metrics
-from tasks import Evaluation, Phase, Task, check_own_network_and_data, first_images, refuse
+from tasks import Evaluation, Phase, Task, check_own_network_and_data, refuse
+from tasks._generative import (
+    FID_SAMPLES,
+    GAN_DATASETS,
+    NATIVE_SIDE,
+    fewer_fid_samples,
+    fid_samples,
+    first_images,
+    real_images,
+    sample_grid,
+    write_samples,
+)
 
 
 def _int_at_least(low):
     return lambda v: type(v) is int and v >= low  # not bool, not float (NaN included)
-
-
-GAN_DATASETS = ("mnist", "fashion_mnist", "cifar10", "imagefolder", "synthetic")
-NATIVE_SIDE = {name: data.native_geometry(name)[0] for name in GAN_DATASETS
-               if data.native_geometry(name)}  # (MNIST's 28, CIFAR-10's 32)
-FID_SAMPLES = 10_000  # --fid-samples' default, capped at the validation set's size
 
 
 # The DCGAN paper's recipe (a classifier's SGD at 0.1 with a cosine would diverge)
@@ -76,19 +75,6 @@ def _check_gan(config):
         raise UserError("--compile with --gan-loss wgan-gp: the gradient penalty "
                         "differentiates the critic twice, which torch.compile's autograd "
                         "does not support; drop --compile, or take another --gan-loss")
-
-
-@contextlib.contextmanager
-def fewer_fid_samples(task, count):
-    """``Task.evaluating_on`` for a task measuring FID on ``task.fid_samples`` images:
-    on at most ``count`` for the while (the same code, fewer images)."""
-    kept = task.fid_samples
-    task.fid_samples = min(kept, count)
-    try:
-        yield None if task.fid_samples == kept else \
-            f"FID and KID on one batch's {task.fid_samples} images (the run's: {kept})"
-    finally:
-        task.fid_samples = kept
 
 
 class GAN(Task):
@@ -369,42 +355,11 @@ class GAN(Task):
                         EXPORT_NAMES)
 
 
-def fid_samples(config, val_set):
-    """The images FID and KID measure at each validation: --fid-samples, or its default
-    (``FID_SAMPLES``) capped at the validation set's size with one warning; 0: none.
-
-    Raises:
-        UserError: --fid-samples given above the validation set's size (the line names
-            both ways out).
-    """
-    n = config["fid_samples"]
-    if n == 0 or val_set is None:
-        if n == 0:
-            runtime.main_print("--fid-samples 0: no FID or KID at validation (the sample "
-                               "grid only); best.pt is the last checkpoint")
-        return n
-    if n is None:
-        n = min(FID_SAMPLES, len(val_set))
-        if n < FID_SAMPLES:
-            if n < 2:
-                raise UserError(f"FID needs at least 2 validation images; the validation set "
-                                f"has {len(val_set)}: train without FID (--fid-samples 0)")
-            runtime.main_print(f"warning: --fid-samples: the validation set has "
-                               f"{len(val_set)} images, fewer than the default "
-                               f"{FID_SAMPLES}: FID and KID measure {n}", file=sys.stderr)
-        return n
-    if n > len(val_set):
-        raise UserError(f"--fid-samples {n}: the validation set has {len(val_set)} images; "
-                        f"lower --fid-samples (at most {len(val_set)}), or train without FID "
-                        f"(--fid-samples 0)")
-    return n
-
-
 class GANEvaluation(Evaluation):
     """One GAN evaluation: the first ``fid_samples`` real validation images, then (in
     ``compute``) as many of the generator's images from the fixed latents, their FID and
     KID (gan_metrics.measure) and a grid of the first ``GAN.grid``. Under DDP the real
-    images are gathered on process 0 (``tasks.first_images``), which measures; the others
+    images are gathered on process 0 (``_generative.first_images``), which measures; the others
     take its figures: every process decides alike and the figures are those of the
     generator process 0 saves.
 
@@ -441,7 +396,7 @@ class GANEvaluation(Evaluation):
                 task.features.to(next(generator.parameters()).device)
                 result.update(gan_metrics.generator_scores(  # as test.py measures a checkpoint
                     generator, real, task.features, task.fid_samples, task.seed))
-            result["grid"] = dcgan.sample_grid(
+            result["grid"] = sample_grid(
                 generator, dcgan.fixed_latents(task.grid, task.latent_dim, task.seed))
         if several:
             shared = [result]
@@ -481,22 +436,6 @@ def load_generator(state, config, path, weights):
     return generator.eval()
 
 
-def real_images(config, n, batch_size, num_workers):
-    """The first ``n`` validation images of the run's dataset, in [-1, 1] as the generator
-    makes them (gan_metrics.to_generator_range undoes the normalisation)."""
-    _, val_set = GAN.datasets(dict(config, augment=False), say)
-    if len(val_set) < n:
-        raise UserError(f"--fid-samples {n}: the validation split of {config['dataset']} "
-                        f"has only {len(val_set)} images")
-    loader = data.build_loader(val_set, batch_size=batch_size, num_workers=num_workers,
-                               sampler=range(n))
-    try:
-        return torch.cat([gan_metrics.to_generator_range(x, val_set.transform)
-                          for x, _ in loader])  # (n, C, H, W)
-    finally:
-        data.shutdown_loader(loader)
-
-
 def sample_latents(n, latent_dim, seed):
     """dcgan.fixed_latents for --samples, refused in one line where they alone would take
     more than half the memory available (a mistyped N)."""
@@ -505,47 +444,6 @@ def sample_latents(n, latent_dim, seed):
         raise UserError(f"--samples {n}: the latents alone need {need / 2**30:.1f} GiB, more "
                         f"than half the {free / 2**30:.1f} GiB of memory available")
     return dcgan.fixed_latents(n, latent_dim, seed)
-
-
-def write_samples(generator, latents, out_dir, batch_size):
-    """The generator's image of each latent as a PNG, ``out_dir/000000.png`` on (grey for
-    one channel, RGB for three), each written atomically; returns the file names.
-
-    Raises:
-        files.OutputError: a write failed (a full disk); files written before are whole.
-    """
-    names, replaced = [], []
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        for chunk in latents.split(batch_size):
-            pixels = dcgan.to_uint8(dcgan.generate(generator, chunk, batch_size)).cpu()
-            for image in pixels:  # (C, H, W) uint8
-                names.append(os.path.join(out_dir, f"{len(names):06d}.png"))
-                if _write_png(image, names[-1]):
-                    replaced.append(os.path.basename(names[-1]))
-    except OSError as e:
-        raise files.output_failed("--out", names[-1] if names else out_dir, e) from None
-    if replaced:  # a file of that name held another image (a user's, another seed's)
-        say(f"warning: {len(replaced)} file(s) in {out_dir} held other images and were "
-            f"replaced ({replaced[0]}{' ...' if len(replaced) > 1 else ''})", file=sys.stderr)
-    older = sorted(f for f in os.listdir(out_dir)
-                   if re.fullmatch(r"\d{6,}\.png", f) and int(f[:-4]) >= len(names))
-    if older:  # kept (never deleted), but not of this run: say so
-        say(f"warning: {out_dir} also holds {len(older)} numbered PNGs that this run did "
-            f"not write ({older[0]} on)", file=sys.stderr)
-    return names
-
-
-def _write_png(image, path):
-    """Writes ``image`` as a PNG at ``path``; returns whether a different file was there."""
-    png = io.BytesIO()
-    Image.fromarray(image.permute(1, 2, 0).squeeze(2).numpy()).save(png, "PNG")  # L or RGB
-    other = False
-    if os.path.isfile(path):
-        with open(path, "rb") as f:
-            other = f.read() != png.getvalue()
-    files.atomic_write(path, lambda f: f.write(png.getvalue()), "wb")
-    return other
 
 
 def _scores_line(scores, n, config, args, seed):

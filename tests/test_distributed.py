@@ -357,7 +357,8 @@ def test_sync_bn_on_cpu_processes_is_a_user_error():
     config, _ = parse_config(tiny_args("unused", "--sync-bn", network="simple_cnn"))
     train_set, _ = data.build_datasets(config)
     with pytest.raises(train.UserError, match="--sync-bn"):
-        train.build_model(config, train_set, torch.device("cpu"), 2, print)
+        train.build_model(config, train_set, torch.device("cpu"), 2, print,
+                          train.tasks.of(config))
 
 
 # --------------------------------------------------------------------- DataParallel

@@ -14,13 +14,13 @@ from helpers import ROOT, assert_states_equal, final_state, read_metrics, tiny_a
 from torch.autograd import DeviceType
 
 import ops
-import tasks
 import train
 from config import with_defaults
 from machinery import checkpoint, elastic, meters, runtime, watchdog
 from networks import build_network
 from pipeline import data, device_data
 from reporting import lr_finder, metrics, profiling, runlog
+from tasks.classification import Classification
 
 
 def _overflow_first_step(monkeypatch):
@@ -306,7 +306,7 @@ def test_the_epoch_lines_advice_follows_the_data_path(tmp_path, monkeypatch):
     record = {"epoch": 1, "step": 4, "train_loss": 1.0, "samples_per_sec": 100.0,
               "compute_efficiency": 0.5, "data_time": 1.0, "compute_time": 1.0}
     config = {"epochs": 2, "num_workers": 0}
-    task = tasks.Classification(10)
+    task = Classification(10)
     loader = metrics.epoch_line(record, config, task)
     assert "--num-workers (now 0)" in loader and "--prefetch" in loader
     device = metrics.epoch_line(record, config, task, on_device=True)

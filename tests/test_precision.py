@@ -18,6 +18,7 @@ from config import parse_config, with_defaults
 from machinery import checkpoint, engine, meters
 from networks import build_network
 from pipeline import data
+from tasks.classification import Classification
 
 CPU = torch.device("cpu")
 CHANNELS_LAST = torch.channels_last
@@ -54,7 +55,7 @@ def _train_epoch(net, train_set, batch, run, optimizer):
     sampler = data.EpochBatchSampler(len(train_set), batch, seed=0)
     loader = data.build_loader(train_set, batch_sampler=sampler)
     progress = engine.TrainState()
-    task = tasks.Classification(train_set.num_classes,
+    task = Classification(train_set.num_classes,
                                 criterion=torch.nn.CrossEntropyLoss(label_smoothing=0.1))
     engine.train_one_epoch(net, loader, optimizer, task, run, progress)
     return sampler, progress
@@ -349,7 +350,8 @@ def test_build_model_puts_conv_weights_in_channels_last(tmp_path):
     train_set = _synthetic(16)
     for flag in ([], ["--channels-last"]):
         config, _ = parse_config(tiny_args(tmp_path, *flag, network="resnet18"))
-        net, model = train.build_model(config, train_set, CPU, 1, lambda message: None)
+        net, model = train.build_model(config, train_set, CPU, 1, lambda message: None,
+                                       tasks.of(config))
         assert model is net
         weights = [p for p in net.parameters() if p.dim() == 4]
         assert len(weights) == 20  # stem, 8 blocks of 2, 3 shortcut convolutions

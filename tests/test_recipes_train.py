@@ -64,7 +64,7 @@ def test_ema_is_validated_logged_and_chooses_best(whole):
     assert [round(e.value, 6) for e in events.Scalars("val_ema/acc")] == \
         [round(r["val_acc_ema"], 6) for r in records]
     best = torch.load(whole / "checkpoints" / "best.pt", weights_only=True)
-    assert best["progress"]["best_val_acc"] == max(r["val_acc_ema"] for r in records)
+    assert best["progress"]["best"] == max(r["val_acc_ema"] for r in records)
     ema, raw = final_state(whole)["ema"], final_state(whole)["model"]
     assert set(ema) == set(raw) and any(not torch.equal(ema[k], raw[k]) for k in raw)
 

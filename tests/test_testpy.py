@@ -13,10 +13,10 @@ import pytest
 import torch
 from helpers import ROOT, load_test_py, read_metrics
 
-import tasks
 from config import parse_config, with_defaults
 from machinery import checkpoint
 from pipeline import data
+from tasks.classification import Classification
 
 
 def _last_validation(run_dir):
@@ -86,7 +86,7 @@ def test_absent_class_is_null_in_json():
     result = {"loss": 0.5, "acc": 5 / 8, "count": 8, "confusion": confusion,
               "class_total": confusion.sum(dim=1), "class_correct": confusion.diag(),
               "top_confused": [(2, 1, 2), (0, 1, 1)]}
-    report = tasks.Classification(3, ["a", "b", "c"]).report(result, "checkpoint", "x.pt")
+    report = Classification(3, ["a", "b", "c"]).report(result, "checkpoint", "x.pt")
     assert report["per_class"] == {"a": 0.75, "b": None, "c": 0.5}
     assert json.loads(json.dumps(report, allow_nan=False)) == report
 

@@ -23,12 +23,12 @@ from helpers import (
     write_image_folder,
 )
 
-import tasks
 import train
 from config import build_parser, check_config, parse_config
 from machinery import engine, meters
 from pipeline import data
 from reporting import runlog
+from tasks.classification import Classification
 
 METRIC_KEYS = {"epoch", "step", "train_loss", "lr", "compute_efficiency", "data_time",
                "compute_time", "epoch_time", "samples_per_sec"}
@@ -407,7 +407,7 @@ def test_efficiency_measures_data_and_compute_time():
                               timer=engine.StepTimer(device),
                               counters=meters.Counters(device), show_progress=False)
     progress = engine.TrainState()
-    engine.train_one_epoch(model, loader, optimizer, tasks.Classification(2), run, progress)
+    engine.train_one_epoch(model, loader, optimizer, Classification(2), run, progress)
     data_t, compute_t, wall = run.timer.totals()
     assert progress.step == steps
     assert data_wait <= data_t < data_wait + compute / 2, (data_t, compute_t)
@@ -612,7 +612,7 @@ def test_top5_counts_a_class_among_the_five_largest_logits():
     logits = torch.tensor([[9., 8, 7, 6, 5, 4, 0], [0., 1, 2, 3, 4, 5, 6]])
     net = torch.nn.Identity()
     result = engine.evaluate(net, [(logits, torch.tensor([4, 0]))], loop,
-                             tasks.Classification(7))
+                             Classification(7))
     assert result["acc"] == 0.0 and result["acc5"] == 0.5  # class 4 is 5th; class 0 last
 
 

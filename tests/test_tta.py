@@ -8,8 +8,9 @@ from helpers import tiny_args
 import tasks
 import train
 from machinery import engine
+from tasks.classification import Classification
 
-FOUR = tasks.Classification(4)  # classes
+FOUR = Classification(4)  # classes
 
 CPU = torch.device("cpu")
 

@@ -507,6 +507,19 @@ def test_a_checkpoint_of_format_1_still_loads_and_resumes(tmp_path, capsys):
     assert final_state(tmp_path)["epoch"] == 2 and final_state(tmp_path)["format"] == 2
 
 
+def test_an_old_checkpoints_best_val_acc_is_read_as_the_best():
+    # Until issue 48 the progress key of best.pt's figure was best_val_acc.
+    from machinery import engine
+
+    state = engine.TrainState()
+    assert state.best == -float("inf")  # any first validation's figure is the best
+    state.load_state_dict(checkpoint.load_checkpoint(FORMAT_1)["progress"])
+    assert state.best == 1.0 and "best_val_acc" not in state.state_dict()
+    state.load_state_dict({"best_val_acc": -3.5, "best_epoch": 2})  # (a negated FID)
+    assert (state.best, state.best_epoch) == (-3.5, 2)
+    assert not state.record_best(-4.0) and state.record_best(-3.0)
+
+
 def test_a_checkpoint_of_a_newer_format_is_refused_in_one_line(tmp_path, capsys):
     from helpers import tiny_args
 

@@ -9,6 +9,7 @@ import re
 import shlex
 import subprocess
 import sys
+import types
 
 import torch
 from helpers import ROOT, _child_env, ckpt, tiny_args, torchrun
@@ -82,6 +83,25 @@ def test_a_damaged_last_line_ends_the_file(tmp_path):
     ledger.truncate(tmp_path / "samples" / "rank0.jsonl", 1)
     assert [line.get("step") for line in ledger.read_lines(
         tmp_path / "samples" / "rank0.jsonl")] == [None, 1]
+
+
+def test_a_resume_on_fewer_processes_cuts_every_dropped_processs_file(tmp_path):
+    """Four processes went on to step 6 after the checkpoint of step 3; the resume on one
+    process (rank 0 cuts the files of ranks 1-3 it no longer has, as its own) keeps steps
+    1-3 in every file: steps 4-6 are trained again, by rank 0 alone."""
+    for rank in range(4):
+        write(tmp_path, rank, [header(rank=rank, world=4, size=24),
+                               *({"step": k, "epoch": 0, "seen": 4 * k,
+                                  "samples": [4 * (k - 1) + rank]} for k in range(1, 7))])
+    sampler = types.SimpleNamespace(observer=None)
+    state = types.SimpleNamespace(step=3, epoch=0, epoch_samples=12)
+    kept = ledger.Ledger(tmp_path, 0, 1, state, 24, sampler)
+    kept.close()
+    assert sampler.observer is kept
+    for rank in range(4):
+        lines = ledger.read_lines(tmp_path / "samples" / f"rank{rank}.jsonl")
+        assert [line.get("step") for line in lines] == [None, 1, 2, 3] + (
+            [None] if rank == 0 else []), rank  # rank 0: its new header
 
 
 def args(run_dir, *extra, epochs=2):

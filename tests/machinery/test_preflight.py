@@ -7,6 +7,7 @@ import functools
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import types
@@ -21,6 +22,7 @@ from helpers import (
     final_state,
     read_metrics,
     seg_args,
+    stop_at_step,
     tiny_args,
     torchrun,
 )
@@ -211,6 +213,28 @@ def test_torchrun_ends_as_without(tmp_path):
                               batch=8))
     assert out.count("preflight: 5 stages ok") == 1  # process 0 says it
     assert_same_run(plain, checked)
+
+
+def test_a_run_resumed_at_an_epochs_end_preflights_and_ends_as_never_stopped(tmp_path,
+                                                                           capsys):
+    """SIGTERM right after an epoch's last step: last.pt holds the whole epoch's samples,
+    its validation not yet done. The preflight of the resume takes its step from the next
+    epoch (this one has no batch left), and the run then ends where the run that never
+    stopped ends."""
+    full, run = tmp_path / "full", tmp_path / "run"
+    assert train.main(tiny_args(full, epochs=2)) == 0
+    with stop_at_step(4):  # 64 samples of 16: the first epoch's last step
+        assert train.main(tiny_args(run, epochs=2)) == 128 + signal.SIGTERM
+    saved = checkpoint.load_checkpoint(str(run / "checkpoints" / "last.pt"))
+    assert (saved["epoch"], saved["progress"]["epoch_samples"]) == (0, 64)
+    capsys.readouterr()
+    assert train.main(tiny_args(run, "--resume", "auto", "--preflight", "train",
+                                epochs=2)) == 0
+    assert "preflight: 4 stages ok" in said(capsys)
+    states = [final_state(d) for d in (full, run)]
+    for state in states:
+        del state["config"], state["checksum"]
+    assert_states_equal(*states)
 
 
 # ------------------------------------------------------------ --preflight alone

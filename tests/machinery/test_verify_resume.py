@@ -3,10 +3,12 @@ window, resumed in a fresh process and compared tensor by tensor with an uninter
 it names what breaks the promise (a dropout with a generator of its own, a dataset drawing
 from the global RNG in a worker)."""
 
+import json
 import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from helpers import ROOT, _child_env, finish, seg_args, start_torchrun, tiny_args
 
@@ -46,6 +48,45 @@ def test_first_difference_names_the_tensor_and_its_largest_difference():
     assert verify_resume.first_difference({"a": 1}, {"a": 1, "b": 2})[0] == ("b",)
     path, _ = verify_resume.first_difference({"x": torch.zeros(2)}, {"x": torch.zeros(3)})
     assert path == ("x",)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16,
+                                   torch.float16])
+def test_a_difference_of_one_rounding_is_not_exact(dtype):
+    """Bit for bit: one element one ulp away (what another summation order gives) is a
+    difference, named, not "close enough"."""
+    a = torch.linspace(-3, 3, 7, dtype=dtype)
+    b = a.clone()
+    b[2] = torch.nextafter(b[2], torch.tensor(float("inf"), dtype=dtype))
+    assert b[2] != a[2] and torch.allclose(a.double(), b.double(), rtol=1e-2)
+    path, detail = verify_resume.first_difference({"w": a}, {"w": b})
+    assert path == ("w",) and "element 2 of 7, 1 differ" in detail
+    assert verify_resume.compare_checkpoints({"model": {"w": a}}, {"model": {"w": b}})
+
+
+def test_ledgers_of_different_lengths_are_not_equal(tmp_path):
+    """A resumed run that recorded fewer (or more) steps than the uninterrupted one, each
+    recorded step alike, is a difference: the steps' count is said."""
+    def write(run_dir, steps):
+        os.makedirs(run_dir / "samples", exist_ok=True)
+        lines = [{"start": 0, "epoch": 0, "seen": 0, "size": 8, "rank": 0, "world_size": 1}]
+        lines += [{"step": k + 1, "epoch": 0, "seen": 2 * k + 2, "samples": [2 * k, 2 * k + 1]}
+                  for k in range(steps)]
+        (run_dir / "samples" / "rank0.jsonl").write_text(
+            "".join(json.dumps(line) + "\n" for line in lines))
+        return run_dir
+
+    whole, fewer, more = (write(tmp_path / name, n) for name, n in
+                          (("whole", 3), ("fewer", 2), ("more", 4)))
+    assert verify_resume.compare_ledgers(whole, write(tmp_path / "same", 3)) is None
+    assert verify_resume.compare_ledgers(whole, fewer) == (
+        "the samples seen (--sample-ledger): process 0 recorded 3 steps uninterrupted, 2 "
+        "resumed")
+    assert "recorded 3 steps uninterrupted, 4 resumed" in verify_resume.compare_ledgers(
+        whole, more)
+    (fewer / "samples" / "rank0.jsonl").unlink()
+    assert "recorded 3 steps uninterrupted, 0 resumed" in verify_resume.compare_ledgers(
+        whole, fewer)
 
 
 def test_the_config_and_checksum_are_not_state():

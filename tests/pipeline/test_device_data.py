@@ -35,11 +35,11 @@ from PIL import Image
 from torchvision.transforms import v2
 
 import networks
-import tasks
 from config import with_defaults
 from machinery import engine, meters
 from ops import UserError
 from pipeline import data, decoded_cache, device_data, sample_transforms
+from tasks.classification import Classification
 
 # ------------------------------------------------------------------- sources on disk
 
@@ -250,7 +250,7 @@ def test_training_on_both_paths_gives_the_same_weights(tmp_path, accum):
             sampler.set_epoch(epoch)
             progress.epoch = epoch
             engine.train_one_epoch(net, loader, optimizer,
-                                   tasks.Classification(train_set.num_classes), loop, progress)
+                                   Classification(train_set.num_classes), loop, progress)
         results.append(net.state_dict())
     assert_states_equal(results[0], results[1])
 

@@ -119,6 +119,40 @@ def test_a_pairfolder_pairs_by_name_and_resizes_to_the_side(tmp_path):
     assert pair_data.set_identity(again)["fingerprint"] != first["fingerprint"]
 
 
+@pytest.mark.parametrize("size", [1, 20])
+def test_the_synthetic_validation_pairs_are_none_of_the_training_pairs(size):
+    """The splits share colours, not samples (at --synthetic-size 1 too, where both hold
+    one pair): a validation figure is never of a pair the network trained on."""
+    train_set, val_set = pair_data.build_datasets(config(synthetic_size=size, augment=False))
+    trained = train_set.base.targets.flatten(1)  # (N, 3 S S) uint8
+    for i in range(len(val_set)):
+        target = val_set.base.targets[i].flatten()
+        assert not (trained == target).all(1).any(), i
+        assert not torch.equal(val_set[i][0], train_set[min(i, size - 1)][0])
+
+
+def test_a_pairfolders_fingerprint_survives_moving_the_folder(tmp_path, monkeypatch):
+    """The fingerprint is of the pairs' paths inside the folder: the folder moved (or
+    named by a relative path) is the same set, and a resume from the moved copy is not
+    warned of another training set."""
+    tree(tmp_path / "here")
+
+    def identity(data_dir):
+        train_set, _ = pair_data.build_datasets(config(dataset="pairfolder",
+                                                       data_dir=str(data_dir)))
+        return pair_data.set_identity(train_set)
+
+    first = identity(tmp_path / "here")
+    (tmp_path / "away").mkdir()
+    os.rename(tmp_path / "here", tmp_path / "away" / "moved")
+    assert identity(tmp_path / "away" / "moved") == first
+    monkeypatch.chdir(tmp_path / "away")
+    assert identity("moved") == first
+    os.remove(tmp_path / "away" / "moved" / "train" / "a" / "z.png")
+    os.remove(tmp_path / "away" / "moved" / "train" / "b" / "z.png")
+    assert identity("moved") != first  # (the pairs do count)
+
+
 def _only_input(root):
     write_pair(root, "train", "lonely")
     os.remove(root / "train" / "b" / "lonely.png")

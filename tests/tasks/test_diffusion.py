@@ -30,9 +30,10 @@ from helpers import (
 import config as config_module
 import ddpm
 import train
+from machinery import checkpoint
 
 # What every state of a diffusion checkpoint holds that an exact resume restores.
-RESUMED = ("networks", "optimizers", "ema", "scaler", "rng", "progress")
+RESUMED = ("model", "optimizer", "ema", "scaler", "rng", "progress")
 TIMES = ("compute_efficiency", "data_time", "compute_time", "epoch_time", "samples_per_sec",
          "tflops")
 
@@ -76,7 +77,7 @@ def test_a_diffusion_run_logs_the_loss_and_the_averages_samples(trained):
     records = read_metrics(trained)
     last = records[-1]
     for key in ("train_loss", "val_loss", "val_loss_ema", "val_fid_classifier_ema",
-                "val_kid_classifier_ema", "train_grad_norm_denoiser"):
+                "val_kid_classifier_ema", "grad_norm"):
         assert math.isfinite(last[key]), key
     # the network itself is not sampled when there is a moving average: only its loss
     assert not [k for r in records for k in r if "fid" in k and not k.endswith("_ema")]
@@ -90,19 +91,32 @@ def test_a_diffusion_run_logs_the_loss_and_the_averages_samples(trained):
     assert image.width == image.height == 8 * (8 + 2) + 2  # 64 images of 8 px, 8 by 8
 
 
-def test_checkpoints_hold_the_unet_its_optimizer_and_average_by_name(trained):
+def test_checkpoints_hold_the_unet_its_optimizer_and_average_as_one_network(trained,
+                                                                            tmp_path):
     state = final_state(trained)
-    assert state["format"] == 3 and "model" not in state
-    assert set(state["networks"]) == set(state["optimizers"]) == set(state["ema"]) == \
-        {"denoiser"}
+    assert state["format"] == 2 and "networks" not in state
     config = state["config"]
     assert (config["task"], config["network"], config["in_channels"]) == \
         ("diffusion", "ddpm", 3)
     unet = ddpm.build(config, 3)
-    unet.load_state_dict(state["networks"]["denoiser"])
-    unet.load_state_dict(state["ema"]["denoiser"])
-    steps = {float(s["step"]) for s in state["optimizers"]["denoiser"]["state"].values()}
+    unet.load_state_dict(state["model"])
+    unet.load_state_dict(state["ema"])
+    steps = {float(s["step"]) for s in state["optimizer"]["state"].values()}
     assert steps == {float(state["step"])} == {12.0}
+    # A checkpoint of before (format 3, the U-Net by name) loads as this one, and test.py
+    # reads its U-Net and its moving average.
+    old = {k: v for k, v in state.items() if k not in ("model", "optimizer", "ema")}
+    old.update(format=3, networks={"denoiser": state["model"]},
+               optimizers={"denoiser": state["optimizer"]}, ema={"denoiser": state["ema"]})
+    del old["checksum"]
+    torch.save(old, tmp_path / "old.pt")
+    read = checkpoint.load_checkpoint(str(tmp_path / "old.pt"))
+    assert_states_equal({k: read[k] for k in ("model", "optimizer", "ema", "format")},
+                        {k: state[k] for k in ("model", "optimizer", "ema", "format")})
+    from tasks import diffusion
+    for weights in ("raw", "ema"):
+        got = diffusion.load_denoiser(read, config, "old.pt", weights).state_dict()
+        assert_states_equal(got, state["ema" if weights == "ema" else "model"])
 
 
 def test_the_validation_loss_does_not_depend_on_the_batches(trained):
@@ -116,7 +130,7 @@ def test_the_validation_loss_does_not_depend_on_the_batches(trained):
     train_set, val_set = diffusion.Diffusion.datasets(dict(config, augment=False), print)
     task = diffusion.Diffusion(config, train_set, val_set, 0)
     unet = ddpm.build(config, 3)
-    unet.load_state_dict(state["networks"]["denoiser"])
+    unet.load_state_dict(state["model"])
     x = torch.stack([val_set[i][0] for i in range(len(val_set))])
     evaluation = task.evaluation(torch.device("cpu"), unet)
     for chunk in x.split(5):  # training validated in one batch of 12
@@ -171,6 +185,37 @@ def test_test_py_writes_seeded_pngs_and_says_when_it_replaces_a_file(trained, tm
     assert (pixels(ddpm_dir) - first).abs().mean() > 5
 
 
+def test_test_py_seed_0_samples_seed_0_not_the_training_seed(trained, tmp_path):
+    """--seed 0 is a seed like any other (not "no --seed"): on a checkpoint trained with
+    seed 5 it gives the images of seed 0, those of the run trained with seed 0; without
+    --seed, those of seed 5."""
+    from PIL import Image
+
+    from machinery import checkpoint
+
+    last = str(trained / "checkpoints" / "last.pt")
+    state = torch.load(last, weights_only=True)
+    assert state["config"]["seed"] == 0
+    state["config"]["seed"] = 5
+    five = str(tmp_path / "seed5.pt")
+    checkpoint.save_checkpoint({k: v for k, v in state.items() if k != "checksum"}, five)
+
+    def sampled(path, name, *seed):
+        out, report = tmp_path / name, tmp_path / f"{name}.json"
+        assert load_test_py().main(["--checkpoint", path, "--samples", "3", "--out", str(out),
+                                    "--json", str(report), "--device", "cpu",
+                                    "--num-workers", "0", *seed]) == 0
+        pixels = np.stack([np.array(Image.open(out / f"{i:06d}.png")) for i in range(3)])
+        return json.loads(report.read_text())["seed"], pixels
+
+    seed, zero = sampled(last, "trained_with_0")
+    assert seed == 0
+    seed, got = sampled(five, "seed_0", "--seed", "0")
+    assert seed == 0 and np.array_equal(got, zero)
+    seed, own = sampled(five, "its_own")
+    assert seed == 5 and np.abs(own.astype(int) - zero).mean() > 5
+
+
 @pytest.mark.parametrize("suffix", [".pt2", ".onnx"])
 def test_the_denoiser_exports_and_matches_the_network(trained, tmp_path, suffix):
     out = tmp_path / f"denoiser{suffix}"
@@ -179,7 +224,7 @@ def test_the_denoiser_exports_and_matches_the_network(trained, tmp_path, suffix)
                                 "0"]) == 0
     state = final_state(trained)
     unet = ddpm.build(state["config"], 3).eval()
-    unet.load_state_dict(state["ema"]["denoiser"])
+    unet.load_state_dict(state["ema"])
     x, t = torch.randn(3, 3, 8, 8), torch.tensor([0.0, 17.0, 49.0])
     with torch.no_grad():
         want = unet(x, t)
@@ -221,7 +266,7 @@ def test_best_pt_follows_the_lowest_fid_of_the_average(tmp_path, features, monke
     records = read_metrics(tmp_path)
     assert [r["val_fid_classifier_ema"] for r in records] == [5.0, 1.0, 2.0]
     best = torch.load(tmp_path / "checkpoints" / "best.pt", weights_only=True)
-    assert best["epoch"] == 2 and best["progress"]["best_val_acc"] == -1.0
+    assert best["epoch"] == 2 and best["progress"]["best"] == -1.0
 
 
 @pytest.mark.parametrize("path", [("--num-workers", "2", "--data-on-device", "off"),
@@ -252,8 +297,8 @@ def test_accumulation_equals_the_large_batch(tmp_path, features):
     assert train.main(diffusion_args(big, features, *EQUAL, batch=16)) == 0
     assert train.main(diffusion_args(accumulated, features, *EQUAL, "--virtual-batch-size",
                                      "16", batch=4)) == 0
-    torch.testing.assert_close(final_state(accumulated)["networks"],
-                               final_state(big)["networks"])
+    torch.testing.assert_close(final_state(accumulated)["model"],
+                               final_state(big)["model"])
     assert final_state(accumulated)["step"] == final_state(big)["step"] == 8
 
 
@@ -262,7 +307,7 @@ def test_two_processes_of_8_train_like_one_of_16(tmp_path, features):
     flags = (*EQUAL, "--ema-decay", "0.9")
     assert train.main(diffusion_args(one, features, *flags, batch=16)) == 0
     torchrun(diffusion_args(two, features, *flags, batch=8))
-    torch.testing.assert_close(final_state(two)["networks"], final_state(one)["networks"])
+    torch.testing.assert_close(final_state(two)["model"], final_state(one)["model"])
     torch.testing.assert_close(final_state(two)["ema"], final_state(one)["ema"])
     a, b = read_metrics(one)[-1], read_metrics(two)[-1]
     for key in ("train_loss", "val_loss", "val_loss_ema", "val_fid_classifier_ema"):
@@ -289,10 +334,16 @@ def test_bf16_on_the_cpu_trains(tmp_path, features):
 
 
 def test_fp16_trains_with_its_scaler(tmp_path, features):
-    assert train.main(diffusion_args(tmp_path, features, "--amp", "fp16", epochs=1)) == 0
-    state = final_state(tmp_path)
-    assert state["step"] == 4 and state["scaler"]["scale"] > 0
-    assert math.isfinite(read_metrics(tmp_path)[-1]["train_loss"])
+    # The step computes in float16 and its loss is scaled: GradScaler's 2**16, halved at
+    # each skipped step (growth comes after 2000), and the weights moved.
+    with watch_training() as (dtypes, start):
+        assert train.main(diffusion_args(tmp_path, features, "--amp", "fp16", epochs=1)) == 0
+    state, record = final_state(tmp_path), read_metrics(tmp_path)[-1]
+    skipped = state["progress"]["scaler_skips"]
+    assert torch.float16 in dtypes and state["step"] == 4 and skipped < 4
+    assert state["scaler"]["scale"] == 2.0 ** 16 * 0.5 ** skipped
+    assert state["scaler"]["_growth_tracker"] == 4 - skipped if not skipped else True
+    assert update(start).norm() > 0 and math.isfinite(record["train_loss"])
 
 
 @pytest.mark.parametrize("flags, words", [
@@ -356,7 +407,7 @@ def test_fid_samples_0_trains_without_fid_and_best_pt_is_the_last(tmp_path, monk
     ckpts = tmp_path / "run" / "checkpoints"
     best, last = (torch.load(ckpts / n, weights_only=True) for n in ("best.pt", "last.pt"))
     assert best["epoch"] == last["epoch"] == 2
-    assert_states_equal(best["networks"], last["networks"])
+    assert_states_equal(best["model"], last["model"])
     assert "val/samples" in events(tmp_path / "run").Tags()["images"]
 
 

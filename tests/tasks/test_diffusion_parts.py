@@ -143,3 +143,65 @@ def test_a_flag_two_tasks_own_is_foreign_only_to_the_others():
         ("--sample-steps", "diffusion")]
     found = tasks.foreign_flags({"task": "classification"}, {"fid_samples"})
     assert found == [("--fid-samples", "gan")]
+
+
+def test_ddpms_step_adds_the_posterior_variance():
+    """Each DDPM step from t to the walk's next t' draws x_t' from the posterior
+    q(x_t' | x_t, x0): mean (sqrt(a') b / (1 - a)) x0 + (sqrt(1 - b) (1 - a') / (1 - a)) x_t
+    and variance b (1 - a') / (1 - a), b = 1 - a / a' (Ho et al.'s beta tilde; not b, the
+    paper's other choice), with the sampler's own draws: first x_T, then a z each step."""
+    torch.manual_seed(0)
+    unet = ddpm.UNet(3, 8, width=8, blocks=1).eval()
+    torch.nn.init.normal_(unet.out[-1].weight, std=0.1)
+    schedule = ddpm.Schedule("linear", 50)
+    sampler = ddpm.Sampler(unet, schedule, "ddpm", steps=4, seed=3)
+    indices = list(range(6))
+    draw = sampler._noise(indices)
+    walk, a = schedule.timesteps(4), schedule.alpha_bar.tolist()
+    assert walk == [49, 33, 16, 0]
+    x = draw()
+    with torch.no_grad():
+        for t, prev in zip(walk, walk[1:] + [None]):
+            a_t, a_prev = a[t], 1.0 if prev is None else a[prev]
+            eps = unet(x, torch.full((len(x),), t))
+            x0 = ((x - math.sqrt(1 - a_t) * eps) / math.sqrt(a_t)).clamp(-1, 1)
+            b = 1 - a_t / a_prev
+            mean = math.sqrt(a_prev) * b / (1 - a_t) * x0 + \
+                math.sqrt(1 - b) * (1 - a_prev) / (1 - a_t) * x
+            x = mean if prev is None else \
+                mean + math.sqrt(b * (1 - a_prev) / (1 - a_t)) * draw()
+    want = x.clamp(-1, 1)
+    got = sampler(torch.tensor(indices))
+    assert ((want > -1) & (want < 1)).float().mean() > 0.5  # not only the clipping's +-1
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("steps", [2, 10, 19, 20])
+def test_the_linear_schedule_below_20_steps_is_clipped_as_the_cosines(steps):
+    """F2: 1000 / T x 0.02 passes 1 below T = 20; each beta is at most 0.999 (the
+    cosine's clip), so alpha-bar falls and stays positive, training and both samplers
+    are finite at every T the range check allows."""
+    b = ddpm.betas("linear", steps)
+    assert b.max() == min(0.999, 20 / steps) and (b > 0).all()
+    schedule = ddpm.Schedule("linear", steps)
+    a = schedule.alpha_bar
+    assert (a > 0).all() and (a[1:] < a[:-1]).all()
+    torch.manual_seed(0)
+    unet = ddpm.UNet(3, 8, width=8, blocks=1)
+    torch.nn.init.normal_(unet.out[-1].weight, std=0.1)
+    x0, noise = torch.rand(4, 3, 8, 8) * 2 - 1, torch.randn(4, 3, 8, 8)
+    with torch.no_grad():
+        mean, _ = ddpm.loss(unet, schedule, x0, torch.tensor([0, steps - 1] * 2), noise)
+    assert math.isfinite(float(mean))
+    for kind in ddpm.SAMPLERS:
+        assert torch.isfinite(ddpm.Sampler(unet.eval(), schedule, kind, seed=1)(
+            torch.arange(2))).all(), kind
+
+
+@pytest.mark.parametrize("steps", [1000, 50])
+def test_the_linear_betas_from_20_steps_are_the_papers_bit_for_bit(steps):
+    """The clip changes nothing where no beta reaches it: the default 1000 steps and the
+    50 of bench/identity.py's ddpm recipe keep their bits (and so their checkpoints)."""
+    scale = 1000 / steps
+    assert torch.equal(ddpm.betas("linear", steps), torch.linspace(
+        scale * 1e-4, scale * 0.02, steps, dtype=torch.float64))

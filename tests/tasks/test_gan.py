@@ -28,6 +28,7 @@ import tasks
 import train
 from machinery import engine, meters
 from reporting import metrics
+from tasks.gan import GAN
 
 # What every state of a GAN checkpoint holds that an exact resume restores.
 RESUMED = ("networks", "optimizers", "ema", "scaler", "rng", "progress")
@@ -75,7 +76,7 @@ def test_a_gan_logs_what_users_look_at(trained):
     assert record["train_loss"] == pytest.approx(record["train_loss_d"] + record["train_loss_g"])
     line = metrics.epoch_line(record, {"epochs": 3, "num_workers": 0}, type(
         "T", (tasks.Task,), {"best": "fid_classifier",
-                             "shown_figures": tasks.GAN.shown_figures})())
+                             "shown_figures": GAN.shown_figures})())
     assert f"train_loss_d {record['train_loss_d']:.4f}  train_loss_g " \
         f"{record['train_loss_g']:.4f}  val_fid_classifier" in line
     acc = events(trained)
@@ -126,7 +127,7 @@ def test_a_gan_checkpoint_as_a_classifiers_start_is_one_line(trained, tmp_path, 
 def test_an_early_stop_says_the_lowest_fid():
     task = type("T", (tasks.Task,), {"best": "fid", "lower_is_better": True})()
     state = engine.TrainState(epoch=4, best_epoch=2, early_stop_waited=2)
-    state.best_val_acc = metrics.best_metric(task, {"val_fid": 12.5})
+    state.best = metrics.best_metric(task, {"val_fid": 12.5})
     line = metrics.early_stop_line({"run_dir": "r", "early_stop_min_delta": 0,
                                     "early_stop_patience": 2}, state, task)
     assert "the best was epoch 2 (val_fid 12.5000)" in line
@@ -155,7 +156,7 @@ def test_best_pt_follows_the_lowest_fid(tmp_path, features, monkeypatch):
     assert lowest != len(records) - 1 and lowest != own.index(min(own))
     best = torch.load(tmp_path / "checkpoints" / "best.pt", weights_only=True)
     assert best["epoch"] == records[lowest]["epoch"] != final_state(tmp_path)["epoch"]
-    assert best["progress"]["best_val_acc"] == -min(ema)
+    assert best["progress"]["best"] == -min(ema)
 
 
 def test_a_nan_fid_is_never_the_best():
@@ -379,7 +380,7 @@ def test_each_phase_gives_gradients_to_its_own_network_only(features):
                                           "fid_features": features, "d_steps": 2})
     config["network"] = "dcgan"
     train_set = type("S", (), {"transform": None})()
-    task = tasks.GAN(config, train_set)
+    task = GAN(config, train_set)
     net = dcgan.networks(config, 3)
     calls = {name: 0 for name in net}
     for name, module in net.items():
@@ -399,7 +400,7 @@ def test_each_phase_gives_gradients_to_its_own_network_only(features):
 def test_the_latents_do_not_depend_on_how_a_step_is_split(features):
     config = config_module.with_defaults({"task": "gan", "latent_dim": 5,
                                           "fid_features": features})
-    task = tasks.GAN(config, type("S", (), {"transform": None})())
+    task = GAN(config, type("S", (), {"transform": None})())
     whole = task.latents("generator", engine.Where(1, 32, 0, 16, 16), "cpu")
     parts = [task.latents("generator", engine.Where(1, 32, o, 4, 16), "cpu")
              for o in (0, 4, 8, 12)]
@@ -551,7 +552,7 @@ def test_another_fid_features_on_resume_starts_best_pt_afresh(tmp_path, features
             f"starts afresh") in capsys.readouterr().out
     best = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)
     assert best["epoch"] == 2 and best["config"]["fid_features"] == str(other)
-    assert best["progress"]["best_val_acc"] == -read_metrics(run_dir)[-1]["val_fid_classifier"]
+    assert best["progress"]["best"] == -read_metrics(run_dir)[-1]["val_fid_classifier"]
     capsys.readouterr()
     assert train.main(gan_args(run_dir, str(other), "--resume", "auto", epochs=3)) == 0
     assert "cannot be compared" not in capsys.readouterr().out  # the same features: silent

@@ -1,6 +1,6 @@
-"""The GAN parts before the GAN task: dcgan.py's networks, losses per phase, fixed latents
-and sample grid, and gan_metrics.py's FID/KID (Inception's missing weights; a trained
-classifier's features)."""
+"""The GAN parts before the GAN task: dcgan.py's networks, losses per phase and fixed
+latents, the sample grid (tasks/_generative.py), and gan_metrics.py's images and FID/KID
+(Inception's missing weights; a trained classifier's features)."""
 
 import itertools
 import math
@@ -18,6 +18,7 @@ import layers
 from ops import UserError
 from pipeline import data
 from reporting import gan_metrics
+from tasks import _generative
 
 
 def _batchnorms(module):
@@ -226,7 +227,7 @@ def test_sample_grid_is_the_samples_in_uint8_in_eval_mode():
     g = dcgan.Generator(8, 1, 28, width=8)
     z = dcgan.fixed_latents(4, 8, seed=0)
     running = _batchnorms(g)[0].running_mean.clone()
-    grid = dcgan.sample_grid(g, z)
+    grid = _generative.sample_grid(g, z)
     assert isinstance(grid, np.ndarray) and grid.dtype == np.uint8
     assert grid.shape == (2 + 2 * 30, 2 + 2 * 30, 3)  # 2 x 2 images of 28, 2 px apart
     assert g.training and torch.equal(_batchnorms(g)[0].running_mean, running)
@@ -242,7 +243,7 @@ def test_sample_grid_is_the_samples_in_uint8_in_eval_mode():
 
 def test_to_uint8_maps_the_ends_of_the_range():
     x = torch.tensor([-1.5, -1.0, 0.0, 1.0, 2.0])
-    assert dcgan.to_uint8(x).tolist() == [0, 0, 128, 255, 255]
+    assert gan_metrics.to_uint8(x).tolist() == [0, 0, 128, 255, 255]
 
 
 # ---------------------------------------------------------------------------- FID, KID

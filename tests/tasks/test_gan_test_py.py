@@ -58,7 +58,7 @@ def _expected(state, which, n, seed):
     latents of ``seed``."""
     latents = dcgan.fixed_latents(n, state["config"]["latent_dim"], seed)
     with torch.no_grad():
-        return dcgan.to_uint8(_generator(state, which)(latents))
+        return gan_metrics.to_uint8(_generator(state, which)(latents))
 
 
 def _pngs(directory):

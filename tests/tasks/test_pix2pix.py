@@ -181,7 +181,7 @@ def test_best_pt_follows_the_highest_psnr(tmp_path, monkeypatch):
     assert ema == [9.0, 3.0, 1.0] and own == [5.0, 8.0, 7.0]
     best = torch.load(tmp_path / "checkpoints" / "best.pt", weights_only=True)
     assert best["epoch"] == 1 != final_state(tmp_path)["epoch"]
-    assert best["progress"]["best_val_acc"] == 9.0
+    assert best["progress"]["best"] == 9.0
 
 
 @pytest.mark.parametrize("workers", [2, 0])
@@ -253,6 +253,55 @@ def test_the_dropout_masks_do_not_depend_on_how_a_step_is_split():
     other = pix2pix.hashed_dropout(h, pix2pix.sample_keys(3, 2, torch.arange(10, 18)), 1, 0.5)
     assert not torch.equal(other, whole)  # another epoch, other masks
     assert not torch.equal(pix2pix.hashed_dropout(h, keys, 2, 0.5), whole)  # another layer
+
+
+@pytest.mark.parametrize("kind", pix2pix.GAN_LOSSES)
+def test_the_discriminators_loss_is_halved_as_the_papers(kind):
+    """(loss(D(x, y), real) + loss(D(x, G(x)), fake)) / 2: the paper's D learns at half
+    the rate of G; loss_d is that half."""
+    torch.manual_seed(0)
+    d = pix2pix.PatchDiscriminator(6, width=4)
+    x, y, fake = (torch.rand(2, 3, 32, 32) * 2 - 1 for _ in range(3))
+    loss, figures = pix2pix.discriminator_loss(d, x, y, fake, pix2pix.criterion(kind))
+    with torch.no_grad():
+        real_scores, fake_scores = d(torch.cat([x, y], 1)), d(torch.cat([x, fake], 1))
+    own = torch.nn.functional.binary_cross_entropy_with_logits if kind == "vanilla" else \
+        torch.nn.functional.mse_loss
+    both = own(real_scores, torch.ones_like(real_scores)) + \
+        own(fake_scores, torch.zeros_like(fake_scores))
+    assert float(loss.detach()) == pytest.approx(float(both) / 2, rel=1e-6)
+    assert float(figures["loss_d"]) == float(loss.detach())
+
+
+def _figures_of_outputs_above_their_targets():
+    """The validation's figures of outputs 0.1 (one pair) and 0.2 (three pairs) above their
+    targets in [-1, 1], met in two batches: ``(result, outputs, targets)``."""
+    from tasks import pix2pix as task
+
+    torch.manual_seed(0)
+    y = torch.rand(4, 3, 32, 32) * 1.6 - 0.8
+    out = y + torch.tensor([0.1, 0.2, 0.2, 0.2]).view(4, 1, 1, 1)
+    evaluation = task.Pix2PixEvaluation(torch.device("cpu"))
+    evaluation.update(out[:1], y[:1])
+    evaluation.update(out[1:], y[1:])
+    return evaluation.compute(), out, y
+
+
+def test_psnr_is_measured_on_images_in_0_1():
+    """PSNR of the whole set's mean squared error of the images in [0, 1] (errors 0.05
+    and 0.1 there), not in the generator's [-1, 1] (6 dB less)."""
+    result, _, _ = _figures_of_outputs_above_their_targets()
+    mse = (0.05 ** 2 + 3 * 0.1 ** 2) / 4
+    assert result["psnr"] == pytest.approx(10 * math.log10(1 / mse), rel=1e-4)
+    assert result["count"] == 4
+
+
+def test_val_l1_is_the_mean_absolute_error_per_element():
+    """val_l1 is the training's ``loss_l1`` scale: the mean absolute error per element in
+    [-1, 1] over the whole set (not per pair, pixel or batch; not halved to [0, 1])."""
+    result, out, y = _figures_of_outputs_above_their_targets()
+    assert result["l1"] == pytest.approx(float(torch.nn.functional.l1_loss(out, y)), rel=1e-5)
+    assert result["l1"] == pytest.approx((0.1 + 3 * 0.2) / 4, rel=1e-5)
 
 
 def test_bf16_on_the_cpu_trains(tmp_path):

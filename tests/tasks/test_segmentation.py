@@ -25,6 +25,7 @@ from helpers import (
 import tasks
 import train
 from machinery import engine
+from tasks.segmentation import Segmentation
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def test_a_unet_learns_the_shapes_and_logs_the_figures(learned):
     miou = [e.value for e in acc.Scalars("val/miou")]
     assert miou == pytest.approx([r["val_miou"] for r in records])
     best = torch.load(os.path.join(learned, "checkpoints", "best.pt"), weights_only=True)
-    assert best["progress"]["best_val_acc"] == max(r["val_miou"] for r in records)
+    assert best["progress"]["best"] == max(r["val_miou"] for r in records)
     assert best["config"]["task"] == "segmentation"
 
 
@@ -200,13 +201,13 @@ def test_flip_tta_flips_the_logits_back():
     torch.manual_seed(0)
     net = torch.nn.Conv2d(3, 4, 3, padding=1)  # not mirror-invariant
     x = torch.randn(2, 3, 8, 8)
-    got = tasks.Segmentation(4).predict(net, x, tta=True)
+    got = Segmentation(4).predict(net, x, tta=True)
     want = (net(x) + net(x.flip(-1)).flip(-1)) / 2
     torch.testing.assert_close(got, want)
     y = torch.randint(0, 4, (2, 8, 8))
     y[0, 0, 0] = 255  # ignored
     loop = engine.LoopSettings(device=torch.device("cpu"), show_progress=False)
-    result = engine.evaluate(net, [(x, y)], loop, tasks.Segmentation(4), tta=True)
+    result = engine.evaluate(net, [(x, y)], loop, Segmentation(4), tta=True)
     assert result["count"] == 2 * 8 * 8 - 1
     pred = want.argmax(1)
     correct = int(((pred == y) & (y != 255)).sum())
@@ -215,7 +216,7 @@ def test_flip_tta_flips_the_logits_back():
 
 def test_torchvision_segmentation_networks_train_with_their_aux_head(tmp_path, monkeypatch):
     seen = []
-    real = tasks.Segmentation.loss
+    real = Segmentation.loss
 
     def loss(self, model, x, y):
         value = real(self, model, x, y)
@@ -224,7 +225,7 @@ def test_torchvision_segmentation_networks_train_with_their_aux_head(tmp_path, m
                      float(self.criterion(out["out"], y).detach())))
         return value
 
-    monkeypatch.setattr(tasks.Segmentation, "loss", loss)
+    monkeypatch.setattr(Segmentation, "loss", loss)
     assert train.main(seg_args(tmp_path, "--max-steps", "1", network="torchvision/fcn_resnet50",
                                size=4, batch=2, image=32)) == 0
     keys, total, main_only = seen[0]
@@ -292,7 +293,7 @@ def test_the_masks_picture_shows_the_first_validation_images_truth(learned):
     tile = [grid[pad:pad + side, pad + col * (side + pad):pad + col * (side + pad) + side]
             for col in range(3)]
     run_config = config.with_defaults(final_state(learned)["config"])
-    _, val_set = tasks.build_datasets(run_config, print)
+    _, val_set = tasks.of(run_config).datasets(run_config, print)
     picture, mask = val_set[0]
     palette = seg_metrics.palette(3).numpy()
     truth = np.full(mask.shape, 255)

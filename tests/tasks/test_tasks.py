@@ -11,13 +11,15 @@ import tasks
 import tasks.classification
 import train
 from machinery import engine
+from tasks import _generative
+from tasks.classification import Classification
 
 
 def _evaluate(monkeypatch, dense_limit, logits, labels, classes):
     monkeypatch.setattr(tasks.classification, "DENSE_CLASSES", dense_limit)
     loop = engine.LoopSettings(device=torch.device("cpu"), show_progress=False)
     batches = list(zip(logits.split(7), labels.split(7)))
-    return engine.evaluate(torch.nn.Identity(), batches, loop, tasks.Classification(classes))
+    return engine.evaluate(torch.nn.Identity(), batches, loop, Classification(classes))
 
 
 def test_many_classes_count_the_same_without_a_square_matrix(monkeypatch):
@@ -59,23 +61,22 @@ def test_a_run_with_more_classes_than_a_picture_lists_the_confused_pairs(
     assert "val/confusion" not in events(tmp_path).Tags()["images"]
 
 
-def test_under_torchrun_the_pairs_of_every_process_are_counted(tmp_path):
+def test_under_torchrun_the_pairs_of_every_process_are_counted(tmp_path, monkeypatch):
     """Beyond DENSE_CLASSES each process keeps its shard's pairs; they are gathered, so
     two processes report the class accuracies and pairs of one process."""
     from helpers import FLAGS, finish, start_torchrun, write_launcher
 
+    from tasks import classification
+
     args = lambda run: tiny_args(run, *FLAGS, "--num-classes", "12", size=96, batch=8)  # noqa: E731
-    launcher = write_launcher(tmp_path / "launch.py", "import tasks\ntasks.DENSE_CLASSES = 4")
+    launcher = write_launcher(tmp_path / "launch.py", "import tasks.classification\n"
+                              "tasks.classification.DENSE_CLASSES = 4")
     rc, out = finish(start_torchrun(args(tmp_path / "two"), script=launcher))
     assert rc == 0, out[-3000:]
-    import tasks as here
-
-    here_limit, here.DENSE_CLASSES = here.DENSE_CLASSES, 4
-    try:
-        assert train.main(tiny_args(tmp_path / "one", *FLAGS, "--num-classes", "12",
-                                    size=96, batch=16)) == 0
-    finally:
-        here.DENSE_CLASSES = here_limit
+    monkeypatch.setattr(classification, "DENSE_CLASSES", 4)
+    assert not classification.ClassificationEvaluation(12, "cpu").dense  # the pairs' path
+    assert train.main(tiny_args(tmp_path / "one", *FLAGS, "--num-classes", "12",
+                                size=96, batch=16)) == 0
     one, two = read_metrics(tmp_path / "one")[-1], read_metrics(tmp_path / "two")[-1]
     assert one["val_class_acc"] == pytest.approx(two["val_class_acc"])
     assert one["val_acc"] == pytest.approx(two["val_acc"])
@@ -153,7 +154,7 @@ def _first_images_worker(rank, world_size, port, out_dir, sizes, n):
         start = sum(sizes[:rank])  # the contiguous shards: image i holds the value i
         kept = [torch.arange(start, start + sizes[rank]).float().view(-1, 1, 1, 1)[:n]]
         try:
-            first = tasks.first_images(kept, n)
+            first = _generative.first_images(kept, n)
         except tasks.UserError as e:
             first = str(e)
         torch.save({"first": first, "sent": sent}, os.path.join(out_dir, f"{rank}.pt"))

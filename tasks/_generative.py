@@ -1,0 +1,183 @@
+"""What the generative tasks share (gan.py, diffusion.py): the sets they train on and
+each one's own image side, FID's real images (the first of the validation set, gathered
+on process 0; test.py's), how many FID measures (``--fid-samples`` and its default, fewer
+for --preflight's one batch), the sample grid TensorBoard shows, and the seeded samples
+test.py writes as PNGs. Not a task (the leading underscore keeps it out of ``--task``'s
+registry); a generator's images themselves (``generate``, ``to_uint8``) are
+gan_metrics.py's, which measures them.
+"""
+
+import contextlib
+import io
+import os
+import re
+import sys
+
+import torch
+import torchvision
+from PIL import Image
+
+from machinery import files, runtime
+from machinery.runtime import say
+from ops import UserError
+from pipeline import data
+from reporting import gan_metrics
+from reporting.gan_metrics import generate, to_uint8
+from tasks import Task
+
+GAN_DATASETS = ("mnist", "fashion_mnist", "cifar10", "imagefolder", "synthetic")
+NATIVE_SIDE = {name: data.native_geometry(name)[0] for name in GAN_DATASETS
+               if data.native_geometry(name)}  # (MNIST's 28, CIFAR-10's 32)
+FID_SAMPLES = 10_000  # --fid-samples' default, capped at the validation set's size
+
+
+def first_images(kept, n):
+    """The first ``n`` images of the validation set, for FID: on process 0 (None on the
+    others; one process: its own). ``kept`` is this process's, in order, at most ``n`` (its
+    shard is contiguous: in rank order the shards are the set's order). Each process
+    sends only its share of the first ``n`` (their counts gathered first), and only to
+    process 0 (``gather_object``): under NCCL no GPU holds every process's images.
+
+    Raises:
+        UserError: the set has fewer than ``n`` images (on every process alike).
+    """
+    import torch.distributed as dist
+
+    mine = torch.cat(kept) if kept else torch.zeros(0)
+    if n == 0:  # (--fid-samples 0: no FID, nothing to gather)
+        return mine[:0]
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        have, first = len(mine), mine[:n]
+    else:
+        rank, counts = dist.get_rank(), [None] * dist.get_world_size()
+        dist.all_gather_object(counts, len(mine))
+        have = sum(counts)
+        parts = counts if rank == 0 else None  # (a list to fill on process 0)
+        dist.gather_object(mine[:max(0, n - sum(counts[:rank]))], parts, dst=0)
+        first = torch.cat([p for p in parts if len(p)] or [mine[:0]])[:n] if rank == 0 \
+            else None
+    if have < n:
+        raise UserError(f"--fid-samples {n}: the validation set has {have} images; lower "
+                        f"--fid-samples")
+    return first
+
+
+@contextlib.contextmanager
+def fewer_fid_samples(task, count):
+    """``Task.evaluating_on`` for a task measuring FID on ``task.fid_samples`` images:
+    on at most ``count`` for the while (the same code, fewer images)."""
+    kept = task.fid_samples
+    task.fid_samples = min(kept, count)
+    try:
+        yield None if task.fid_samples == kept else \
+            f"FID and KID on one batch's {task.fid_samples} images (the run's: {kept})"
+    finally:
+        task.fid_samples = kept
+
+
+def fid_samples(config, val_set):
+    """The images FID and KID measure at each validation: --fid-samples, or its default
+    (``FID_SAMPLES``) capped at the validation set's size with one warning; 0: none.
+
+    Raises:
+        UserError: --fid-samples given above the validation set's size (the line names
+            both ways out).
+    """
+    n = config["fid_samples"]
+    if n == 0 or val_set is None:
+        if n == 0:
+            runtime.main_print("--fid-samples 0: no FID or KID at validation (the sample "
+                               "grid only); best.pt is the last checkpoint")
+        return n
+    if n is None:
+        n = min(FID_SAMPLES, len(val_set))
+        if n < FID_SAMPLES:
+            if n < 2:
+                raise UserError(f"FID needs at least 2 validation images; the validation set "
+                                f"has {len(val_set)}: train without FID (--fid-samples 0)")
+            runtime.main_print(f"warning: --fid-samples: the validation set has "
+                               f"{len(val_set)} images, fewer than the default "
+                               f"{FID_SAMPLES}: FID and KID measure {n}", file=sys.stderr)
+        return n
+    if n > len(val_set):
+        raise UserError(f"--fid-samples {n}: the validation set has {len(val_set)} images; "
+                        f"lower --fid-samples (at most {len(val_set)}), or train without FID "
+                        f"(--fid-samples 0)")
+    return n
+
+
+def real_images(config, n, batch_size, num_workers):
+    """The first ``n`` validation images of the run's dataset, in [-1, 1] as the generator
+    makes them (gan_metrics.to_generator_range undoes the normalisation)."""
+    _, val_set = Task.datasets(dict(config, augment=False), say)
+    if len(val_set) < n:
+        raise UserError(f"--fid-samples {n}: the validation split of {config['dataset']} "
+                        f"has only {len(val_set)} images")
+    loader = data.build_loader(val_set, batch_size=batch_size, num_workers=num_workers,
+                               sampler=range(n))
+    try:
+        return torch.cat([gan_metrics.to_generator_range(x, val_set.transform)
+                          for x, _ in loader])  # (n, C, H, W)
+    finally:
+        data.shutdown_loader(loader)
+
+
+def write_samples(generator, latents, out_dir, batch_size):
+    """The generator's image of each latent as a PNG, ``out_dir/000000.png`` on (grey for
+    one channel, RGB for three), each written atomically; returns the file names.
+
+    Raises:
+        files.OutputError: a write failed (a full disk); files written before are whole.
+    """
+    names, replaced = [], []
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        for chunk in latents.split(batch_size):
+            pixels = to_uint8(generate(generator, chunk, batch_size)).cpu()
+            for image in pixels:  # (C, H, W) uint8
+                names.append(os.path.join(out_dir, f"{len(names):06d}.png"))
+                if _write_png(image, names[-1]):
+                    replaced.append(os.path.basename(names[-1]))
+    except OSError as e:
+        raise files.output_failed("--out", names[-1] if names else out_dir, e) from None
+    if replaced:  # a file of that name held another image (a user's, another seed's)
+        say(f"warning: {len(replaced)} file(s) in {out_dir} held other images and were "
+            f"replaced ({replaced[0]}{' ...' if len(replaced) > 1 else ''})", file=sys.stderr)
+    older = sorted(f for f in os.listdir(out_dir)
+                   if re.fullmatch(r"\d{6,}\.png", f) and int(f[:-4]) >= len(names))
+    if older:  # kept (never deleted), but not of this run: say so
+        say(f"warning: {out_dir} also holds {len(older)} numbered PNGs that this run did "
+            f"not write ({older[0]} on)", file=sys.stderr)
+    return names
+
+
+def _write_png(image, path):
+    """Writes ``image`` as a PNG at ``path``; returns whether a different file was there."""
+    png = io.BytesIO()
+    Image.fromarray(image.permute(1, 2, 0).squeeze(2).numpy()).save(png, "PNG")  # L or RGB
+    other = False
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            other = f.read() != png.getvalue()
+    files.atomic_write(path, lambda f: f.write(png.getvalue()), "wb")
+    return other
+
+
+def sample_grid(generator, latents, nrow=None):
+    """A grid of the generator's samples for the fixed latents, as TensorBoard takes it
+    (``runlog.image``).
+
+    Args:
+        generator: G (sampled in eval mode; its mode is put back).
+        latents: ``(n, latent_dim)``.
+        nrow: images per row (default: about the square root of n).
+
+    Returns:
+        An ``(H, W, 3)`` uint8 numpy array: the samples, [-1, 1] mapped to [0, 255],
+        2 px apart (grayscale repeated to three channels).
+    """
+    images = generate(generator, latents).cpu()  # (n, C, h, w)
+    n = len(images)
+    nrow = nrow or max(1, round(n ** 0.5))
+    grid = torchvision.utils.make_grid(to_uint8(images), nrow=nrow, padding=2)  # (3, H, W)
+    return grid.permute(1, 2, 0).contiguous().numpy()
