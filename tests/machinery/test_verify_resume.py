@@ -51,7 +51,7 @@ def test_first_difference_names_the_tensor_and_its_largest_difference():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16,
-                                   torch.float16])
+                                   torch.float16], ids=str)
 def test_a_difference_of_one_rounding_is_not_exact(dtype):
     """Bit for bit: one element one ulp away (what another summation order gives) is a
     difference, named, not "close enough"."""
@@ -144,6 +144,18 @@ def test_a_gan_resumes_exactly(tmp_path):
                                  epochs=2))
     assert code == 0, out[-3000:]
     assert "resume exact" in out
+
+
+def test_a_diffusion_model_resumes_exactly(tmp_path):
+    # one network drawing its noise and timesteps from the step's ``where``, accumulated
+    code, out = verify(["--task", "diffusion", "--dataset", "synthetic", "--synthetic-size",
+                        "48", "--image-size", "16", "--diffusion-width", "8",
+                        "--diffusion-steps", "50", "--epochs", "2", "--batch-size", "8",
+                        "--virtual-batch-size", "16", "--ema-decay", "0.9", "--num-workers",
+                        "0", "--device", "cpu", "--fid-samples", "0", "--run-dir",
+                        str(tmp_path / "mine")])
+    assert code == 0, out[-3000:]
+    assert "resume exact" in out and "the EMA weights" in out
 
 
 def test_under_torchrun_with_two_processes(tmp_path):
