@@ -312,8 +312,8 @@ def upgrade(state, path):
     if found == 1:  # format 1 -> 2: only the two version entries were added
         state = {**state, "format": 2, "version": state.get("version", "before 0.2.0")}
     if found == 3 and isinstance(state.get("networks"), Mapping) and \
-            len(state["networks"]) == 1:  # a diffusion model's, before it was one network:
-        (name, _), = state["networks"].items()  # format 2, the same tensors
+            list(state["networks"]) == ["denoiser"]:  # a diffusion model's U-Net, before it
+        name = "denoiser"  # was a task's one network: format 2, the same tensors
         moved = {to: state[k][name] for k, to in (("networks", "model"), ("optimizers",
                  "optimizer"), ("ema", "ema")) if name in (state.get(k) or {})}
         state = {**{k: v for k, v in state.items() if k not in ("networks", "optimizers")},
