@@ -459,15 +459,32 @@ def parse_config(argv):
     for action in bare._actions:  # no public way: set_defaults would type-convert SUPPRESS
         action.default = argparse.SUPPRESS
     explicit = set(vars(bare.parse_args(argv))) | set(from_yaml)
+    if "task" in explicit:  # a task file is imported only when the user names it
+        tasks.allow(config["task"])
     if config["network"] is None:
         config["network"] = default_network(config["dataset"], config["image_size"],
                                             config["pretrained"], config["task"])
     tasks.of(config).defaults(config, explicit)  # the task's own (a GAN's recipe)
-    foreign = tasks.foreign_flags(config, explicit)
-    if foreign:  # a recipe of another task, say: one line, not silence
-        _warn(f"{', '.join(flag for flag, _ in foreign)}: --task {foreign[0][1]}'s, ignored "
-              f"by --task {config['task']}")
+    if not (config["resume"] or config["replay"]) or "task" in explicit:  # else the task is
+        warn_foreign_flags(config, explicit)  # the checkpoint's: merge_resumed_config says
     return apply_pretrained_preset(config, explicit), explicit - {"config"}
+
+
+def warn_foreign_flags(config, explicit):
+    """One warning naming the flags the user gave (``explicit``) that only other tasks
+    read, each with the tasks that read it (round 5's F11; review 6's F7: a resume's are
+    judged against the checkpoint's task, in ``merge_resumed_config``)."""
+    foreign = [flag for flag, _ in tasks.foreign_flags(config, explicit)]
+    if not foreign:  # a recipe of another task, say: one line, not silence
+        return
+    owners = {flag: " and ".join(f"--task {task.name}'s" for task in tasks.built_in()
+                                 if flag[2:].replace("-", "_") in task.own_flags)
+              for flag in foreign}
+    if len(set(owners.values())) == 1:
+        named = f"{', '.join(foreign)}: {owners[foreign[0]]}"
+    else:
+        named = ", ".join(f"{flag} ({owner})" for flag, owner in owners.items())
+    _warn(f"{named}, ignored by --task {config.get('task', tasks.TASKS[0])}")
 
 
 def default_network(dataset, image_size=32, pretrained=None, task=tasks.TASKS[0]):
@@ -686,7 +703,8 @@ def _check_synthetic(c):
 
 
 def merge_resumed_config(saved, config, explicit):
-    """The checkpoint's config, with the keys the user set explicitly taking precedence."""
+    """The checkpoint's config, with the keys the user set explicitly taking precedence;
+    one warning names those that the run's task (the checkpoint's) does not read."""
     merged = dict(config)
     merged.update({k: v for k, v in saved.items() if k in config and k not in explicit})
     for key in sorted(explicit):
@@ -695,4 +713,5 @@ def merge_resumed_config(saved, config, explicit):
             say(f"override: {key} = {config[key]!r} (checkpoint had {saved[key]!r})")
     if not config["run_dir"] or "run_dir" not in explicit:
         merged["run_dir"] = saved.get("run_dir") or config["run_dir"]
+    warn_foreign_flags(merged, explicit)  # against the run's task, the checkpoint's
     return merged

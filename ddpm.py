@@ -8,8 +8,9 @@ and test scripts import it from here (tasks/diffusion.py trains it, test.py samp
 The network follows the DDPM paper's U-Net at a smaller size: a 3x3 stem, then at each
 of three resolutions (the image's side, a half, a quarter) ``blocks`` residual blocks
 (GroupNorm, SiLU, 3x3 convolutions; the timestep's embedding added between the two
-convolutions), a self-attention block (``layers.SelfAttention``, SAGAN's) at the lowest
-resolution and in the middle, and the mirror path up with skip connections. GroupNorm,
+convolutions), DDPM's self-attention block (``Attention``: GroupNorm, scaled dot-product
+attention over every position, an output projection) at the lowest resolution and in the
+middle, and the mirror path up with skip connections. GroupNorm,
 not BatchNorm: each image is computed on its own, so gradient accumulation and any number
 of processes give exactly the large batch's step. The timestep enters as a sinusoidal
 embedding (the Transformer's) through a two-layer MLP. The last convolution starts at
@@ -30,8 +31,6 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-from layers import SelfAttention
 
 SCHEDULES = ("linear", "cosine")
 SAMPLERS = ("ddim", "ddpm")
@@ -86,6 +85,29 @@ class ResBlock(nn.Module):
         return self.second(h) + self.skip(x)
 
 
+class Attention(nn.Module):
+    """DDPM's self-attention block (Ho et al.'s ``AttnBlock``): GroupNorm, 1x1 convolutions
+    to a query, a key and a value of all the channels, every position attending to every
+    position (``F.scaled_dot_product_attention``: softmax(q k^T / sqrt(C)) v), and a 1x1
+    output projection, added to the input. The projection starts at zero (the paper's),
+    so the block starts as the identity. Memory grows with ``(H * W) ** 2``: the U-Net
+    uses it at its lowest resolution."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.norm = _norm(channels)
+        self.qkv = nn.Conv2d(channels, 3 * channels, 1)
+        self.proj = nn.Conv2d(channels, channels, 1)
+        nn.init.zeros_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, x):
+        n, c, h, w = x.shape
+        qkv = self.qkv(self.norm(x)).reshape(n, 3, 1, c, h * w).transpose(3, 4)
+        out = F.scaled_dot_product_attention(*qkv.unbind(1))  # (N, 1 head, HW, C): ONNX's
+        return x + self.proj(out[:, 0].transpose(1, 2).reshape(n, c, h, w))  # 4-d form
+
+
 class UNet(nn.Module):
     """The noise predictor: ``(x_t, t) -> eps``, images and noise of the same shape.
 
@@ -116,11 +138,11 @@ class UNet(nn.Module):
                 c = out
                 skips.append(c)
                 if i == len(levels) - 1:
-                    self.down.append(SelfAttention(c))
+                    self.down.append(Attention(c))
             if i < len(levels) - 1:
                 self.down.append(nn.Conv2d(c, c, 3, stride=2, padding=1))  # side / 2
                 skips.append(c)
-        self.middle = nn.ModuleList([ResBlock(c, c, emb), SelfAttention(c),
+        self.middle = nn.ModuleList([ResBlock(c, c, emb), Attention(c),
                                      ResBlock(c, c, emb)])
         self.up = nn.ModuleList()
         for i, out in reversed(list(enumerate(levels))):
@@ -128,7 +150,7 @@ class UNet(nn.Module):
                 self.up.append(ResBlock(c + skips.pop(), out, emb))
                 c = out
                 if i == len(levels) - 1:
-                    self.up.append(SelfAttention(c))
+                    self.up.append(Attention(c))
             if i > 0:
                 self.up.append(nn.Sequential(nn.Upsample(scale_factor=2, mode="nearest"),
                                              nn.Conv2d(c, c, 3, padding=1)))
@@ -145,7 +167,7 @@ class UNet(nn.Module):
                 h = layer(h, emb)
             else:
                 h = layer(h)
-            if not isinstance(layer, SelfAttention):  # its output replaces its block's
+            if not isinstance(layer, Attention):  # its output replaces its block's
                 hs.append(h)
             else:
                 hs[-1] = h

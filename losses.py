@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torchvision.models import VGG19_Weights
 from torchvision.models.vgg import cfgs, make_layers
 
-from ops import UserError
+from ops import UserError, first_sentence
 
 
 def build_criterion(config):
@@ -63,10 +63,18 @@ def _load_vgg19_state(weights, download):
                 f"PerceptualLoss: the VGG19 ImageNet weights are not in the torch hub cache "
                 f"({cached}); pass weights=PATH to a local VGG19 state_dict file, weights=None "
                 f"for random weights, or download=True with internet access")
+        had_copy = cached.exists()
         try:
             return torch.hub.load_state_dict_from_url(url, progress=False, check_hash=True,
                                                       weights_only=True)
-        except OSError as e:  # URLError and HTTPError are OSErrors: offline, proxy, 404
+        except Exception as e:
+            if had_copy:  # torch.hub loads a copy it finds without checking its hash
+                raise UserError(
+                    f"PerceptualLoss: the VGG19 ImageNet weights in {cached} cannot be loaded "
+                    f"(damaged or unsafe: {first_sentence(e) or type(e).__name__}): delete "
+                    f"the file and put it there again") from None
+            if not isinstance(e, OSError):  # URLError, HTTPError: offline, proxy, 404
+                raise
             raise UserError(
                 f"PerceptualLoss: cannot download the VGG19 ImageNet weights from {url} ({e}); "
                 f"pass weights=PATH to a local VGG19 state_dict file or weights=None") from e
@@ -77,7 +85,8 @@ def _load_vgg19_state(weights, download):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch.load raises several types for a bad or unsafe file
-        raise UserError(f"PerceptualLoss: cannot load weights from {path}: {e}") from e
+        raise UserError(f"PerceptualLoss: cannot load weights from {path} (damaged or "
+                        f"unsafe: {first_sentence(e) or type(e).__name__})") from None
 
 
 class PerceptualLoss(nn.Module):

@@ -19,6 +19,12 @@ class UserError(Exception):
     """A mistake in the user's input, reported as one line without a traceback."""
 
 
+class TooFewImages(UserError):
+    """An evaluation's figures need more images than it was given (an FID on
+    --fid-samples): --preflight's one validation batch then takes the whole set; any other
+    error of that batch is the preflight's one line (review 6's F12)."""
+
+
 class Interrupted(Exception):
     """A stop signal (SIGINT, SIGTERM, SIGHUP) came before training began, while something
     long was built (a decoded cache): it stops at once, leaving nothing half-written; the

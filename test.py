@@ -85,6 +85,9 @@ def build_parser():
                         "without the checkpoint: the dataset, image size, classes and "
                         "normalisation stored in it at export apply (the flags below "
                         "override them)")
+    add("--task", default=None, metavar="FILE.py:Class", help="the task file of a run "
+        "trained with --task FILE.py:Class: a checkpoint's own never is imported (it is "
+        "code); name it here if you trust it")
     add("--data-dir", default=None, help="where the data lives; default: the training "
         "run's --data-dir")
     add("--dataset", default=None, choices=data.DATASETS, help="default: the training "
@@ -572,7 +575,7 @@ def compare_onnx(args, net, val_set, train_set, config, batch_size, report, meta
 
 def apply_data_flags(config, args):
     """The data flags given on the command line override the training run's values."""
-    for key in ("dataset", "data_dir", "image_size", "num_classes", "synthetic_size"):
+    for key in ("task", "dataset", "data_dir", "image_size", "num_classes", "synthetic_size"):
         if getattr(args, key) is not None:
             config[key] = getattr(args, key)
     return config
@@ -667,6 +670,8 @@ def main(argv=None):
 def evaluate_and_export(args):
     """The script: flags, checkpoint, evaluation, report, export; returns the exit code."""
     # 1. Flags, checked before any slow work.
+    if args.task is not None:  # a task file: imported only when named here
+        tasks.allow(args.task)
     suffix = check_args(args)
     device = runtime.select_device(runtime.parse_device(args.device))
     check_outputs(args)

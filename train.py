@@ -126,7 +126,7 @@ def train(argv, stop):
     check_config(config)
     lr_finder.check_config(config)  # --find-lr with --resume
     if config["verify_resume"]:  # this command line stopped, resumed and compared
-        return verify_resume.run(config, argv, __file__)
+        return verify_resume.run(config, argv, __file__, stop=stop)
     resume_path, saved = checkpoint.resume_file(config["resume"])  # before any write
     run_dir = runlog.choose_run_dir(config, resume_path, saved)
     checkpoint.refuse_newer(run_dir)  # a newer version's checkpoints: one error, not written
@@ -205,7 +205,7 @@ def fit(config, argv, resume_path, saved, directory, stop):
                                  stop)
         if config["preflight"] != "none":  # every stage once, all put back: preflight.py
             run_preflight(training, train_loader, type(training.task).loaders,
-                          data.shutdown_loader, tasks.use_tta(config), stop.pending)
+                          data.shutdown_loader, tasks.use_tta(config), stop)
             if config["preflight"] == "only":
                 return 0
         log(f"training {config['network']} on {config['dataset']} "
@@ -341,8 +341,8 @@ def run_epochs(training, train_loader, stop):
     config, state, sampler = training.config, training.state, train_loader.batch_sampler
     final, ended = {}, Ended.ALL_EPOCHS
     for epoch in range(state.epoch, config["epochs"]):
-        if early_stop_due(config, state):  # a resumed run that had stopped early
-            return Ended.EARLY_STOP, final
+        if state.early_stop_due(config["early_stop_patience"]):  # a resumed run that had
+            return Ended.EARLY_STOP, final                       # stopped early
         if stop.agreed(training.procs):  # a signal between steps (set-up, validation)
             save(training, Kind.STOP)
             return Ended.SIGNAL, final
@@ -355,16 +355,22 @@ def run_epochs(training, train_loader, stop):
                 final = finish_epoch(training, stop)
             except Interrupted:  # in its validation: the epoch's training is saved
                 return Ended.SIGNAL, final
-            if early_stop_due(config, state):  # the same on every process: their figures are
-                ended = Ended.EARLY_STOP       # all-reduced
+            if state.early_stop_due(config["early_stop_patience"]):  # the same on every
+                ended = Ended.EARLY_STOP  # process: their figures are all-reduced
         if ended is not Ended.ALL_EPOCHS:
             break
-    if ended is Ended.MAX_STEPS and state.epoch_samples:  # stopped inside an epoch: the
+    if ended is Ended.MAX_STEPS and state.epoch_samples:  # stopped inside an epoch: saved,
         record = {**summary(training, state.epoch + state.epoch_samples / sampler.size),
-                  "final": True, **validate(training)}  # final validation, a record too
+                  "final": True}  # then its final validation (a record too), as at an
+        save(training, Kind.STOP)  # epoch's end: a signal ends that validation, a kill
+        training.saver.wait()      # there loses no step
+        try:
+            with stop.interruptible("during the final validation", training.procs.world_size):
+                record.update(validate(training))
+        except Interrupted:  # the steps are saved
+            return Ended.SIGNAL, final
         training.run_log.epoch(record)
         final = metrics.final_figures(training.task, record)
-        save(training, Kind.STOP)
         best = metrics.best_key(training.task)
         runtime.main_print(f"--max-steps {config['max_steps']} reached at step {state.step}"
                            + (f": {best} {final[best]:.4f}" if best in final else ""))
@@ -527,9 +533,9 @@ def finish_epoch(training, stop):
     state.epoch += 1
     record, best = summary(training, state.epoch, times), False
     if due:
-        with stop.interruptible(f"during the validation of epoch {state.epoch}") \
-                if training.procs.world_size == 1 else contextlib.nullcontext():  # (DDP:
-            record.update(validate(training))  # its collectives; the steps' agreement)
+        with stop.interruptible(f"during the validation of epoch {state.epoch}",
+                                training.procs.world_size):  # (DDP: not: its collectives)
+            record.update(validate(training))
         value = None if training.task.best is None else metrics.best_metric(training.task,
                                                                            record)
         best = state.record_best(value)  # (no figure to follow: best.pt is the last)
@@ -542,12 +548,6 @@ def finish_epoch(training, stop):
     save(training, Kind.EPOCH, best)
     runtime.main_print(metrics.epoch_line(record, config, training.task, training.on_device))
     return metrics.final_figures(training.task, record)
-
-
-def early_stop_due(config, state):
-    """Whether --early-stop-patience validations went by without improvement."""
-    patience = config["early_stop_patience"]
-    return patience > 0 and state.early_stop_waited >= patience
 
 
 # --------------------------------------------------------------------- data, network

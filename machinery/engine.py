@@ -17,6 +17,7 @@ import functools
 import inspect
 import itertools
 import math
+import numbers
 import threading
 import time
 
@@ -166,6 +167,11 @@ class TrainState:
             self.early_stop_best, self.early_stop_waited = value, 0
         else:
             self.early_stop_waited += 1
+
+    def early_stop_due(self, patience):
+        """Whether ``patience`` (--early-stop-patience; 0: off) validations went by
+        without improvement."""
+        return patience > 0 and self.early_stop_waited >= patience
 
     def forget_best(self):
         """best.pt and --early-stop-* start afresh (the figure is not comparable)."""
@@ -677,3 +683,37 @@ def _forward_or_out_of_memory(task, model, x, loop, tta):
         if detail is None:
             raise
     raise OutOfMemory("evaluation", len(x), detail)  # outside: the frames are freed
+
+
+def check_figures(task, *results, best=True):
+    """A validation's figures, as the run uses them: each of ``task.figures`` an
+    evaluation returned is a number, and (``best``) the task's ``best`` figure is among
+    them, in one of ``results`` (the network's evaluation, the moving average's; None:
+    not made). A user's task that breaks this fails at its first validation, or at
+    --preflight's, in one line (review 6's F3), not in a KeyError or TensorBoard's
+    ValueError after an epoch.
+
+    Raises:
+        UserError: naming the figure, and the ones the task gave.
+    """
+    made = [result for result in results if result is not None]
+    for result in made:
+        if not isinstance(result, dict):
+            raise UserError(f"the task's evaluation returned a {type(result).__name__}, not "
+                            f"a dict of its figures ({', '.join(task.figures)})")
+        for name in task.figures:
+            value = result.get(name)
+            if name in result and (isinstance(value, bool) or
+                                   not isinstance(value, numbers.Real)):
+                raise UserError(f"the task's figure {name!r} is {value!r} (a "
+                                f"{type(value).__name__}), not a number: its Evaluation's "
+                                f"compute() must return numbers (float(...))")
+    if not best or task.best is None or not made:
+        return
+    if task.best not in task.figures:
+        raise UserError(f"the task's best figure {task.best!r} is not one of its figures "
+                        f"({', '.join(task.figures) or 'none'}): add it to figures")
+    if not any(task.best in result for result in made):
+        gave = ", ".join(dict.fromkeys(key for result in made for key in result)) or "none"
+        raise UserError(f"the task's figures lack {task.best!r} (its best figure; it "
+                        f"returned {gave})")

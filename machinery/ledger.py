@@ -23,6 +23,7 @@ missing, and the check says so (missing samples), which is the truth of the file
 """
 
 import collections
+import contextlib
 import glob
 import json
 import os
@@ -30,6 +31,7 @@ import re
 import sys
 
 from machinery import files
+from ops import RunFailed
 
 FOLDER = "samples"
 _NAME = re.compile(r"rank(\d+)\.jsonl$")
@@ -64,14 +66,15 @@ class Ledger:
     """
 
     def __init__(self, run_dir, rank, world_size, state, size, sampler):
-        os.makedirs(os.path.join(run_dir, FOLDER), exist_ok=True)
-        self.path = path_of(run_dir, rank)
-        truncate(self.path, state.step)
-        if rank == 0:  # the files of processes this run no longer has
-            for other, path in rank_files(run_dir):
-                if other >= world_size:
-                    truncate(path, state.step)
-        self._file = open(self.path, "a", encoding="utf-8")
+        self.path, self._file = path_of(run_dir, rank), None
+        with self._failing():
+            os.makedirs(os.path.join(run_dir, FOLDER), exist_ok=True)
+            truncate(self.path, state.step)
+            if rank == 0:  # the files of processes this run no longer has
+                for other, path in rank_files(run_dir):
+                    if other >= world_size:
+                        truncate(path, state.step)
+            self._file = open(self.path, "a", encoding="utf-8")
         self._write({"start": state.step, "epoch": state.epoch, "seen": state.epoch_samples,
                      "size": size, "rank": rank, "world_size": world_size})
         self._pending = collections.deque()  # (epoch position after it, local indices)
@@ -95,11 +98,29 @@ class Ledger:
                      "samples": samples})
 
     def _write(self, line):
-        self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
-        self._file.flush()
+        with self._failing():
+            self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+            self._file.flush()
+
+    @contextlib.contextmanager
+    def _failing(self):
+        """A write the file system refused (a full disk) stops the run with one line naming
+        the file; the file is closed without writing more (the checker reads what it got)."""
+        try:
+            yield
+        except OSError as e:
+            self.close()
+            raise RunFailed(f"writing the sample ledger {self.path} failed "
+                            f"({e.strerror or e}); the checkpoints are intact: continue "
+                            f"with --resume auto once there is room") from None
 
     def close(self):
-        self._file.close()
+        """Closes the file; each line was flushed when written, so this writes nothing but
+        a line whose write failed (again refused: dropped)."""
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
 
 
 def open_ledger(config, run_dir, procs, state, size, sampler):
@@ -159,6 +180,9 @@ def check(run_dir):
     for rank, path in ranks:
         for line in read_lines(path):
             (steps if "step" in line else headers).append({**line, "rank": rank})
+    unwritten = _unwritten_header(run_dir, ranks, headers)
+    if unwritten:
+        return False, [unwritten]
     sizes = sorted({h["size"] for h in headers})
     if len(sizes) != 1:
         return False, [f"error: the training set changed size during the run ({sizes}): "
@@ -211,6 +235,25 @@ def check(run_dir):
                f"{', '.join(worlds)}), steps {first['start'] + 1}-"
                f"{max((s['step'] for s in steps), default=first['start'])}")
     return True, out
+
+
+def _unwritten_header(run_dir, ranks, headers):
+    """An error line when a file lacks a header its run wrote: each start writes one in
+    every process's file (a dropped process's file is cut back, its headers before the
+    cut kept), so a missing one is a write that failed (a full disk) and cut the ledger
+    short: the data is not to blame. None when every header is there."""
+    if not headers:
+        return (f"error: the sample ledger holds no header ({', '.join(p for _, p in ranks)}): "
+                f"its first write failed (a full disk?) or was cut short; nothing to check")
+    have = {(h["rank"], h["start"]) for h in headers}
+    for start, world in sorted({(h["start"], h["world_size"]) for h in headers}):
+        for rank in range(world):
+            if (rank, start) not in have:
+                return (f"error: the sample ledger {path_of(run_dir, rank)} lacks the "
+                        f"header of the start at step {start} ({world} processes): a write "
+                        f"failed (a full disk?) or the file was cut short; its samples "
+                        f"cannot be checked")
+    return None
 
 
 def _missing_steps(steps, start):

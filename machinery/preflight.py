@@ -31,7 +31,11 @@ and DataLoader workers never moved, and nothing of the preflight reaches TensorB
 metrics.jsonl or MLflow: the run that follows is bit for bit the run without it.
 
 A failure is one line naming the stage (``PreflightFailed``, a RunFailed: exit 1), e.g.
-``error: preflight: the checkpoint read back differs at model/fc.weight ...``.
+``error: preflight: the checkpoint read back differs at model/fc.weight ...``; a mistake in
+what the user gave (``UserError``: a damaged file, a task's figures) is exit 2, as the run
+would end (``PreflightMistake``). A stop signal during ``--preflight`` alone ends it at once
+(exit 130/143: nothing was to be saved); ``--preflight train`` finishes it, then the run
+stops at its first step and saves.
 """
 
 import contextlib
@@ -44,11 +48,16 @@ import time
 
 import ops
 from machinery import checkpoint, engine, files, runtime, verify_resume
-from ops import Interrupted, RunFailed, UserError
+from ops import Interrupted, RunFailed, TooFewImages, UserError
 
 
 class PreflightFailed(RunFailed):
     """A stage of the preflight failed: one line, exit 1."""
+
+
+class PreflightMistake(UserError):
+    """A stage of the preflight met a mistake of the user's (a damaged file, a task's
+    figures): one line, exit 2, as the run would end."""
 
 
 @contextlib.contextmanager
@@ -57,13 +66,15 @@ def stage(name, training=None):
     A stop signal (``Interrupted``) and Ctrl-C pass through unchanged."""
     try:
         yield
-    except (Interrupted, KeyboardInterrupt, PreflightFailed):
+    except (Interrupted, KeyboardInterrupt, PreflightFailed, PreflightMistake):
         raise
     except ops.OutOfMemory as e:
         config, net = (training.config, training.net) if training else (None, None)
         raise PreflightFailed(f"preflight: {name}: "
                               f"{ops.out_of_memory_message(e, config, net)}") from None
-    except (RunFailed, UserError) as e:
+    except UserError as e:  # the user's input: exit 2, as the run would end
+        raise PreflightMistake(f"preflight: {name}: {e}") from None
+    except RunFailed as e:
         raise PreflightFailed(f"preflight: {name}: {e}") from None
     except OSError as e:
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
@@ -132,46 +143,64 @@ def run(training, train_loader, build_loaders, close, tta, stop=None):
             sampler, stop)`` to ``(train_loader, val_loader)``, as the run's are built.
         close: stops a loader's workers (``data.shutdown_loader``).
         tta: the run's test-time augmentation (``tasks.use_tta``).
-        stop: ``StopRequest.pending`` (what takes long in building the loaders stops).
+        stop: the run's ``StopRequest`` (what takes long in building the loaders stops;
+            during ``--preflight`` alone a stop signal ends the preflight at once).
 
     Returns:
         The names of the stages that ran.
 
     Raises:
         PreflightFailed: one line naming the stage that failed.
+        PreflightMistake: the same, for a mistake of the user's (exit 2).
+        Interrupted: a stop signal during ``--preflight`` alone (review 6's F8).
     """
     start = time.perf_counter()
     saved = Snapshot(training)
-    built = ()
+    built, took = [], {}
+    only = stop is not None and training.config["preflight"] == "only"
+    pending = stop.pending if stop is not None else None
     try:
-        with stage("building its loaders", training):
-            sampler = copy.copy(train_loader.batch_sampler)
-            sampler.observer = None  # (--sample-ledger's: the run's batches only)
-            state = training.state
-            if state.epoch_samples >= sampler.size:  # resumed at an epoch's end
-                sampler.set_epoch(state.epoch + 1, 0)
-            else:
-                sampler.set_epoch(state.epoch, state.epoch_samples)
-            with contextlib.redirect_stdout(io.StringIO()):  # the run's data path, said
-                built = build_loaders(training.config, training.procs,  # once already
-                                      *training.datasets, sampler, stop)
-        stages = [(check_directories, ()), (train_step, (built[0],))]
-        stages += [(evaluate, (built[1], tta, *model)) for model in evaluated(training)]
-        stages += [(check_checkpoint, ())]
-        took = {}
-        for function, args in stages:
-            begun = time.perf_counter()
-            name = function(training, *args)
-            took[name] = time.perf_counter() - begun
+        with _interruptible(stop, only, training.procs.world_size):
+            with stage("building its loaders", training):
+                sampler = copy.copy(train_loader.batch_sampler)
+                sampler.observer = None  # (--sample-ledger's: the run's batches only)
+                state = training.state
+                if state.epoch_samples >= sampler.size:  # resumed at an epoch's end
+                    sampler.set_epoch(state.epoch + 1, 0)
+                else:
+                    sampler.set_epoch(state.epoch, state.epoch_samples)
+                with contextlib.redirect_stdout(io.StringIO()):  # the run's data path,
+                    built[:] = build_loaders(training.config, training.procs,  # said once
+                                             *training.datasets, sampler, pending)
+            seen = []  # the evaluations' results: the task's best figure in one of them
+            stages = [(check_directories, ()), (train_step, (built[0],))]
+            stages += [(evaluate, (built[1], tta, *model, seen))
+                       for model in evaluated(training)]
+            stages += [(check_checkpoint, ())]
+            for function, args in stages:
+                begun = time.perf_counter()
+                name = function(training, *args)
+                took[name] = time.perf_counter() - begun
     finally:
         for loader in built:
             close(loader)
         saved.put_back()
+    if only and pending():  # (under torchrun: the stages ran to their end)
+        raise Interrupted(pending(), "during the preflight")
     runtime.main_print(f"preflight: {len(took)} stages ok in "
                        f"{time.perf_counter() - start:.1f} s ("
                        + ", ".join(f"{name} {t:.2f} s" for name, t in took.items())
                        + "); everything put back")
     return list(took)
+
+
+def _interruptible(stop, only, world_size):
+    """``--preflight`` alone (``only``) in one process: a stop signal raises
+    ``Interrupted`` at once, as nothing of it is kept; else the signal waits for the run's
+    first step (``--preflight train``) or the stages' end (torchrun: their collectives)."""
+    if only and world_size == 1:
+        return stop.interruptible("during the preflight")
+    return contextlib.nullcontext()
 
 
 def check_directories(training):
@@ -211,10 +240,14 @@ def evaluated(training):
     return models
 
 
-def evaluate(training, loader, tta, name, model, suffix):
+def evaluate(training, loader, tta, name, model, suffix, seen=None):
     """``model`` evaluated on one validation batch, with the task's figures and pictures
-    from it; on the whole set where the task refuses one batch."""
+    from it; on the whole set where the task refuses one batch (``TooFewImages``: any other
+    error is the stage's). The figures are checked as a validation checks them
+    (``engine.check_figures``); ``seen`` gathers the results, the best figure being in
+    the network's or the moving average's (checked at the last of them)."""
     task, names = training.task, training.datasets[0].classes
+    seen = [] if seen is None else seen
     with stage(name, training):
         if suffix:
             training.ema.sync_buffers()
@@ -224,10 +257,12 @@ def evaluate(training, loader, tta, name, model, suffix):
                     runtime.main_print(f"preflight: {name}: {fewer}")
                 result = engine.evaluate(model, itertools.islice(loader, 1), training.loop,
                                          task, tta=tta)
-        except UserError as e:  # more than one batch's images (a GAN's --fid-samples)
+        except TooFewImages as e:  # more than one batch's images (a GAN's --fid-samples)
             runtime.main_print(f"preflight: {name}: one batch is too few ({e}): on the "
                                f"whole validation set")
             result = engine.evaluate(model, loader, training.loop, task, tta=tta)
+        seen.append(result)
+        engine.check_figures(task, *seen, best=bool(suffix) or training.ema is None)
         task.extra_figures(result, names, suffix)
         if training.run_log.enabled:  # drawn on process 0 only, as validate does
             for _ in task.images(result, names, f"preflight{suffix}"):

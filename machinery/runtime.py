@@ -508,10 +508,15 @@ class StopRequest:
             raise Interrupted(self.signum, what)
 
     @contextlib.contextmanager
-    def interruptible(self, what):
+    def interruptible(self, what, world_size=1):
         """Inside the block a stop signal (or one that came before it) raises
         ``Interrupted`` at once: for work that is safe to drop because what it follows is
-        saved (a validation after the epoch's checkpoint; round 5's F7)."""
+        saved (a validation after its checkpoint; round 5's F7, round 6's F4). Under DDP
+        (``world_size`` > 1) the block runs to its end: one process leaving would strand
+        the others in its collectives (the processes agree on a stop at a step)."""
+        if world_size > 1:
+            yield
+            return
         if self.signum is not None:
             raise Interrupted(self.signum, what)
         self._interrupting = what

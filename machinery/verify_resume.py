@@ -27,7 +27,10 @@ The children are ``python -m machinery.verify_resume --child SPEC TRAIN_PY ARGS`
 hook on ``engine.steps`` that counts micro-batches and signals, then train.py run as
 ``__main__``. Under torchrun, process 0 starts a torchrun of its own with as many
 processes (on this machine), the others end at once. The user's run directory, MLflow
-store and checkpoints are never touched.
+store and checkpoints are never touched. A stop signal (Ctrl-C, SIGTERM) ends the check at
+once: the child running gets the signal too (and is killed if it has not ended within
+``CHILD_STOP_S``), the temporary directory is removed, and the exit code is 128 + the
+signal's number, in one line (review 6's F9).
 """
 
 import contextlib
@@ -42,10 +45,13 @@ import subprocess
 import sys
 import tempfile
 
+if __name__ == "__main__":  # a child: Ctrl-C while torch loads exits quietly with 130
+    signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
+
 import torch
 
 from machinery import checkpoint, ledger, runtime
-from ops import RunFailed, UserError
+from ops import Interrupted, RunFailed, UserError
 
 OURS = ("--verify-resume", "--verify-resume-steps")  # not passed on
 VALUED = {"--verify-resume-steps": 1, "--run-dir": 1}
@@ -59,6 +65,7 @@ PARTS = {"model": "the network's weights", "networks": "the networks' weights",
 _TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                  "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE",
                  "MASTER_ADDR", "MASTER_PORT")
+CHILD_STOP_S = 60  # a child sent the stop signal: the time it has to save and end
 
 
 # ----------------------------------------------------------------------- comparing
@@ -295,8 +302,13 @@ class _Runs:
                *(["--resume", "auto"] if resume else [])]
         log = os.path.join(self.root, f"{name}.log")
         with open(log, "ab") as out:
-            code = subprocess.run(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                  stdin=subprocess.DEVNULL).returncode
+            child = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+            try:
+                code = _wait(child)
+            except BaseException as e:  # a stop signal (Interrupted), Ctrl-C: it stops too
+                _stop_child(child, getattr(e, "signum", signal.SIGINT))
+                raise
         path = os.path.join(run_dir, "checkpoints", "last.pt")
         if code != 0 or not os.path.exists(path):
             raise RunFailed(f"--verify-resume: the {name} run failed (exit {code}): "
@@ -317,6 +329,29 @@ class _Runs:
         return batches, weights
 
 
+def _wait(child):
+    """The child's exit code. Waited for in short sleeps, not one blocking wait: a signal
+    that the kernel hands to another thread of this process (torch's) then still reaches
+    the main thread's handler at once."""
+    while True:
+        try:
+            return child.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _stop_child(child, signum):
+    """Sends ``signum`` to a child (a torchrun passes it on to its processes) and waits for
+    it to end; one still running after ``CHILD_STOP_S`` is killed."""
+    with contextlib.suppress(OSError):
+        child.send_signal(signum)
+    try:
+        child.wait(timeout=CHILD_STOP_S)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+
+
 def _error_line(log):
     with open(log, encoding="utf-8", errors="replace") as f:
         lines = [line.strip() for line in f if line.strip()]
@@ -331,17 +366,31 @@ def stop_point(seed, steps, accum):
     return rng.randint(1, steps - 1), (rng.randint(1, accum - 1) if accum > 1 else 0)
 
 
-def run(config, argv, train_py, say=runtime.say):
+def run(config, argv, train_py, say=runtime.say, stop=None):
     """--verify-resume: the three runs and the comparison; returns the exit code (0: the
-    resume is exact; a difference is a ``RunFailed``, exit 1)."""
+    resume is exact; a difference is a ``RunFailed``, exit 1; 128 + the signal's number
+    when ``stop``, the ``StopRequest``, gets one: the check ends at once, its temporary
+    directory removed)."""
     if runtime.process_rank() != 0:  # process 0 starts a torchrun of its own
         return 0
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != int(os.environ.get("LOCAL_WORLD_SIZE", world)):
         raise UserError(f"--verify-resume runs its processes on one machine: start it with "
                         f"torchrun --nnodes 1 --nproc_per_node {world}")
-    accum = (config["virtual_batch_size"] or config["batch_size"]) // config["batch_size"]
     root = tempfile.mkdtemp(prefix="verify-resume-")
+    try:
+        with stop.interruptible("--verify-resume") if stop else contextlib.nullcontext():
+            return _check(config, argv, train_py, say, root, world)
+    except Interrupted as e:
+        shutil.rmtree(root, ignore_errors=True)
+        say(f"{signal.Signals(e.signum).name}: --verify-resume interrupted: its runs are "
+            f"stopped and its temporary directory is removed", file=sys.stderr)
+        return 128 + e.signum
+
+
+def _check(config, argv, train_py, say, root, world):
+    """``run``'s three runs in ``root`` and their comparison."""
+    accum = (config["virtual_batch_size"] or config["batch_size"]) // config["batch_size"]
     runs = _Runs(config, argv, train_py, root)
     wanted = config["verify_resume_steps"]
     say(f"verify-resume: in {root}, {world} process(es): an uninterrupted run to step "

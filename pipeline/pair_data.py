@@ -133,6 +133,20 @@ class SyntheticPairs(torch.utils.data.Dataset):
 
 # ------------------------------------------------------------------------ the folders
 
+class UnreadablePair(UserError):
+    """A pair's file that cannot be read: one line naming it, from a DataLoader worker too.
+
+    A worker's exception is raised again in the loading process as its type built from
+    "Caught NAME in DataLoader worker process N.", the worker's traceback and its last line
+    (``torch._utils.ExceptionWrapper.reraise``): this type keeps only its own message."""
+
+    def __init__(self, message):
+        text = str(message)
+        if text.startswith(f"Caught {type(self).__name__} in DataLoader worker"):
+            text = text.rstrip().rpartition(f"{type(self).__name__}: ")[2] or text
+        super().__init__(text)
+
+
 class FolderPairs(torch.utils.data.Dataset):
     """The pairs of one split of a pairfolder: ``(input, target)`` uint8 ``(3, S, S)``,
     each file read (``images.load_image``: RGB) and resized to ``S`` x ``S`` when asked.
@@ -153,7 +167,8 @@ class FolderPairs(torch.utils.data.Dataset):
         try:
             image = images.load_image(path)
         except images.UnreadableImage as e:
-            raise UserError(f"cannot read {path} ({e})") from None
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise UnreadablePair(f"cannot read {path} ({reason})") from None
         tensor = TF.pil_to_tensor(image)  # (3, H, W) uint8
         side = self.image_size
         if tensor.shape[-2:] != (side, side):

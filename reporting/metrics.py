@@ -76,7 +76,8 @@ def validation_figures(task, result, ema_result=None):
     """The metrics.jsonl figures of a validation: ``val_<figure>`` for each of the task's
     figures in ``result`` (classification: ``val_loss``, ``val_acc``, ``val_acc5`` with
     more than 5 classes) and, with EMA, the same with ``_ema`` (from ``engine.evaluate``'s
-    dicts)."""
+    dicts), checked first (``engine.check_figures``: numbers, the best among them)."""
+    engine.check_figures(task, result, ema_result)
     figures = {f"val_{f}": result[f] for f in task.figures if f in result}
     if ema_result is not None:
         figures.update({f"val_{f}_ema": ema_result[f] for f in task.figures
@@ -151,7 +152,8 @@ def epoch_record(epoch, step, loss_sum, loss_count, lr, times, samples, flops_pe
         lr: the learning rate now.
         times: ``(data_time, compute_time, wall_time)`` of the epoch (``StepTimer``).
         samples: samples trained in ``times``, all processes (a resumed epoch: since
-            the resume; its earlier samples were timed by the run before).
+            the resume; its earlier samples were timed by the run before). 0 (an epoch
+            resumed at its validation): nothing was timed, so no time keys.
         flops_per_sample: forward and backward FLOPs of one sample.
         peak_tflops: the device's datasheet peak, or None where unknown (no ``mfu``).
         unreadable: image files skipped so far (0: no key).
@@ -163,13 +165,14 @@ def epoch_record(epoch, step, loss_sum, loss_count, lr, times, samples, flops_pe
     """
     data_time, compute_time, wall = times
     record = {"epoch": epoch, "step": step,
-              "train_loss": loss_sum / loss_count if loss_count else float("nan"),
-              "lr": lr, "compute_efficiency": engine.efficiency(data_time, compute_time),
-              "data_time": data_time, "compute_time": compute_time, "epoch_time": wall,
-              "samples_per_sec": samples / max(wall, 1e-9)}
-    record["tflops"] = flops_per_sample * record["samples_per_sec"] / 1e12
-    if peak_tflops:
-        record["mfu"] = record["tflops"] / peak_tflops
+              "train_loss": loss_sum / loss_count if loss_count else float("nan"), "lr": lr}
+    if samples:  # (none: not a speed of 0, no speed at all; round 6's F11)
+        record.update({"compute_efficiency": engine.efficiency(data_time, compute_time),
+                       "data_time": data_time, "compute_time": compute_time,
+                       "epoch_time": wall, "samples_per_sec": samples / max(wall, 1e-9)})
+        record["tflops"] = flops_per_sample * record["samples_per_sec"] / 1e12
+        if peak_tflops:
+            record["mfu"] = record["tflops"] / peak_tflops
     if grad_norm is not None:
         record["grad_norm"] = grad_norm
     if grad_clipped is not None:
@@ -214,21 +217,23 @@ def epoch_line(record, config, task, on_device=False):
     val = "".join(f"  {key} {record[key]:.4f}" for key in shown if key in record)
     phases = "".join(f"  train_{f} {record[f'train_{f}']:.4f}" for f in  # a GAN's losses
                      task.shown_figures if f"train_{f}" in record)
-    lines = [f"epoch {record['epoch']}/{config['epochs']}  step {record['step']}  "
-             f"train_loss {record['train_loss']:.4f}{phases}{val}  "
-             f"{record['samples_per_sec']:.0f} samples/s  efficiency "
+    speed = (f"{record['samples_per_sec']:.0f} samples/s  efficiency "
              f"{record['compute_efficiency']:.2f} (data {record['data_time']:.1f}s, "
-             f"compute {record['compute_time']:.1f}s)"]
+             f"compute {record['compute_time']:.1f}s)" if "samples_per_sec" in record else
+             "speed not measured (no step since the resume)")
+    lines = [f"epoch {record['epoch']}/{config['epochs']}  step {record['step']}  "
+             f"train_loss {record['train_loss']:.4f}{phases}{val}  {speed}"]
     if "mfu" in record:
         lines.append(f"  {record['tflops']:.1f} TFLOP/s, model FLOPs utilisation "
                      f"{record['mfu']:.1%}")
-    if record["compute_efficiency"] < 0.7 and on_device:
-        lines.append(f"  the steps' work took {record['compute_efficiency']:.0%} of the time; "
+    efficiency = record.get("compute_efficiency", 1.0)  # (not measured: no advice)
+    if efficiency < 0.7 and on_device:
+        lines.append(f"  the steps' work took {efficiency:.0%} of the time; "
                      f"the rest went to making the batches on the device (and to logging, "
                      f"checkpoints): lighter augmentation (--auto-augment, --random-erase) "
                      f"or a larger --batch-size spreads that cost")
-    elif record["compute_efficiency"] < 0.7:
-        lines.append(f"  the loop waited for data {1 - record['compute_efficiency']:.0%} of "
+    elif efficiency < 0.7:
+        lines.append(f"  the loop waited for data {1 - efficiency:.0%} of "
                      f"the time: try more --num-workers (now {config['num_workers']}) or "
                      f"--prefetch 2")
     if record.get("unreadable_images"):

@@ -25,7 +25,8 @@ lies in its ``checkpoints/``). A fork (``--resume OTHER_RUN/checkpoints/X.pt --r
 starts a new MLflow run, tagged with its parent (``parent_run_id``, and MLflow's
 ``mlflow.parentRunId`` where the parent is in the same store), and says so in its one line.
 A finished run (and an LR range test) ends FINISHED, one stopped by a signal KILLED, one that
-ended with an error line FAILED (a resume sets it RUNNING again).
+ended with an error line FAILED (a resume sets it RUNNING again). ``--preflight`` alone
+records no run (it trains nothing); ``--preflight train`` records the run it trains.
 
 MLflow is imported only when ``--mlflow`` is on. A store that cannot be reached or that
 refuses a call is one ``warning:`` line, and the run goes on without MLflow; its HTTP calls
@@ -157,9 +158,13 @@ def open_tracker(config, run_dir, saved=None, enabled=True):
         enabled: False on every process but the main one.
 
     Returns:
-        A ``Tracker`` (disabled, after one warning, where MLflow failed), or None.
+        A ``Tracker`` (disabled, after one warning, where MLflow failed), or None (also
+        for ``--preflight`` alone, which trains nothing: review 6's F10).
     """
     if not enabled or not config.get("mlflow"):
+        return None
+    if config.get("preflight") == "only":  # it trains nothing: no run left RUNNING (F10)
+        runtime.main_print("mlflow: --preflight alone records no MLflow run")
         return None
     tracker = Tracker(tracking_uri(config["mlflow"]), run_dir)
     tracker.start(config, saved.get(RUN_ID_KEY) if saved else None,

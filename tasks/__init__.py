@@ -486,11 +486,20 @@ def check_parts(cls, label):
 # ----------------------------------------------------------------------- the registry
 
 _loaded = {}  # a user's "FILE.py:Class" -> the class (loaded once)
+_named = set()  # the user's task files the command line named: the only ones imported
 _checked = set()  # the built-in task classes checked (``check_parts``)
 
 
 def _is_user_task(name):
     return isinstance(name, str) and ":" in name and name.split(":")[0].endswith(".py")
+
+
+def allow(name):
+    """Lets ``task_class`` import the user's task file ``name`` (``FILE.py:Class``): for a
+    --task the user gave (the command line, or a --config recipe), never for one a
+    checkpoint, an exported file or a --replay record names: its file is code."""
+    if _is_user_task(name):
+        _named.add(name)
 
 
 def task_class(name):
@@ -509,6 +518,10 @@ def task_class(name):
     if not _is_user_task(name):
         raise UserError(f"unknown task {name!r}; choose one of: {', '.join(TASKS)}, or "
                         f"FILE.py:Class (a tasks.Task of your own)")
+    if name not in _named:  # named by a file (a checkpoint): importing it would run it
+        raise UserError(f"the run's task is {name}, a file of Python code that a checkpoint "
+                        f"or a record names: it is not imported from there; if you trust "
+                        f"the file, add --task {name}")
     if name not in _loaded:
         _loaded[name] = _load_user_task(name)
     return _loaded[name]

@@ -15,11 +15,11 @@ import sys
 
 import torch
 import torchvision
-from PIL import Image
+from PIL import Image, PngImagePlugin
 
 from machinery import files, runtime
 from machinery.runtime import say
-from ops import UserError
+from ops import TooFewImages, UserError
 from pipeline import data
 from reporting import gan_metrics
 from reporting.gan_metrics import generate, to_uint8
@@ -39,7 +39,7 @@ def first_images(kept, n):
     process 0 (``gather_object``): under NCCL no GPU holds every process's images.
 
     Raises:
-        UserError: the set has fewer than ``n`` images (on every process alike).
+        TooFewImages: the set has fewer than ``n`` images (on every process alike).
     """
     import torch.distributed as dist
 
@@ -57,8 +57,8 @@ def first_images(kept, n):
         first = torch.cat([p for p in parts if len(p)] or [mine[:0]])[:n] if rank == 0 \
             else None
     if have < n:
-        raise UserError(f"--fid-samples {n}: the validation set has {have} images; lower "
-                        f"--fid-samples")
+        raise TooFewImages(f"--fid-samples {n}: the validation set has {have} images; lower "
+                           f"--fid-samples")
     return first
 
 
@@ -127,8 +127,11 @@ def write_samples(generator, latents, out_dir, batch_size):
     one channel, RGB for three), each written atomically; returns the file names.
 
     Raises:
+        UserError: a file of those names is there and is not this tool's (``refuse_replacing``),
+            before anything is generated or written.
         files.OutputError: a write failed (a full disk); files written before are whole.
     """
+    refuse_replacing(out_dir, [f"{i:06d}.png" for i in range(len(latents))])
     names, replaced = [], []
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -153,14 +156,53 @@ def write_samples(generator, latents, out_dir, batch_size):
 
 def _write_png(image, path):
     """Writes ``image`` as a PNG at ``path``; returns whether a different file was there."""
-    png = io.BytesIO()
-    Image.fromarray(image.permute(1, 2, 0).squeeze(2).numpy()).save(png, "PNG")  # L or RGB
+    png = encode_png(image)
     other = False
     if os.path.isfile(path):
         with open(path, "rb") as f:
-            other = f.read() != png.getvalue()
-    files.atomic_write(path, lambda f: f.write(png.getvalue()), "wb")
+            other = f.read() != png
+    files.atomic_write(path, lambda f: f.write(png), "wb")
     return other
+
+
+OWN_PNG = ("Software", "test.py --samples")  # the text chunk that marks test.py's outputs
+
+
+def encode_png(image):
+    """``image``, ``(C, H, W)`` uint8, as the bytes of a PNG (L for one channel, RGB for
+    three) carrying ``OWN_PNG``: test.py's --samples (pix2pix's outputs too)."""
+    info = PngImagePlugin.PngInfo()
+    info.add_text(*OWN_PNG)
+    png = io.BytesIO()
+    Image.fromarray(image.permute(1, 2, 0).squeeze(2).numpy()).save(png, "PNG", pnginfo=info)
+    return png.getvalue()
+
+
+def _own_png(path):
+    """Whether ``path`` is a PNG that test.py wrote (``encode_png``'s text chunk)."""
+    try:
+        with Image.open(path, formats=["PNG"]) as image:
+            return image.info.get(OWN_PNG[0]) == OWN_PNG[1]
+    except Exception:  # not an image, not a PNG, a directory, unreadable: not ours
+        return False
+
+
+def refuse_replacing(out_dir, names):
+    """Refuses, before anything is written, to replace a file of ``names`` in ``out_dir``
+    that test.py did not write (a user's image or notes): only its own earlier outputs
+    are replaced.
+
+    Raises:
+        UserError: naming those files.
+    """
+    foreign = [name for name in names if os.path.lexists(os.path.join(out_dir, name))
+               and not _own_png(os.path.join(out_dir, name))]
+    if foreign:
+        shown = ", ".join(files.printable(name) for name in foreign[:5])
+        raise UserError(f"--out {files.printable(out_dir)}: --samples would replace "
+                        f"{len(foreign)} file(s) there that test.py did not write ({shown}"
+                        f"{' ...' if len(foreign) > 5 else ''}): move them, or name another "
+                        f"--out")
 
 
 def sample_grid(generator, latents, nrow=None):

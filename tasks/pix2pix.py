@@ -9,14 +9,12 @@ for export).
 
 import contextlib
 import copy
-import io
 import os
 import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-from PIL import Image
 from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
 
 import losses
@@ -26,6 +24,7 @@ from machinery.runtime import say
 from ops import UserError
 from pipeline import data, device_data, pair_data
 from tasks import Evaluation, Phase, Task, check_own_network_and_data, refuse
+from tasks._generative import encode_png, refuse_replacing
 
 # The paper's recipe (Adam 2e-4, betas (0.5, 0.999)), a constant rate; the paper's jitter
 # (resize 286, crop 256, flip) is pair_data's augmentation, kept on by default.
@@ -304,6 +303,8 @@ class Pix2Pix(Task):
         if args.samples and args.samples > len(val_set):
             raise UserError(f"--samples {args.samples}: the validation set has "
                             f"{len(val_set)} pairs")
+        if args.samples:  # before the generator runs
+            refuse_replacing(args.out, output_names(val_set, args.samples))
         which = "the moving average of the generator" if weights == "ema" \
             else "the generator"
         side = config["image_size"]
@@ -419,32 +420,38 @@ def measure(generator, val_set, config, device, batch_size, num_workers, keep=0)
     return evaluation.compute(), outputs
 
 
-def write_outputs(outputs, val_set, out_dir):
-    """The outputs as PNGs in ``out_dir``, each named for its validation pair (its input's
-    name; ``000000.png`` on for the synthetic set), written atomically; a file of that
-    name that held another image is replaced with one warning. Returns the names.
-
-    Raises:
-        files.OutputError: a write failed (a full disk); files written before are whole.
-    """
+def output_names(val_set, n):
+    """The names of the first ``n`` outputs: each validation pair's input's, as a PNG
+    (``000000.png`` on for the synthetic set)."""
     base = val_set.base
     if isinstance(base, pair_data.FolderPairs):
-        names = [os.path.splitext(os.path.basename(a))[0] + ".png"
-                 for a, _ in base.pairs[:len(outputs)]]
-    else:
-        names = [f"{i:06d}.png" for i in range(len(outputs))]
+        return [os.path.splitext(os.path.basename(a))[0] + ".png" for a, _ in base.pairs[:n]]
+    return [f"{i:06d}.png" for i in range(n)]
+
+
+def write_outputs(outputs, val_set, out_dir):
+    """The outputs as PNGs in ``out_dir``, each named for its validation pair
+    (``output_names``), written atomically; a file of that name that held another image
+    (test.py's own: ``refuse_replacing`` refused any other before) is replaced with one
+    warning. Returns the names.
+
+    Raises:
+        UserError: a file of those names is there that test.py did not write.
+        files.OutputError: a write failed (a full disk); files written before are whole.
+    """
+    names = output_names(val_set, len(outputs))
+    refuse_replacing(out_dir, names)
     replaced, path = [], out_dir
     try:
         os.makedirs(out_dir, exist_ok=True)
         for image, name in zip(outputs, names):
             path = os.path.join(out_dir, name)
-            png = io.BytesIO()
-            Image.fromarray(image.permute(1, 2, 0).squeeze(2).numpy()).save(png, "PNG")
+            png = encode_png(image)
             if os.path.isfile(path):
                 with open(path, "rb") as f:
-                    if f.read() != png.getvalue():
+                    if f.read() != png:
                         replaced.append(name)
-            files.atomic_write(path, lambda f, png=png: f.write(png.getvalue()), "wb")
+            files.atomic_write(path, lambda f, png=png: f.write(png), "wb")
     except OSError as e:
         raise files.output_failed("--out", path, e) from None
     if replaced:  # a file of that name held another image (a user's, another checkpoint's)

@@ -197,6 +197,26 @@ def test_perceptual_loss_failed_download_raises_user_error(tmp_path, monkeypatch
         PerceptualLoss(layers=EARLY, weights="imagenet", download=True)
 
 
+@pytest.mark.parametrize("damage", ["random", "truncated"])
+def test_perceptual_loss_damaged_cached_imagenet_file_is_one_line_naming_it(
+        tmp_path, monkeypatch, damage):
+    # torch.hub loads a copy in its cache without checking the hash its name carries
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    hub = tmp_path / "hub" / "checkpoints"
+    hub.mkdir(parents=True)
+    cached = hub / "vgg19-dcbb9e9d.pth"
+    if damage == "random":
+        cached.write_bytes(torch.randint(0, 256, (100_000,), dtype=torch.uint8).numpy().tobytes())
+    else:  # an interrupted copy
+        torch.save({"features.0.weight": torch.zeros(64, 3, 3, 3)}, tmp_path / "whole.pt")
+        cached.write_bytes((tmp_path / "whole.pt").read_bytes()[:600])
+    with pytest.raises(UserError) as excinfo:
+        PerceptualLoss(layers=EARLY, weights="imagenet")
+    message = str(excinfo.value)
+    assert str(cached) in message and "delete the file" in message
+    assert "\n" not in message
+
+
 def test_perceptual_loss_loads_a_local_state_dict(tmp_path, perceptual):
     # A state_dict keyed like torchvision's vgg19 ("features.N.weight").
     source = PerceptualLoss(layers=EARLY, weights=None)

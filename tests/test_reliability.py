@@ -507,3 +507,52 @@ def test_a_kill_during_validation_costs_no_step_of_the_epoch(tmp_path):
     assert train.main(tiny_args(tmp_path / "run", "--resume", "auto", epochs=2)) == 0
     assert_states_equal(final_state(tmp_path / "run")["model"], final_state(full)["model"])
     assert _epoch_records(tmp_path / "run") == _epoch_records(full)
+
+
+# ---------------------------------------- round 6's F4, F11: a stop during a validation
+
+def test_a_max_steps_stop_saves_before_its_final_validation_and_a_signal_ends_it(
+        tmp_path, monkeypatch):
+    """F4: a --max-steps stop inside an epoch writes last.pt before its final validation
+    (a SIGKILL there loses no step), and a SIGTERM during that validation (a long FID)
+    ends it at once (exit 143), not when it ends."""
+    validate, saved = train.validate, []
+    last = os.path.join(tmp_path, "checkpoints", "last.pt")
+
+    def long_validation(training):
+        saved.append(os.path.exists(last) and ckpt(tmp_path)["step"])  # what a kill leaves
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(20)
+        return validate(training)
+
+    monkeypatch.setattr(train, "validate", long_validation)
+    started = time.monotonic()
+    code = train.main(tiny_args(tmp_path, "--max-steps", "3", epochs=2))  # 4 steps an epoch
+    assert (code, saved) == (128 + signal.SIGTERM, [3])
+    assert time.monotonic() - started < 15  # not the validation's 20 s
+    assert ckpt(tmp_path)["progress"]["epoch_samples"] == 3 * 16
+
+
+def test_an_epoch_resumed_at_its_validation_reports_no_speed(tmp_path, monkeypatch, capsys):
+    """F11: stopped in an epoch's validation, then resumed, the epoch trains no step: its
+    record has no time keys (not 0 samples/s) and its line says so, with no advice on
+    workers; the next epoch's record has them all, as ever."""
+    validate = train.validate
+
+    def stopped(training):  # the first epoch's validation: a SIGTERM
+        monkeypatch.setattr(train, "validate", validate)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return validate(training)
+
+    monkeypatch.setattr(train, "validate", stopped)
+    assert train.main(tiny_args(tmp_path, epochs=2)) == 128 + signal.SIGTERM
+    capsys.readouterr()
+    assert train.main(tiny_args(tmp_path, "--resume", "auto", epochs=2)) == 0
+    timed = {"compute_efficiency", "data_time", "compute_time", "epoch_time",
+             "samples_per_sec", "tflops"}
+    first, second = read_metrics(tmp_path)
+    assert not timed & set(first) and "val_acc" in first and timed <= set(second)
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("epoch 1/2"))
+    assert lines[at].endswith("speed not measured (no step since the resume)"), lines[at]
+    assert not lines[at + 1].startswith("  "), lines[at + 1]  # no advice

@@ -106,6 +106,17 @@ def test_a_nonfinite_loss_is_recorded_and_the_replay_names_module_and_sample(
     assert record["checkpoint"] == str(run_dir / "checkpoints" / "last.pt")  # step 4's
     assert record["config"]["network"] == "overflow_mlp"
 
+    # A record whose config names a task file never imports it (issue 51's F1): one line
+    # that says which flag to add, and the file has not run.
+    (tmp_path / "payload.py").write_text(f"open({str(tmp_path / 'RAN')!r}, 'w').close()\n")
+    evil = tmp_path / "evil.json"
+    evil.write_text(json.dumps({**record, "config": {**record["config"], "task":
+                                                     f"{tmp_path / 'payload.py'}:X"}}))
+    assert train.main(["--replay", str(evil)]) == 2
+    err = capsys.readouterr().err
+    assert f"add --task {tmp_path / 'payload.py'}:X" in err and "Traceback" not in err
+    assert not (tmp_path / "RAN").exists()
+
     before = snapshot(run_dir)
     assert train.main(["--replay", str(record_path)]) == 0
     out = capsys.readouterr().out

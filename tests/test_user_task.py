@@ -111,6 +111,51 @@ def test_best_pt_and_early_stop_follow_a_higher_is_better_figure_below_minus_1(t
         (record["val_r2"], 0)
 
 
+NO_BEST_OR_A_WORD = '''
+
+class NoBest(Regression):
+    def evaluation(self, device, model=None):
+        return NoBestEvaluation(device)
+
+
+class NoBestEvaluation(RegressionEvaluation):
+    def compute(self):
+        return {k: v for k, v in super().compute().items() if k != "loss"}
+
+
+class AWord(Regression):
+    def evaluation(self, device, model=None):
+        return AWordEvaluation(device)
+
+
+class AWordEvaluation(RegressionEvaluation):
+    def compute(self):
+        return {**super().compute(), "loss": "low"}
+'''
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("NoBest", "the task's figures lack 'loss' (its best figure; it returned r2, count)"),
+    ("AWord", "the task's figure 'loss' is 'low' (a str), not a number: "),
+])
+def test_figures_lacking_the_best_or_not_numbers_are_one_line_in_preflight_and_run(
+        tmp_path, capsys, name, expected):
+    # Review 6's F3: --preflight's evaluation stage says so (exit 2), not "stages ok";
+    # the run, at its first validation, in one line too, the epoch's training saved.
+    code = re.findall(r"```python\n(.*?)```", readme_section(), re.S)[0]
+    (tmp_path / "figures.py").write_text(code + NO_BEST_OR_A_WORD)
+    run = tmp_path / "run"
+    for extra, said in ((["--preflight"], "error: preflight: the evaluation: "),
+                        ([], "error: ")):
+        assert train.main(["--task", f"{tmp_path / 'figures.py'}:{name}",
+                           *tiny_args(run), *extra]) == 2, extra
+        out = capsys.readouterr()
+        lines = [line for line in (out.out + out.err).splitlines() if "error" in line]
+        assert len(lines) == 1 and lines[0].startswith(said + expected), lines
+        assert "stages ok" not in out.out and "Traceback" not in out.err
+    assert (run / "checkpoints" / "last.pt").exists()  # saved before its validation
+
+
 RESUMED = ("model", "optimizer", "scaler", "rng", "progress")
 
 
@@ -167,8 +212,8 @@ def test_test_py_json_holds_the_tasks_figures(tmp_path, task_file):
     out = tmp_path / "r.json"
     done = subprocess.run([sys.executable, os.path.join(ROOT, "test.py"), "--checkpoint",
                            str(tmp_path / "run" / "checkpoints" / "last.pt"), "--json",
-                           str(out)], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+                           str(out), "--task", task_file], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     report, record = json.loads(out.read_text()), read_metrics(tmp_path / "run")[-1]
     assert report["loss"] == pytest.approx(record["val_loss"], rel=1e-6)
@@ -278,8 +323,8 @@ def test_a_task_drawing_from_where_trains_8_plus_8_and_2x8_as_one_batch_of_16(tm
     assert train.main(run("one", 16, "--resume", "auto", epochs=3)) == 0
     assert final_state(tmp_path / "one")["epoch"] == 3
     done = subprocess.run([sys.executable, os.path.join(ROOT, "test.py"), "--checkpoint",
-                           str(tmp_path / "one" / "checkpoints" / "last.pt")], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+                           str(tmp_path / "one" / "checkpoints" / "last.pt"), "--task",
+                           task], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "tiny_denoiser on synthetic" in done.stdout
 
@@ -309,3 +354,30 @@ def test_a_task_missing_a_part_or_with_a_wrong_signature_is_one_line_at_load(tmp
     assert len(lines) == 1 and lines[0].startswith("error: --task bad.py:Bad: ") and \
         expected in lines[0], done.stderr
     assert not (tmp_path / "run").exists()
+
+
+PAYLOAD = "open('RAN', 'w').close()  # what any file of code could do when imported\n"
+
+
+@pytest.mark.slow
+def test_a_checkpoint_naming_a_task_file_never_imports_it(tmp_path, task_file):
+    # Issue 51's F1: test.py and --resume of a checkpoint whose config names a task file
+    # say which flag to add, in one line (exit 2), and the file has not run.
+    from machinery import checkpoint
+
+    assert train.main(["--task", task_file, *tiny_args(tmp_path / "run")]) == 0
+    (tmp_path / "payload.py").write_text(PAYLOAD)
+    state = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    state.pop("checksum")
+    state["config"]["task"] = "payload.py:Classifier"
+    checkpoint.save_checkpoint(state, str(tmp_path / "received.pt"))  # a valid checksum
+    for script, *args in (("test.py", "--checkpoint", "received.pt"),
+                          ("train.py", "--resume", "received.pt", "--run-dir", "resumed")):
+        done = subprocess.run([sys.executable, os.path.join(ROOT, script), *args, "--device",
+                               "cpu"], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1, (script, done.stderr)
+        assert lines[0].startswith("error:") and \
+            lines[0].endswith("add --task payload.py:Classifier"), lines
+        assert not (tmp_path / "RAN").exists(), script

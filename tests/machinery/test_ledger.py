@@ -2,7 +2,9 @@
 on resume; ``python -m machinery.ledger`` names the first duplicate or missing sample. And
 README's section on --verify-resume and the ledger, run as written."""
 
+import errno
 import glob
+import io
 import json
 import os
 import re
@@ -11,11 +13,13 @@ import subprocess
 import sys
 import types
 
+import pytest
 import torch
 from helpers import ROOT, _child_env, ckpt, tiny_args, torchrun
 
 import train
 from machinery import ledger
+from ops import RunFailed
 
 
 def write(run_dir, rank, lines):
@@ -102,6 +106,48 @@ def test_a_resume_on_fewer_processes_cuts_every_dropped_processs_file(tmp_path):
         lines = ledger.read_lines(tmp_path / "samples" / f"rank{rank}.jsonl")
         assert [line.get("step") for line in lines] == [None, 1, 2, 3] + (
             [None] if rank == 0 else []), rank  # rank 0: its new header
+
+
+class _FullDisk(io.StringIO):
+    """A ledger file on a full disk: what is written is refused when flushed."""
+
+    def flush(self):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_is_one_line_naming_the_ledger_file(tmp_path, monkeypatch):
+    """The header's write at the start (the disk already full), and a step's later: one
+    RunFailed line naming the file and the full disk, and a close that raises nothing."""
+    sampler = types.SimpleNamespace(observer=None)
+    state = types.SimpleNamespace(step=0, epoch=0, epoch_samples=0)
+    path = str(tmp_path / "samples" / "rank0.jsonl")
+    monkeypatch.setattr(ledger, "open", lambda *a, **k: _FullDisk(), raising=False)
+    with pytest.raises(RunFailed) as excinfo:
+        ledger.Ledger(tmp_path, 0, 1, state, 24, sampler)
+    assert str(excinfo.value).startswith(f"writing the sample ledger {path} failed (No space "
+                                         f"left on device)"), str(excinfo.value)
+    monkeypatch.undo()
+    kept = ledger.Ledger(tmp_path, 0, 1, state, 24, sampler)
+    kept._file.close()
+    kept._file = _FullDisk()
+    with pytest.raises(RunFailed, match=f"writing the sample ledger {re.escape(path)} failed"):
+        kept.step(state)
+    kept.close()  # (train.py's finally): nothing more
+
+
+def test_a_ledger_cut_short_by_a_failed_write_does_not_blame_the_data(tmp_path):
+    """An empty file (the disk was full at the start); a process's file without the header
+    its start wrote in every file: a write failed, not the training set."""
+    write(tmp_path, 0, [])
+    ok, lines = ledger.check(tmp_path)
+    assert not ok and lines[0].startswith(
+        f"error: the sample ledger holds no header ({tmp_path / 'samples' / 'rank0.jsonl'})")
+    write(tmp_path, 0, [header(world=2), *steps([2], [0])])
+    write(tmp_path, 1, [])
+    ok, lines = ledger.check(tmp_path)
+    assert not ok and lines[0].startswith(
+        f"error: the sample ledger {tmp_path / 'samples' / 'rank1.jsonl'} lacks the header "
+        f"of the start at step 0 (2 processes)"), lines
 
 
 def args(run_dir, *extra, epochs=2):

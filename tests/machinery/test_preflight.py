@@ -322,6 +322,44 @@ def test_an_evaluation_that_raises_is_named(tmp_path, monkeypatch, capsys):
                     "shapes cannot be multiplied (16x3 and 4x5)")
 
 
+def test_a_damaged_validation_file_is_its_own_line_not_one_batch_too_few(tmp_path,
+                                                                          monkeypatch, capsys):
+    """Review 6's F12: an error of the one-batch evaluation other than ``TooFewImages`` (a
+    GAN's --fid-samples) is named at once, as the run would name it (a mistake in the
+    data: exit 2); the whole validation set is not evaluated first."""
+    from ops import UserError
+    from tasks import classification
+
+    calls = []
+
+    def damaged(model, x, tta=False):
+        calls.append(len(x))
+        raise UserError("cannot read val/a/im000.jpg (OSError: image file is truncated)")
+    monkeypatch.setattr(classification.Classification, "predict", staticmethod(damaged))
+    assert train.main(classifier(tmp_path / "run", "--preflight")) == 2
+    out = said(capsys)
+    assert [line for line in out.splitlines() if "error" in line or "preflight" in line] \
+        == ["error: preflight: the evaluation: cannot read val/a/im000.jpg (OSError: image "
+            "file is truncated)"]
+    assert calls == [16]  # one batch, once
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_during_preflight_alone_ends_it_at_once(tmp_path, capsys, signum):
+    """Review 6's F8: Ctrl-C or SIGTERM in --preflight's training step (check only) ends it
+    there, 128 + the signal's number, one line saying nothing was saved; not "stages ok"
+    and exit 0, as if a script could go on."""
+    run_dir = tmp_path / "run"
+    with stop_at_step(1, signum):
+        assert train.main(classifier(run_dir, "--preflight")) == 128 + signum
+    out = capsys.readouterr()
+    name = signal.Signals(signum).name
+    assert out.err.strip().splitlines() == [
+        f"{name}: stopped during the preflight; no step was taken, so nothing was saved and "
+        f"nothing half-written is left"]
+    assert "stages ok" not in out.out and not run_dir.exists()
+
+
 def test_a_step_whose_loss_is_not_finite_is_named(tmp_path, monkeypatch, capsys):
     from tasks import classification
     real = classification.Classification.loss

@@ -109,6 +109,45 @@ def test_the_stop_point_is_drawn_from_the_seed_inside_the_window():
     assert verify_resume.stop_point(7, 6, 1)[1] == 0
 
 
+def test_ctrl_c_stops_the_check_and_its_child_and_removes_its_directory(tmp_path, monkeypatch,
+                                                                         capsys):
+    """Review 6's F9: a stop signal while a child trains ends the check at once: the child
+    gets it too, the temporary directory goes, exit 130 in one line (not exit 1 blaming
+    the run, after waiting for it, the directory left). The child here only sleeps."""
+    import signal
+    import tempfile
+    import threading
+    import time
+
+    from config import parse_config
+    from machinery import runtime
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where mkdtemp makes its own
+    monkeypatch.setenv("PYTHONPATH", ROOT)
+    started = tmp_path / "started"
+    child = tmp_path / "sleeps.py"
+    child.write_text(f"import pathlib, time\npathlib.Path({str(started)!r}).touch()\n"
+                     f"time.sleep(20)\n")
+    argv = small(tmp_path / "mine", "--verify-resume")
+
+    def ctrl_c():  # to the process, as a terminal's is: the kernel picks the thread
+        while not started.exists():
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+    threading.Thread(target=ctrl_c, daemon=True).start()
+    stop, begun = runtime.StopRequest(), time.monotonic()
+    try:
+        code = verify_resume.run(parse_config(argv)[0], argv, str(child), stop=stop)
+    finally:
+        stop.restore()
+    assert code == 130 and time.monotonic() - begun < 15  # the child stopped, not awaited
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "SIGINT: --verify-resume interrupted: its runs are stopped and its temporary "
+        "directory is removed"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sleeps.py", "started"]  # no
+    # verify-resume-* left, and no run directory of the user's
+
+
 # -------------------------------------------------------------------- the whole check
 
 def test_a_classifier_with_accumulation_and_workers_resumes_exactly(tmp_path):

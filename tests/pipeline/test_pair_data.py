@@ -11,6 +11,7 @@ from PIL import Image
 
 import train
 from config import with_defaults
+from ops import UserError
 from pipeline import data, pair_data, pair_transforms
 
 
@@ -234,3 +235,24 @@ def test_an_image_whose_body_is_broken_is_one_line_from_a_worker(tmp_path, capfd
     err = capfd.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"error: cannot read {path}"), err
     assert "Traceback" not in "\n".join(err) and "DataLoader worker" not in "\n".join(err)
+
+
+def test_a_damaged_validation_pair_met_by_a_worker_is_one_line_naming_it(tmp_path):
+    """A JPEG whose header reads and whose scan data is garbage passes the pairing's size
+    check; the validation loader's worker that decodes it raises the one line, not torch's
+    "Caught UserError in DataLoader worker process 0." and the worker's traceback."""
+    root = tree(tmp_path / "pairs")
+    os.remove(root / "val" / "b" / "y.png")
+    path = root / "val" / "b" / "y.jpg"
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (32, 32, 3), dtype=np.uint8)) \
+        .save(path, quality=95)
+    jpeg = bytearray(path.read_bytes())
+    for i in range(jpeg.index(b"\xff\xda") + 20, len(jpeg) - 2, 7):  # the scan, not its header
+        jpeg[i], jpeg[i + 1] = 0xFF, 0xC8 + i % 3
+    path.write_bytes(bytes(jpeg))
+    _, val_set = pair_data.build_datasets(config(dataset="pairfolder", data_dir=str(root)))
+    loader = data.build_loader(val_set, batch_size=3, num_workers=1)
+    with pytest.raises(UserError) as excinfo:
+        list(loader)
+    assert str(excinfo.value).startswith(f"cannot read {path} ("), str(excinfo.value)
+    assert "\n" not in str(excinfo.value)

@@ -234,6 +234,19 @@ def test_without_the_flag_mlflow_is_not_imported(tmp_path):
     assert "mlflow_run_id" not in final_state(tmp_path / "run")
 
 
+def test_preflight_alone_leaves_no_run_running(tmp_path, capsys):
+    """Review 6's F10: --preflight --mlflow left a run RUNNING for ever, with the run's
+    params and artifacts; --preflight alone trains nothing, so it records no run."""
+    store = tmp_path / "mlruns"
+    assert train.main(tiny_args(tmp_path / "run", "--mlflow", store.as_uri(),
+                                "--preflight")) == 0
+    if store.exists():  # (a store opened: none of its runs is left RUNNING)
+        client = mlflow.MlflowClient(tracking_uri=store.as_uri())
+        runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        assert [r.info.status for r in runs if r.info.status == "RUNNING"] == []
+    assert "mlflow: --preflight alone records no MLflow run" in capsys.readouterr().out
+
+
 def test_tracking_uri_forms(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert tracking.tracking_uri("local") == f"sqlite:///{tmp_path / 'mlflow.db'}"

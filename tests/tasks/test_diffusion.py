@@ -151,13 +151,16 @@ def test_test_py_measures_the_fid_train_py_logged(trained, features, tmp_path):
                                                   abs=1e-6)
 
 
-def test_test_py_writes_seeded_pngs_and_says_when_it_replaces_a_file(trained, tmp_path,
-                                                                       capsys):
+def test_test_py_writes_seeded_pngs_and_says_when_it_replaces_its_own(trained, tmp_path,
+                                                                     capsys):
     from PIL import Image
+
+    from tasks._generative import encode_png
 
     last, out = str(trained / "checkpoints" / "last.pt"), tmp_path / "samples"
     out.mkdir()
-    Image.new("RGB", (8, 8), (255, 0, 0)).save(out / "000001.png")  # a user's file
+    red = torch.tensor([255, 0, 0], dtype=torch.uint8).view(3, 1, 1).expand(3, 8, 8)
+    (out / "000001.png").write_bytes(encode_png(red))  # test.py's, of another checkpoint
     run = ["--checkpoint", last, "--samples", "5", "--out", str(out), "--device", "cpu",
            "--num-workers", "0", "--batch-size", "2"]
     assert load_test_py().main(run) == 0

@@ -160,6 +160,23 @@ def test_older_samples_are_kept_and_named_in_a_warning(tmp_path, test_py, capsys
     assert after["000000.png"] != before["000000.png"]  # rewritten: other latents
 
 
+def test_a_users_files_in_out_are_refused_before_anything_is_written(tmp_path, test_py,
+                                                                      capsys):
+    """Review 6's F15: an image of the user's and a text file named 000001.png in --out:
+    one error line naming both, every byte of the folder as it was, nothing added. Its
+    own earlier outputs it replaces (test_older_samples_are_kept_and_named_in_a_warning)."""
+    ckpt, out = tmp_path / "gan.pt", tmp_path / "samples"
+    write_gan_checkpoint(ckpt)
+    out.mkdir()
+    Image.new("RGB", (9, 9), "red").save(out / "000000.png")
+    (out / "000001.png").write_text("my notes")
+    before = snapshot(out)
+    assert _run(test_py, "--checkpoint", ckpt, "--samples", 3, "--out", out) == 2
+    _one_error_line(capsys, f"--out {out}: --samples would replace 2 file(s) there that "
+                            f"test.py did not write (000000.png, 000001.png)")
+    assert snapshot(out) == before
+
+
 def test_a_full_disk_is_one_line_and_leaves_whole_pngs(test_py, mount_tmpfs, tmp_path,
                                                        capsys):
     ckpt = tmp_path / "gan.pt"

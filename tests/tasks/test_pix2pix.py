@@ -130,12 +130,21 @@ def test_test_py_reports_what_training_logged_and_writes_the_outputs(trained, tm
         assert got[key] == pytest.approx(logged[f"val_{key}_ema"], rel=1e-6), key
     assert sorted(os.listdir(out)) == ["000000.png", "000001.png", "000002.png"]
     assert Image.open(out / "000000.png").size == (32, 32)
-    # a file of that name holding another image is replaced, and said so
-    Image.new("RGB", (32, 32)).save(out / "000001.png")
+    # its own earlier output holding another image is replaced, and said so; a user's
+    # file of that name is refused before anything is written
+    from tasks._generative import encode_png
+    (out / "000001.png").write_bytes(encode_png(torch.zeros(3, 32, 32, dtype=torch.uint8)))
     capsys.readouterr()
     assert load_test_py().main(["--checkpoint", last, "--samples", "3", "--out", str(out),
                                 "--device", "cpu", "--num-workers", "0"]) == 0
     assert "warning: 1 file(s) in" in capsys.readouterr().err
+    Image.new("RGB", (32, 32)).save(out / "000002.png")
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    assert load_test_py().main(["--checkpoint", last, "--samples", "3", "--out", str(out),
+                                "--device", "cpu", "--num-workers", "0"]) == 2
+    assert "would replace 1 file(s) there that test.py did not write (000002.png)" in \
+        capsys.readouterr().err
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
 
 
 def test_test_py_exports_the_generator_with_its_parity_check(trained, tmp_path):
