@@ -7,6 +7,7 @@ config.yaml and inside every checkpoint, and nothing changes it after ``check_co
 
 import argparse
 import difflib
+import glob
 import math
 import os
 import sys
@@ -465,8 +466,10 @@ def parse_config(argv):
         config["network"] = default_network(config["dataset"], config["image_size"],
                                             config["pretrained"], config["task"])
     tasks.of(config).defaults(config, explicit)  # the task's own (a GAN's recipe)
-    if not (config["resume"] or config["replay"]) or "task" in explicit:  # else the task is
-        warn_foreign_flags(config, explicit)  # the checkpoint's: merge_resumed_config says
+    resumes = config["replay"] or config["resume"] and (config["resume"] != "auto" or glob.glob(
+        os.path.join(glob.escape(str(config["run_dir"] or "")), "checkpoints", "*.pt")))
+    if not resumes or "task" in explicit:  # else the task is the checkpoint's, and
+        warn_foreign_flags(config, explicit)  # merge_resumed_config says
     return apply_pretrained_preset(config, explicit), explicit - {"config"}
 
 

@@ -319,26 +319,31 @@ def test_the_warning_is_shown_once_per_run_and_only_by_rank_0(capsys, monkeypatc
     assert capsys.readouterr().err == ""  # epoch 5 of 5 is reached
 
 
-def test_foreign_flags_are_judged_against_a_resumes_task_each_named_with_its_own(capsys):
+def test_foreign_flags_are_judged_against_a_resumes_task_each_named_with_its_own(capsys,
+                                                                                 tmp_path):
     """Review 6's F7: resuming a pix2pix run with --l1-weight 50 said "--task pix2pix's,
     ignored by --task classification" (the default task's judgement, before the
     checkpoint's task was merged) while applying it; and one task was named the owner of
     every flag."""
     saved, _ = parse_config(["--task", "pix2pix", "--dataset", "synthetic"])
     capsys.readouterr()
-    resumed, explicit = parse_config(["--resume", "auto", "--run-dir", "r", "--l1-weight",
-                                      "50", "--sample-steps", "10"])
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.pt").touch()  # a run to resume: its task decides
+    resumed, explicit = parse_config(["--resume", "auto", "--run-dir", str(tmp_path),
+                                      "--l1-weight", "50", "--sample-steps", "10"])
     assert merge_resumed_config(saved, resumed, explicit)["l1_weight"] == 50
     assert [line for line in capsys.readouterr().err.splitlines() if "warning" in line] == [
         "warning: --sample-steps: --task diffusion's, ignored by --task pix2pix"]
     parse_config(["--task", "segmentation", "--latent-dim", "64", "--sample-steps", "5",
                   "--l1-weight", "3"])
     parse_config(["--fid-samples", "8"])
+    parse_config(["--resume", "auto", "--run-dir", str(tmp_path / "new"), "--gan-width", "8"])
     assert capsys.readouterr().err.splitlines() == [
         "warning: --latent-dim (--task gan's), --sample-steps (--task diffusion's), "
         "--l1-weight (--task pix2pix's), ignored by --task segmentation",
         "warning: --fid-samples: --task gan's and --task diffusion's, ignored by --task "
-        "classification"]
+        "classification",  # and --resume auto with nothing to resume: a fresh start
+        "warning: --gan-width: --task gan's, ignored by --task classification"]
 
 
 def test_a_run_dir_whose_name_is_not_utf8_is_refused_in_one_line(tmp_path, capsys):
