@@ -288,6 +288,15 @@ def _chunk_key(seed, chunk):
     return (seed * 1_000_003 + chunk) % (2**63 - 1)
 
 
+def _on(device, noise):
+    """The CPU's ``noise`` on ``device``: from pinned memory on CUDA, so that the copy
+    waits for no kernel (a pageable one would, at every step walked: the CUDA review's
+    L2); the values are the CPU's draw."""
+    if device.type == "cuda":
+        noise = noise.pin_memory()
+    return noise.to(device, non_blocking=True)
+
+
 class Sampler(nn.Module):
     """The sampling loop as a module: image indices in, images out, so that an image is
     a function of (seed, its index) alone, whatever the batch it is made in.
@@ -331,7 +340,7 @@ class Sampler(nn.Module):
     def forward(self, indices):
         device = next(self.unet.parameters()).device
         draw = self._noise([int(i) for i in indices.flatten().tolist()])
-        x = draw().to(device)  # x_T
+        x = _on(device, draw())  # x_T
         alpha_bar = self.schedule.alpha_bar.tolist()
         walk = self.schedule.timesteps(self.steps)
         for i, t in enumerate(walk):
@@ -350,6 +359,6 @@ class Sampler(nn.Module):
             if prev is None:
                 x = mean
             else:
-                z = draw().to(device)
+                z = _on(device, draw())
                 x = mean + math.sqrt(beta * (1 - a_prev) / (1 - a_t)) * z
         return x.clamp(-1, 1)  # (N, C, H, W)
