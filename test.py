@@ -549,7 +549,7 @@ def compare_onnx(args, net, val_set, train_set, config, batch_size, report, meta
         files.append((f"onnx {args.quantize}", path))
     for name, path in files:
         run = export.load_onnx(path)
-        task = tasks.of(config).build(config, val_set)
+        task = tasks.built(tasks.of(config), config, val_set)
         result = evaluate_exported(run, val_set, batch_size, args.num_workers, task)
         file_report = task.report(result, "model", path)
         rows[name] = measured(file_report, os.path.getsize(path),
@@ -617,7 +617,7 @@ def evaluate_model_file(args):
     kind = tasks.of(config)  # the task class, looked up once
     _, val_set = kind.datasets(config, say)
     export.check_exported_data(path, metadata, val_set, config, shape)
-    task = kind.build(config, val_set)
+    task = tasks.built(kind, config, val_set)
     result = evaluate_exported(run, val_set, batch_size, args.num_workers, task)
     report = task.report(result, "model", path)
     sample_shape = (val_set.in_channels, val_set.image_size, val_set.image_size)
@@ -701,7 +701,7 @@ def evaluate_and_export(args):
     # 3. Data and network, evaluated as training validated (the training split unaugmented:
     #    --quantize int8 calibrates on it).
     train_set, val_set = kind.datasets(dict(config, augment=False), say)
-    task = kind.build(config, val_set)
+    task = tasks.built(kind, config, val_set)
     tta = (args.tta or config["tta"]) == "flip" and \
         data.mirror_keeps_class(config["dataset"])
     net = load_network(state, config, val_set, args.checkpoint, weights, kind)

@@ -275,7 +275,7 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
     train_loader, val_loader = task_class.loaders(config, procs, train_set, val_set, sampler,
                                                   stop)
     config = task_class.recorded(config, train_set)  # what rebuilds the networks (test.py)
-    task = task_class.build(config, train_set, val_set)  # a batch, its loss, its figures
+    task = tasks.built(task_class, config, train_set, val_set)  # a batch, its loss, figures
     net, model = build_model(config, train_set, procs.device, procs.world_size, log, task,
                              resuming=saved is not None)
     optimizer = ops.build_optimizer(net, config, procs.device, task.network_lr)  # per network

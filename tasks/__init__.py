@@ -64,7 +64,6 @@ import pkgutil
 import sys
 
 import torch
-import torchmetrics
 
 import networks
 from machinery import engine
@@ -140,13 +139,18 @@ def update_confusion(confusion, pred, target, ignore_index=IGNORE_INDEX):
     return invalid
 
 
-class Evaluation(torchmetrics.Metric):
+class Evaluation:
     """One validation of a task, counted on the device: ``update(outputs, targets,
     inputs)`` per batch, ``compute()`` its figures (a dict). Its states are torchmetrics'
     (``add_state(name, default, dist_reduce_fx="sum")``, or ``"cat"`` for a list of what is
     not a sum): under torchrun ``compute`` first reduces them over the processes, in rank
     order, so every process gets the whole set's figures. A subclass adds its states in
     ``__init__`` and moves them to the device there (``self.to(device)``).
+
+    Each one made is a torchmetrics ``Metric``: of its class with ``Metric`` after it, made
+    at the first one (``_as_metric``). So defining a task imports no torchmetrics, which
+    imports matplotlib and more (0.6 s) that --help, a refused flag and a run's steps up to
+    its first validation do not need (issue 52; tests/test_optional_imports.py).
 
     Args:
         gather_objects: gather through ``all_gather_object`` (CPU tensors under NCCL)
@@ -155,8 +159,37 @@ class Evaluation(torchmetrics.Metric):
 
     full_state_update = False
 
+    def __new__(cls, *args, **kwargs):
+        return super().__new__(_as_metric(cls))
+
     def __init__(self, gather_objects=False):
         super().__init__(**({"dist_sync_fn": _gather_objects} if gather_objects else {}))
+
+    def __reduce_ex__(self, protocol):  # pickled and copied as of the class its module names
+        _, args, *rest = super().__reduce_ex__(protocol)
+        return (_unpickled, (type(self).__mro__[1], *args[1:]), *rest)
+
+
+def _unpickled(cls, *args):
+    """An ``Evaluation`` of class ``cls``, unpickled or copied (``__reduce_ex__``)."""
+    return cls.__new__(cls, *args)
+
+
+_metric_classes = {}  # an Evaluation subclass -> the same with torchmetrics' Metric after it
+
+
+def _as_metric(cls):
+    """``cls`` (an ``Evaluation`` subclass) with ``torchmetrics.Metric`` after it in its
+    bases, of the same name and module: the class ``Evaluation.__new__`` makes."""
+    import torchmetrics
+
+    if issubclass(cls, torchmetrics.Metric):  # (a copy's: already one)
+        return cls
+    if cls not in _metric_classes:
+        _metric_classes[cls] = type(cls.__name__, (cls, torchmetrics.Metric),
+                                    {"__module__": cls.__module__,
+                                     "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+    return _metric_classes[cls]
 
 
 def _gather_objects(tensor, group=None):
@@ -456,6 +489,26 @@ def _takes(cls, name, counts):
     return False, f"{name}{signature}"
 
 
+def _default(cls, name):
+    """Whether ``cls`` takes ``name`` from the base (``Task``, ``CommandLine``, ``Report``):
+    read where it is defined, a class method being a new object at every look-up."""
+    owner = next((c for c in cls.__mro__ if name in vars(c)), None)
+    return owner in (Task, CommandLine, Report)
+
+
+def built(task_class, config, train_set, val_set=None):
+    """``task_class.build(config, train_set, val_set)``, checked to be the task.
+
+    Raises:
+        UserError: ``build`` returned something else (None: a missing ``return``).
+    """
+    task = task_class.build(config, train_set, val_set)
+    if not isinstance(task, task_class):
+        raise UserError(f"--task {task_class.name}: {task_class.__name__}.build returned "
+                        f"{type(task).__name__}, not the task: return cls(...)")
+    return task
+
+
 def check_parts(cls, label):
     """Checks a task class when it is loaded: every required part there, every part it
     writes callable as the loop calls it. ``label``: how the error names the task.
@@ -468,11 +521,11 @@ def check_parts(cls, label):
     if cls.generates:
         need.add("test_checkpoint")
     for name in sorted(need, key=list(REQUIRED).index):
-        if getattr(cls, name, None) is None or getattr(cls, name) is getattr(Task, name, None):
+        if getattr(cls, name, None) is None or _default(cls, name):
             raise UserError(f"--task {label}: {cls.__name__} has no {name}: a task writes "
                             f"{REQUIRED[name][1]} (README: Add a task)")
     for name, counts in ARGUMENTS.items():
-        if name not in need and getattr(cls, name, None) is getattr(Task, name, None):
+        if name not in need and _default(cls, name):
             continue  # the default
         if not hasattr(cls, name):
             continue
@@ -542,7 +595,7 @@ def _load_user_task(name):
         raise UserError(f"--task {name}: {path} does not load: "
                         f"{type(e).__name__}: {e}") from None
     found = getattr(module, class_name, None)
-    if not (isinstance(found, type) and issubclass(found, Task)):
+    if not (isinstance(found, type) and issubclass(found, Task)) or found is Task:
         have = sorted(k for k, v in vars(module).items()
                       if isinstance(v, type) and issubclass(v, Task) and v is not Task)
         what = "no class" if found is None else "no tasks.Task subclass"

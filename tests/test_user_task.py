@@ -341,6 +341,11 @@ def test_a_task_drawing_from_where_trains_8_plus_8_and_2x8_as_one_batch_of_16(tm
      "loss(self, model, x, y, where)"),
     ("class Bad(Regression):\n    def prepare(self, x):\n        return x\n",
      "Bad.prepare(self, x) cannot be called as the loop calls it"),
+    ("class Bad(tasks.Task):\n    def loss(self, model, x, y):\n        return x.sum()\n\n"
+     "    def evaluation(self, device, model=None):\n        return None\n",
+     "Bad has no build: a task writes build(cls, config, train_set, val_set=None)"),
+    ("class Bad(Regression):\n    @classmethod\n    def build(cls, config, train_set, "
+     "val_set=None):\n        pass\n", "Bad.build returned NoneType, not the task"),
 ])
 def test_a_task_missing_a_part_or_with_a_wrong_signature_is_one_line_at_load(tmp_path, extra,
                                                                              expected):
