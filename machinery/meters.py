@@ -134,8 +134,13 @@ class Counters:
         self.kept_figures = []
 
     def _counts(self, counts):
-        """Sample counts as a float64 tensor on the device (exact: whole numbers)."""
-        return torch.tensor(counts, dtype=torch.float64).to(self.device, non_blocking=True)
+        """Sample counts as a float64 tensor on the device (exact: whole numbers), copied
+        from pinned memory on CUDA: a pageable copy may wait for the queued kernels (the
+        CUDA review's L3)."""
+        counts = torch.tensor(counts, dtype=torch.float64)
+        if torch.device(self.device).type == "cuda":
+            counts = counts.pin_memory()
+        return counts.to(self.device, non_blocking=True)
 
     def read(self):
         """Returns the sums since the last read as numbers (one read from the device),

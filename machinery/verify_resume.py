@@ -20,8 +20,9 @@ to its first step after the resume: other batches there (the data draws from a r
 state the checkpoint does not hold: a dataset's ``__getitem__`` using the global RNG in a
 DataLoader worker) or the same batches and other weights (the step draws from one: a
 dropout with a generator of its own). When the resumed run differs, a second
-uninterrupted run says whether the run is reproducible at all (on CUDA without
-``--deterministic`` it may not be).
+uninterrupted run says whether the run is reproducible at all. On CUDA the runs train
+with ``--deterministic`` (added, with a note at the start, where the command lacks it:
+without it cuDNN's autotuned kernels make even two uninterrupted runs differ).
 
 The children are ``python -m machinery.verify_resume --child SPEC TRAIN_PY ARGS``: the
 hook on ``engine.steps`` that counts micro-batches and signals, then train.py run as
@@ -366,6 +367,30 @@ def stop_point(seed, steps, accum):
     return rng.randint(1, steps - 1), (rng.randint(1, accum - 1) if accum > 1 else 0)
 
 
+def device_type(config):
+    """The type of device the runs would train on: ``cuda`` with --gpus, else --device's
+    (``runtime.parse_device``: auto is CUDA where there is one)."""
+    return "cuda" if config.get("gpus") else runtime.parse_device(config["device"]).type
+
+
+def determinism(kind, deterministic):
+    """What --verify-resume adds to its runs' flags on a device of type ``kind``, and the
+    note it prints at its start (review 6's L4): on CUDA without --deterministic,
+    --deterministic (the check compares bits, and cuDNN's autotuned and atomic kernels
+    would make even two uninterrupted runs differ, found only after four runs); else
+    nothing.
+
+    Returns:
+        ``(flags, note)``: a list, and a line or None.
+    """
+    if kind == "cuda" and not deterministic:
+        return ["--deterministic"], (
+            "note: --verify-resume on CUDA trains its runs with --deterministic: it compares "
+            "them bit for bit, and without it cuDNN's autotuned kernels make even two "
+            "uninterrupted runs differ")
+    return [], None
+
+
 def run(config, argv, train_py, say=runtime.say, stop=None):
     """--verify-resume: the three runs and the comparison; returns the exit code (0: the
     resume is exact; a difference is a ``RunFailed``, exit 1; 128 + the signal's number
@@ -377,10 +402,13 @@ def run(config, argv, train_py, say=runtime.say, stop=None):
     if world != int(os.environ.get("LOCAL_WORLD_SIZE", world)):
         raise UserError(f"--verify-resume runs its processes on one machine: start it with "
                         f"torchrun --nnodes 1 --nproc_per_node {world}")
+    added, note = determinism(device_type(config), config["deterministic"])
+    if note:
+        say(note)
     root = tempfile.mkdtemp(prefix="verify-resume-")
     try:
         with stop.interruptible("--verify-resume") if stop else contextlib.nullcontext():
-            return _check(config, argv, train_py, say, root, world)
+            return _check(config, [*argv, *added], train_py, say, root, world)
     except Interrupted as e:
         shutil.rmtree(root, ignore_errors=True)
         say(f"{signal.Signals(e.signum).name}: --verify-resume interrupted: its runs are "

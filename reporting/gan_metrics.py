@@ -283,7 +283,7 @@ def _take(images, n):
 
 
 @torch.no_grad()
-def measure(features, real, fake, seed=0, batch_size=256):
+def measure(features, real, fake, seed=0, batch_size=256, extracted=False):
     """FID and KID between two sets of images, computed by torchmetrics on ``features``.
 
     Args:
@@ -292,6 +292,8 @@ def measure(features, real, fake, seed=0, batch_size=256):
         real, fake: images in [-1, 1], ``(N, C, H, W)`` tensors (at least 2 each).
         seed: KID's subset draws (torch's global generator is forked, not advanced).
         batch_size: images per forward pass of the feature extractor.
+        extracted: ``fake`` holds the generated images' features already, ``(N, D)``
+            (``extract``'s: the processes' shares of a validation, gathered), not images.
 
     Returns:
         ``{"fid<s>", "kid<s>", "kid_std<s>": float}`` with ``<s>`` empty for Inception and
@@ -321,8 +323,9 @@ def measure(features, real, fake, seed=0, batch_size=256):
                                       sync_on_compute=False).to(device)
     finite = True
     for images, is_real in ((real, True), (fake, False)):
+        given = extracted and not is_real  # (features already: taken as they are)
         for batch in images.split(batch_size):
-            f = features(batch.to(device)).double()  # (B, D)
+            f = batch.to(device).double() if given else features(batch.to(device)).double()
             finite = finite and bool(torch.isfinite(f).all())
             fid.update(f, real=is_real)
             kid.update(f, real=is_real)
@@ -337,6 +340,18 @@ def measure(features, real, fake, seed=0, batch_size=256):
         kid_mean, kid_std = kid.compute()
     return {f"fid{suffix}": float(fid.compute()), f"kid{suffix}": float(kid_mean),
             f"kid_std{suffix}": float(kid_std)}
+
+
+@torch.no_grad()
+def extract(features, images, batch_size=256):
+    """The features of images in [-1, 1], batch by batch as ``measure`` computes them:
+    ``(N, D)`` float64 on the CPU (what a process sends to the one that measures:
+    ``measure(..., extracted=True)``); ``(0, D)`` for no image."""
+    device = next(features.parameters()).device
+    found = [features(batch.to(device)).double().cpu() for batch in images.split(batch_size)
+             if len(batch)]
+    return torch.cat(found) if found else \
+        torch.zeros(0, features.num_features, dtype=torch.float64)
 
 
 @torch.no_grad()

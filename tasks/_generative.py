@@ -62,6 +62,46 @@ def first_images(kept, n):
     return first
 
 
+def share(n, rank, world):
+    """Process ``rank``'s indices of images ``0`` to ``n - 1`` of a validation's generation:
+    a contiguous block, the blocks in rank order (``n`` split as evenly as it goes)."""
+    return torch.arange(n * rank // world, n * (rank + 1) // world)
+
+
+def generated_scores(task, make, real, batch_size=256):
+    """FID and KID (``gan_metrics.measure``) of the ``task.fid_samples`` images that
+    ``make(indices)`` makes for indices 0 on, against ``real`` (``first_images``'s), each
+    image a function of its index alone (the fixed latents; a sampler's noise of (seed,
+    index)).
+
+    One process makes and measures them all, as test.py does. Under DDP the generation is
+    split over the processes by index (``share``): each makes its share, extracts its
+    features (``gan_metrics.extract``) and sends them to process 0, which measures. No
+    process samples alone while the others wait in a collective (whose timeout a long
+    sampling would outlast: the CUDA review's M3), and the figures are one process's up
+    to float rounding.
+
+    Returns:
+        ``measure``'s dict on process 0 (one process: its own); None on the others.
+    """
+    import torch.distributed as dist
+
+    n, features = task.fid_samples, task.features
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return gan_metrics.measure(features, real, make(torch.arange(n)), task.seed,
+                                   batch_size)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = share(n, rank, world)
+    found = gan_metrics.extract(features, make(mine) if len(mine) else torch.zeros(0),
+                                batch_size)  # (len(mine), D) on the CPU
+    parts = [None] * world if rank == 0 else None
+    dist.gather_object(found, parts, dst=0)
+    if rank != 0:
+        return None
+    return gan_metrics.measure(features, real, torch.cat(parts), task.seed, batch_size,
+                               extracted=True)
+
+
 @contextlib.contextmanager
 def fewer_fid_samples(task, count):
     """``Task.evaluating_on`` for a task measuring FID on ``task.fid_samples`` images:

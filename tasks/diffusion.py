@@ -24,6 +24,7 @@ from tasks._generative import (
     fewer_fid_samples,
     fid_samples,
     first_images,
+    generated_scores,
     real_images,
     sample_grid,
     write_samples,
@@ -363,8 +364,9 @@ class DiffusionEvaluation(Evaluation):
     """One evaluation of a diffusion model: the mean noise-prediction loss over the
     validation images (summed over the processes); where it samples, the first
     ``fid_samples`` real images too, then (in ``compute``) the grid of the fixed seeds
-    and FID and KID of as many sampled images. Under DDP process 0 samples and measures,
-    the others take its figures (as the GAN task's ``GANEvaluation``).
+    and FID and KID of as many sampled images. Under DDP each process samples its share
+    of the images by index and sends their features to process 0, which measures and
+    samples the grid; the others take its figures (as the GAN task's ``GANEvaluation``).
 
     Args:
         task: the ``Diffusion``.
@@ -399,15 +401,14 @@ class DiffusionEvaluation(Evaluation):
             return result
         real = first_images(self.real, task.fid_samples)  # (process 0's; None elsewhere)
         several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        sampled = None
+        sampled, scores, sampler = None, None, task.sampler_of(unet)
+        if task.fid_samples:  # every process samples its share (one process: all)
+            task.features.to(next(unet.parameters()).device)
+            scores = generated_scores(
+                task, lambda indices: gan_metrics.generate(sampler, indices, task.batch_size),
+                real, task.batch_size)
         if not several or dist.get_rank() == 0:
-            sampled, sampler = {}, task.sampler_of(unet)
-            if task.fid_samples:
-                task.features.to(next(unet.parameters()).device)
-                fake = gan_metrics.generate(sampler, torch.arange(task.fid_samples),
-                                            task.batch_size)
-                sampled.update(gan_metrics.measure(task.features, real, fake, task.seed,
-                                                   task.batch_size))
+            sampled = dict(scores or {})
             sampled["grid"] = sample_grid(sampler, torch.arange(task.grid))
         if several:
             shared = [sampled]

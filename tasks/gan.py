@@ -23,6 +23,7 @@ from tasks._generative import (
     fewer_fid_samples,
     fid_samples,
     first_images,
+    generated_scores,
     real_images,
     sample_grid,
     write_samples,
@@ -359,7 +360,9 @@ class GANEvaluation(Evaluation):
     """One GAN evaluation: the first ``fid_samples`` real validation images, then (in
     ``compute``) as many of the generator's images from the fixed latents, their FID and
     KID (gan_metrics.measure) and a grid of the first ``GAN.grid``. Under DDP the real
-    images are gathered on process 0 (``_generative.first_images``), which measures; the others
+    images are gathered on process 0 (``_generative.first_images``), each process
+    generates its share of the images by index and sends their features there
+    (``_generative.generated_scores``); process 0 measures and makes the grid, the others
     take its figures: every process decides alike and the figures are those of the
     generator process 0 saves.
 
@@ -389,13 +392,14 @@ class GANEvaluation(Evaluation):
         task, (generator,) = self.task, self.measured
         real = first_images(self.real, task.fid_samples)  # (process 0's; None elsewhere)
         several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        result = None
+        result = scores = None
+        if task.fid_samples:  # every process makes its share (one process: all, as test.py)
+            task.features.to(next(generator.parameters()).device)
+            latents = dcgan.fixed_latents(task.fid_samples, task.latent_dim, task.seed)
+            scores = generated_scores(
+                task, lambda indices: gan_metrics.generate(generator, latents[indices]), real)
         if not several or dist.get_rank() == 0:
-            result = {"count": len(real)}
-            if task.fid_samples:
-                task.features.to(next(generator.parameters()).device)
-                result.update(gan_metrics.generator_scores(  # as test.py measures a checkpoint
-                    generator, real, task.features, task.fid_samples, task.seed))
+            result = {"count": len(real), **(scores or {})}
             result["grid"] = sample_grid(
                 generator, dcgan.fixed_latents(task.grid, task.latent_dim, task.seed))
         if several:

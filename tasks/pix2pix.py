@@ -15,7 +15,6 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
 
 import losses
 import pix2pix
@@ -206,8 +205,11 @@ class Pix2Pix(Task):
         if not (generator.dropout > 0 and generator.dropped):
             return None
         first = where.first + where.offset
-        return pix2pix.sample_keys(self.seed, where.epoch,
-                                   torch.arange(first, first + where.count)).to(device)
+        positions = torch.arange(first, first + where.count)
+        keys = pix2pix.sample_keys(self.seed, where.epoch, positions)
+        if torch.device(device).type == "cuda":  # pinned: the copy waits for no kernel
+            keys = keys.pin_memory()  # (pageable memory would; the CUDA review's M1)
+        return keys.to(device, non_blocking=True)
 
     def phase_loss(self, network, model, plain, x, y, where, kept):
         """The loss of ``network``'s phase for one micro-batch and its figures (detached).
@@ -344,6 +346,9 @@ class Pix2PixEvaluation(Evaluation):
     def __init__(self, device, examples=4):
         super().__init__()
         self.want, self.kept = examples, None
+        # here, not at the top: torchmetrics is imported at a validation (tasks.Evaluation)
+        from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
+
         self.psnr = PeakSignalNoiseRatio(data_range=1.0)
         self.ssim = StructuralSimilarityIndexMeasure(data_range=1.0)
         self.add_state("l1_sum", torch.zeros((), dtype=torch.float64), "sum")

@@ -4,6 +4,7 @@ bench/gpu.sh runs this file first. Tests that need two GPUs (DataParallel, NCCL,
 other than GPU 0) skip on one.
 """
 
+import contextlib
 
 import pytest
 import torch
@@ -323,6 +324,83 @@ def test_gan_latents_reach_the_gpu_from_pinned_memory(monkeypatch):
     assert pinned and on_gpu.is_cuda
     assert torch.equal(on_gpu.cpu(), task.latents("discriminator", Where(),
                                                   torch.device("cpu")))
+
+
+def _pins(monkeypatch):
+    """The host tensors pinned from now on (``Tensor.pin_memory``'s calls), as a list."""
+    pinned = []
+    pin = torch.Tensor.pin_memory
+    monkeypatch.setattr(torch.Tensor, "pin_memory",
+                        lambda self, *a: (pinned.append(1), pin(self, *a))[1])
+    return pinned
+
+
+@contextlib.contextmanager
+def _no_sync():
+    """CUDA's sync debug mode at "error": a synchronising call (a pageable, blocking copy
+    from the host among them) raises."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_pix2pix_dropout_keys_reach_the_gpu_from_pinned_memory(monkeypatch):
+    """The CUDA review's M1: at 64 px and above a step's dropout keys were a pageable,
+    blocking copy (a stream sync every step); pinned now, no sync, the CPU's values."""
+    import dataclasses
+    import types
+
+    from tasks import pix2pix as pix2pix_task
+
+    pinned = _pins(monkeypatch)
+    task = pix2pix_task.Pix2Pix.__new__(pix2pix_task.Pix2Pix)
+    task.seed = 3
+    generator = types.SimpleNamespace(dropout=0.5, dropped=[0])  # (what keys() reads)
+
+    @dataclasses.dataclass
+    class Where:
+        epoch: int = 1
+        first: int = 16
+        offset: int = 4
+        count: int = 8
+
+    with _no_sync():
+        on_gpu = task.keys(generator, Where(), torch.device("cuda", 0))
+    assert pinned and on_gpu.is_cuda
+    assert torch.equal(on_gpu.cpu(), task.keys(generator, Where(), torch.device("cpu")))
+
+
+def test_the_ddpm_sampler_copies_its_noise_without_a_sync(monkeypatch):
+    """The CUDA review's L2: DDPM sampling copied each walked step's CPU noise with a
+    blocking copy (a stream sync per step); pinned now: a sampling raises nothing under
+    the sync debug mode."""
+    import ddpm
+
+    unet = ddpm.UNet(3, 8, 8, 1).cuda().eval()
+    sampler = ddpm.Sampler(unet, ddpm.Schedule("linear", 50), "ddpm", 5, seed=3)
+    sampler(torch.arange(4))  # (a first call: cuDNN's choices, allocations)
+    pinned = _pins(monkeypatch)
+    with _no_sync():
+        images = sampler(torch.arange(4))
+    assert len(pinned) == 5  # x_T, then the noise of each step but the last
+    assert images.is_cuda and images.shape == (4, 3, 8, 8) and torch.isfinite(images).all()
+
+
+def test_the_counters_fold_sample_counts_from_pinned_memory(monkeypatch):
+    """The CUDA review's L3: a fold's sample counts were a pageable copy, which CUDA may
+    synchronise (the sync debug mode cannot see it); pinned now, the same sums."""
+    from machinery import meters
+
+    pinned = _pins(monkeypatch)
+    counters = meters.Counters(torch.device("cuda", 0))
+    for _ in range(meters.FOLD_NORMS):  # one fold
+        counters.add_loss(torch.tensor(0.5, device="cuda"), 4)
+    assert len(pinned) == 1
+    read = counters.read()
+    assert read["loss_sum"] == 0.5 * 4 * meters.FOLD_NORMS
+    assert read["loss_count"] == 4 * meters.FOLD_NORMS
 
 
 def test_deterministic_segmentation_validates_on_cuda(tmp_path):

@@ -183,9 +183,9 @@ def test_a_gan_whose_fid_needs_more_than_one_batch(tmp_path, features, capsys,
     is evaluated on the whole validation set."""
     from reporting import gan_metrics
 
-    real_scores, measured = gan_metrics.generator_scores, []
-    monkeypatch.setattr(gan_metrics, "generator_scores", lambda g, real, f, n, seed: (
-        measured.append((len(real), n)), real_scores(g, real, f, n, seed))[1])
+    real_measure, measured = gan_metrics.measure, []  # (real images, generated images)
+    monkeypatch.setattr(gan_metrics, "measure", lambda f, real, fake, *args: (
+        measured.append((len(real), len(fake))), real_measure(f, real, fake, *args))[1])
     assert train.main(gan(features)(tmp_path / "run", "--fid-samples", "9",
                                     "--preflight")) == 0
     out = said(capsys)

@@ -109,6 +109,32 @@ def test_the_stop_point_is_drawn_from_the_seed_inside_the_window():
     assert verify_resume.stop_point(7, 6, 1)[1] == 0
 
 
+def test_on_cuda_without_deterministic_the_runs_get_it_and_a_note_says_so_first(tmp_path,
+                                                                              monkeypatch):
+    """Review 6's L4: on CUDA the check compares bits, which cuDNN's autotuned kernels
+    break even between two uninterrupted runs; without --deterministic it used to find
+    that after four runs. Now its runs get the flag, and its first line says so."""
+    import tempfile
+
+    from config import parse_config
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # (run makes its directory)
+    assert verify_resume.determinism("cpu", False) == ([], None)
+    assert verify_resume.determinism("cuda", True) == ([], None)
+    flags, note = verify_resume.determinism("cuda", False)
+    assert flags == ["--deterministic"] and note.startswith("note: --verify-resume on CUDA")
+    assert verify_resume.device_type({"device": "cpu", "gpus": None}) == "cpu"
+    assert verify_resume.device_type({"device": "auto", "gpus": "0"}) == "cuda"
+
+    said, checked = [], []
+    monkeypatch.setattr(verify_resume, "device_type", lambda config: "cuda")
+    monkeypatch.setattr(verify_resume, "_check", lambda config, argv, *rest: (
+        checked.append((list(said), argv)), 0)[1])
+    argv = small(tmp_path / "mine", "--verify-resume")
+    assert verify_resume.run(parse_config(argv)[0], argv, "train.py", say=said.append) == 0
+    assert checked == [([note], [*argv, "--deterministic"])]  # said before any run
+
+
 def test_ctrl_c_stops_the_check_and_its_child_and_removes_its_directory(tmp_path, monkeypatch,
                                                                          capsys):
     """Review 6's F9: a stop signal while a child trains ends the check at once: the child

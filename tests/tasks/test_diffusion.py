@@ -24,6 +24,7 @@ from helpers import (
     torchrun,
     update,
     watch_training,
+    write_launcher,
     write_mnist,
 )
 
@@ -305,16 +306,40 @@ def test_accumulation_equals_the_large_batch(tmp_path, features):
     assert final_state(accumulated)["step"] == final_state(big)["step"] == 8
 
 
+# The image indices each call of the sampler makes, a line a call, a file a process.
+RECORD_SAMPLED = """
+import ddpm
+forward = ddpm.Sampler.forward
+def recorded(self, indices):
+    with open(os.path.join({out!r}, os.environ["RANK"]), "a") as f:
+        f.write(" ".join(map(str, indices.tolist())) + "\\n")
+    return forward(self, indices)
+ddpm.Sampler.forward = recorded
+"""
+
+
 def test_two_processes_of_8_train_like_one_of_16(tmp_path, features):
+    """And validate like it: FID (of 8 images) within rounding, each process sampling its
+    half of them by index (the CUDA review's M3: not process 0 alone while the other
+    waits), process 0 the grid too."""
     one, two = tmp_path / "one", tmp_path / "two"
     flags = (*EQUAL, "--ema-decay", "0.9")
     assert train.main(diffusion_args(one, features, *flags, batch=16)) == 0
-    torchrun(diffusion_args(two, features, *flags, batch=8))
+    (tmp_path / "sampled").mkdir()
+    torchrun(diffusion_args(two, features, *flags, batch=8), script=write_launcher(
+        tmp_path / "launch.py", RECORD_SAMPLED.format(out=str(tmp_path / "sampled"))))
     torch.testing.assert_close(final_state(two)["model"], final_state(one)["model"])
     torch.testing.assert_close(final_state(two)["ema"], final_state(one)["ema"])
     a, b = read_metrics(one)[-1], read_metrics(two)[-1]
     for key in ("train_loss", "val_loss", "val_loss_ema", "val_fid_classifier_ema"):
         assert a[key] == pytest.approx(b[key], rel=1e-4), key
+    calls = {rank: (tmp_path / "sampled" / str(rank)).read_text().splitlines()
+             for rank in (0, 1)}
+    from tasks.diffusion import Diffusion
+
+    grid = " ".join(map(str, range(Diffusion.grid)))
+    assert calls[0] == ["0 1 2 3", grid] * 2  # 2 epochs, each sampling the average
+    assert calls[1] == ["4 5 6 7"] * 2
 
 
 def test_bf16_on_the_cpu_trains(tmp_path, features):

@@ -140,12 +140,12 @@ def test_best_pt_follows_the_lowest_fid(tmp_path, features, monkeypatch):
     from reporting import gan_metrics
 
     given = iter([5.0, 1.0, 2.0, 8.0, 7.0, 9.0])  # in turn: minima at different epochs
-    scores = gan_metrics.generator_scores
+    scores = gan_metrics.measure
 
     def given_fid(*args, **kwargs):
         return {**scores(*args, **kwargs), "fid_classifier": next(given)}
 
-    monkeypatch.setattr(gan_metrics, "generator_scores", given_fid)
+    monkeypatch.setattr(gan_metrics, "measure", given_fid)
     assert train.main(gan_args(tmp_path, features, "--ema-decay", "0.9", epochs=3)) == 0
     assert next(given, None) is None  # each of the six was logged
     records = read_metrics(tmp_path)
@@ -216,16 +216,47 @@ def test_accumulation_equals_the_large_batch(tmp_path, features):
     assert final_state(accumulated)["step"] == final_state(big)["step"] == 8
 
 
+# The generator's images outside training (eval mode: FID's and the grid's; not the model
+# summary's one image), each by its latent's first number, a line a call, a file a process.
+RECORD_GENERATED = """
+import dcgan
+forward = dcgan.Generator.forward
+def recorded(self, z):
+    if not self.training and len(z) > 1:
+        with open(os.path.join({out!r}, os.environ["RANK"]), "a") as f:
+            f.write(" ".join(map(repr, z[:, 0].tolist())) + "\\n")
+    return forward(self, z)
+dcgan.Generator.forward = recorded
+"""
+
+
 def test_two_processes_of_8_train_like_one_of_16(tmp_path, features):
+    """And validate like it: FID (of 8 images) within rounding, each process generating
+    its half of them by index (the CUDA review's M3: not process 0 alone, the other
+    waiting), process 0 the grid too."""
     one, two = tmp_path / "one", tmp_path / "two"
     flags = (*EQUAL, "--d-steps", "2", "--ema-decay", "0.9")
     assert train.main(gan_args(one, features, *flags, batch=16)) == 0
-    torchrun(gan_args(two, features, *flags, batch=8))
+    (tmp_path / "generated").mkdir()
+    torchrun(gan_args(two, features, *flags, batch=8), script=write_launcher(
+        tmp_path / "launch.py", RECORD_GENERATED.format(out=str(tmp_path / "generated"))))
     torch.testing.assert_close(final_state(two)["networks"], final_state(one)["networks"])
     torch.testing.assert_close(final_state(two)["ema"], final_state(one)["ema"])
     a, b = read_metrics(one)[-1], read_metrics(two)[-1]
-    for key in ("val_fid_classifier", "train_loss_d", "train_loss_g"):
+    # (KID too: these few steps' images are alike, FID of half of them is FID of all to
+    # 1e-6; KID is not)
+    for key in ("val_fid_classifier", "val_fid_classifier_ema", "val_kid_classifier",
+                "val_kid_classifier_ema", "train_loss_d", "train_loss_g"):
         assert a[key] == pytest.approx(b[key], rel=1e-4), key
+
+    def firsts(z):
+        return " ".join(map(repr, z[:, 0].tolist()))
+    fid, grid = (dcgan.fixed_latents(n, 16, 0) for n in (8, GAN.grid))  # (--seed 0)
+    calls = {rank: (tmp_path / "generated" / str(rank)).read_text().splitlines()
+             for rank in (0, 1)}
+    validations = 2 * 2  # 2 epochs, each validating the generator and its average
+    assert calls[0] == [firsts(fid[:4]), firsts(grid)] * validations
+    assert calls[1] == [firsts(fid[4:])] * validations
 
 
 # In train.py under torchrun: DDP's buffer broadcast before a forward fails, as cuDNN's
@@ -535,12 +566,12 @@ def test_another_fid_features_on_resume_starts_best_pt_afresh(tmp_path, features
 
     from reporting import gan_metrics
 
-    real, fids = gan_metrics.generator_scores, iter([1.0, 5.0, 4.0])
+    real, fids = gan_metrics.measure, iter([1.0, 5.0, 4.0])
 
     def scores(*args, **kwargs):
         return {**real(*args, **kwargs), "fid_classifier": next(fids)}
 
-    monkeypatch.setattr(gan_metrics, "generator_scores", scores)
+    monkeypatch.setattr(gan_metrics, "measure", scores)
     other = tmp_path / "other.pt"
     shutil.copy(features, other)
     run_dir = tmp_path / "run"

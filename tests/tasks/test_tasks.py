@@ -183,3 +183,56 @@ def test_fids_real_images_reach_process_0_only_and_each_sends_its_share(tmp_path
     assert got[0]["first"].flatten().tolist() == list(range(n))
     assert got[1]["first"] is None and got[2]["first"] is None
     assert [g["sent"] for g in got] == [[s] for s in sent]
+
+
+def _generation(n):
+    """A task measuring FID on ``n`` images (tiny classifier features, 6 of them), its
+    generated images (a function of the index alone) and its real ones."""
+    import types
+
+    from reporting import gan_metrics
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 6), torch.nn.Tanh(),
+                              torch.nn.Linear(6, 2))
+    features = gan_metrics.ClassifierFeatures(net, 4, 3)
+    g = torch.Generator().manual_seed(1)
+    fake, real = (torch.rand(n, 3, 4, 4, generator=g) * 2 - 1 for _ in range(2))
+    return types.SimpleNamespace(fid_samples=n, features=features, seed=3), fake, real
+
+
+def _generated_scores_worker(rank, world_size, port, out_dir, n):
+    import torch.distributed as dist
+    torch.set_num_threads(1)  # a forked OpenMP pool (the test process's, used) can hang
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size)
+    try:
+        task, fake, real = _generation(n)
+        made = []
+        scores = _generative.generated_scores(
+            task, lambda indices: (made.append(indices.tolist()), fake[indices])[1],
+            real if rank == 0 else None, batch_size=2)
+        torch.save({"made": made, "scores": scores}, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("n, shares", [(7, [[0, 1], [2, 3], [4, 5, 6]]), (2, [[], [0], [1]])])
+def test_the_generated_images_are_split_over_the_processes_by_index(tmp_path, n, shares):
+    """The CUDA review's M3: each process makes only its share of the images (none where
+    there are fewer images than processes), process 0 measures their gathered features:
+    one process's FID and KID to rounding, the others get None."""
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_generated_scores_worker, args=(3, port, str(tmp_path), n), nprocs=3,
+                       start_method="fork")
+    got = [torch.load(tmp_path / f"{r}.pt", weights_only=True) for r in range(3)]
+    assert [g["made"] for g in got] == [[share] if share else [] for share in shares]
+    task, fake, real = _generation(n)
+    alone = _generative.generated_scores(task, lambda indices: fake[indices], real, 2)
+    assert got[0]["scores"] == pytest.approx(alone, rel=1e-4)
+    assert got[1]["scores"] is None and got[2]["scores"] is None
