@@ -300,29 +300,15 @@ def test_gan_latents_reach_the_gpu_from_pinned_memory(monkeypatch):
     """The CUDA review's M2: a pageable host-to-device copy waits for the queued kernels
     (once per discriminator repeat); the latents are pinned first, and their values are
     the CPU draw's."""
-    import dataclasses
-
     from tasks import gan
 
-    pinned = []
-    pin = torch.Tensor.pin_memory
-    monkeypatch.setattr(torch.Tensor, "pin_memory",
-                        lambda self, *a: (pinned.append(1), pin(self, *a))[1])
+    pinned = _pins(monkeypatch)
     task = gan.GAN.__new__(gan.GAN)
     task.seed, task.latent_dim = 3, 8
-
-    @dataclasses.dataclass
-    class Where:
-        epoch: int = 0
-        first: int = 0
-        repeat: int = 0
-        step_samples: int = 16
-        offset: int = 4
-        count: int = 8
-
-    on_gpu = task.latents("discriminator", Where(), torch.device("cuda", 0))
+    where = engine.Where(epoch=0, first=0, offset=4, count=8, step_samples=16)
+    on_gpu = task.latents("discriminator", where, torch.device("cuda", 0))
     assert pinned and on_gpu.is_cuda
-    assert torch.equal(on_gpu.cpu(), task.latents("discriminator", Where(),
+    assert torch.equal(on_gpu.cpu(), task.latents("discriminator", where,
                                                   torch.device("cpu")))
 
 
