@@ -405,15 +405,23 @@ def hooks(task):
     ``loss`` is None for a task of several networks (``phase_loss``)."""
     prepare = task.prepare
     if not takes_where(prepare, 2):
-        def prepare(x, y, where, older=task.prepare):
-            return older(x, y, where.epoch, where.batch)
+        prepare = functools.partial(_older_prepare, task.prepare)
     if task.phases is not None:
         return prepare, None
     loss = task.loss
     if not takes_where(loss, 3):
-        def loss(model, x, y, where, older=task.loss):
-            return older(model, x, y)
+        loss = functools.partial(_older_loss, task.loss)
     return prepare, loss
+
+
+def _older_prepare(prepare, x, y, where):
+    """A ``prepare(x, y, epoch, batch)`` of before the ``Where``, called as the loop does."""
+    return prepare(x, y, where.epoch, where.batch)
+
+
+def _older_loss(loss, model, x, y, where):
+    """A ``loss(model, x, y)`` of before the ``Where``, called as the loop does."""
+    return loss(model, x, y)
 
 
 def key(*parts):

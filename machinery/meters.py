@@ -11,6 +11,8 @@ import time
 import torch
 import torch.distributed as dist
 
+import ops
+
 FOLD_NORMS = 64  # Counters keeps at most this many per-step entries as tensors, then folds
 
 
@@ -137,10 +139,7 @@ class Counters:
         """Sample counts as a float64 tensor on the device (exact: whole numbers), copied
         from pinned memory on CUDA: a pageable copy may wait for the queued kernels (the
         CUDA review's L3)."""
-        counts = torch.tensor(counts, dtype=torch.float64)
-        if torch.device(self.device).type == "cuda":
-            counts = counts.pin_memory()
-        return counts.to(self.device, non_blocking=True)
+        return ops.from_host(torch.tensor(counts, dtype=torch.float64), self.device)
 
     def read(self):
         """Returns the sums since the last read as numbers (one read from the device),

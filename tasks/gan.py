@@ -11,6 +11,7 @@ import os
 import torch
 
 import dcgan
+import ops
 from machinery import checkpoint, engine, runtime
 from machinery.runtime import say
 from ops import UserError
@@ -225,10 +226,7 @@ class GAN(Task):
             * 101 + where.repeat
         g = torch.Generator().manual_seed(key % (2**63 - 1))
         z = torch.randn(where.step_samples, self.latent_dim, generator=g)
-        z = z[where.offset:where.offset + where.count]
-        if torch.device(device).type == "cuda":  # pinned: the copy waits for no kernel
-            z = z.pin_memory()       # (pageable memory would; the CUDA review's M2)
-        return z.to(device, non_blocking=True)
+        return ops.from_host(z[where.offset:where.offset + where.count], device)
 
     def phase_loss(self, network, model, plain, x, y, where, kept):
         """The loss of ``network``'s phase for one micro-batch and its figures (detached).

@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 import torch
 
 import losses
+import ops
 import pix2pix
 from machinery import checkpoint, engine, files, runtime
 from machinery.runtime import say
@@ -206,10 +207,7 @@ class Pix2Pix(Task):
             return None
         first = where.first + where.offset
         positions = torch.arange(first, first + where.count)
-        keys = pix2pix.sample_keys(self.seed, where.epoch, positions)
-        if torch.device(device).type == "cuda":  # pinned: the copy waits for no kernel
-            keys = keys.pin_memory()  # (pageable memory would; the CUDA review's M1)
-        return keys.to(device, non_blocking=True)
+        return ops.from_host(pix2pix.sample_keys(self.seed, where.epoch, positions), device)
 
     def phase_loss(self, network, model, plain, x, y, where, kept):
         """The loss of ``network``'s phase for one micro-batch and its figures (detached).
