@@ -170,7 +170,8 @@ def test_export_is_one_line_where_torch_export_cannot_take_the_detector(trained,
 
 
 def test_sigterm_mid_epoch_then_resume_equals_the_run_that_never_stopped(tmp_path):
-    flags = ("--ema-decay", "0.9", "--batch-size", "2")
+    flags = ("--ema-decay", "0.9", "--batch-size", "2", "--num-workers", "2")  # (workers:
+    #                              their augmentation must not follow from their own RNG)
     full, stopped = tmp_path / "full", tmp_path / "stopped"
     assert train.main(det_args(full, *flags)) == 0
     with stop_at_step(2):  # of 4 steps
@@ -209,6 +210,12 @@ def test_coco_layouts_map_ids_drop_crowd_in_training_and_keep_empty_images(tmp_p
         for key in ((i, 0) for i in range(len(train_set))):
             image, target = train_set[key]
             assert not bool(target["crowd"].any())
+        plain, _ = detection_data.build_datasets(dict(config, data_dir=str(root),
+                                                      augment=False))
+        capsys.readouterr()
+        base = plain.base.targets[1]  # image 1010: its shapes' boxes and the crowd box
+        assert bool(base["crowd"].any())
+        assert int(plain[(1, 0)][1]["count"]) == int((~base["crowd"]).sum())  # crowd left out
         assert int(val_set[0][1]["count"]) == 0  # the image without boxes is kept
 
 
