@@ -84,12 +84,15 @@ command -v "$PY" > /dev/null || { echo "error: no interpreter '$PY': set PYTHON"
 # bench/gan.py, train.py's DCGAN steps/s against the PyTorch example's loop (and FID).
 # bench/diffusion.py: train.py's DDPM steps/s against the diffusers example's loop.
 # bench/pix2pix.py: train.py's pix2pix steps/s against the reference's two-optimizer loop.
+# bench/detection.py: train.py's detector samples/s and mAP against torchvision's
+# detection reference loop (the same synthetic boxes, detector, batch and epochs).
 if [ "$profile" = smoke ]; then
   gan_args="--samples 64 --steps 8 --batch-size 16 --width 8 --fid-samples 16 \
 --classifier-network mlp"
   diffusion_args="--samples 64 --steps 8 --batch-size 16 --width 8 --image-size 8 \
 --fid-samples 8 --sample-steps 2 --repeats 1"
   pix2pix_args="--samples 32 --steps 4 --batch-size 8 --width 8 --repeats 1"
+  detection_args="--samples 16 --size 64 --epochs 1 --batch-size 4"
 else
   gan_args="--samples 16384 --steps 256 --batch-size 128 --fid-samples 1024 \
 --classifier-network simple_cnn"
@@ -97,12 +100,16 @@ else
 --blocks 2 --fid-samples 512 --sample-steps 20 --repeats 2 --classifier-network simple_cnn"
   pix2pix_args="--samples 4096 --steps 512 --batch-size 32 --image-size 64 --width 64 \
 --repeats 2"
+  detection_args="--samples 2048 --size 320 --epochs 2 --batch-size 32 --amp bf16 \
+--network fasterrcnn_mobilenet_v3_large_320_fpn --lr 0.04"
 fi
 STEP_RATES=("gan:$PY bench/gan.py --device $device $gan_args --classifier-epochs 1 \
 --workers $workers"
             "diffusion:$PY bench/diffusion.py --device $device $diffusion_args \
 --classifier-epochs 1"
-            "pix2pix:$PY bench/pix2pix.py --device $device $pix2pix_args --workers $workers")
+            "pix2pix:$PY bench/pix2pix.py --device $device $pix2pix_args --workers $workers"
+            "detection:$PY bench/detection.py --device $device $detection_args \
+--workers $workers")
 
 log=$out/gpu-sh.log json=$out/gpu-figures.json
 work=$(mktemp -d) || exit 1
