@@ -63,6 +63,17 @@ def seg_args(run_dir, *extra, network="unet", size=32, image=16, batch=8, epochs
             *extra]
 
 
+def main_in_process(main, argv, capsys):
+    """``main(argv)`` (train.py's or test.py's) in this process, ended as the process would
+    end: (exit code, stdout, stderr); argparse's own errors (SystemExit) give their code."""
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 def read_metrics(run_dir):
     """The records of a run's metrics.jsonl, in order (blank lines skipped)."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:

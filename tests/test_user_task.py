@@ -17,12 +17,15 @@ from helpers import (
     ROOT,
     assert_states_equal,
     final_state,
+    load_test_py,
+    main_in_process,
     read_metrics,
     stop_at_step,
     tiny_args,
     torchrun,
 )
 
+import tasks
 import train
 
 
@@ -195,26 +198,25 @@ def test_two_processes_of_8_equal_one_of_16(tmp_path, task_file):
     ("{tasks}:RegressionEvaluation", "no tasks.Task subclass 'RegressionEvaluation'"),
     ("regression", "invalid choice: 'regression'"),
 ])
-def test_a_task_that_cannot_be_found_is_one_error_line(tmp_path, task_file, name, expected):
+def test_a_task_that_cannot_be_found_is_one_error_line(tmp_path, task_file, name, expected,
+                                                      monkeypatch, capsys):
     name = name.format(tasks=task_file.rsplit(":", 1)[0])
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--task", name,
-                           *tiny_args(tmp_path / "run")], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and expected in lines[0], \
-        done.stderr
+    monkeypatch.chdir(tmp_path)
+    code, _, err = main_in_process(train.main, ["--task", name, *tiny_args(tmp_path / "run")],
+                                   capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and expected in lines[0], err
     assert not (tmp_path / "run").exists()
 
 
-def test_test_py_json_holds_the_tasks_figures(tmp_path, task_file):
+def test_test_py_json_holds_the_tasks_figures(tmp_path, task_file, capsys):
     assert train.main(["--task", task_file, *tiny_args(tmp_path / "run")]) == 0
     out = tmp_path / "r.json"
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "test.py"), "--checkpoint",
-                           str(tmp_path / "run" / "checkpoints" / "last.pt"), "--json",
-                           str(out), "--task", task_file], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    code, _, err = main_in_process(load_test_py().main, [
+        "--checkpoint", str(tmp_path / "run" / "checkpoints" / "last.pt"), "--json", str(out),
+        "--task", task_file], capsys)
+    assert code == 0, err
     report, record = json.loads(out.read_text()), read_metrics(tmp_path / "run")[-1]
     assert report["loss"] == pytest.approx(record["val_loss"], rel=1e-6)
     assert report["r2"] == pytest.approx(record["val_r2"], rel=1e-6, abs=1e-9)
@@ -348,16 +350,19 @@ def test_a_task_drawing_from_where_trains_8_plus_8_and_2x8_as_one_batch_of_16(tm
      "val_set=None):\n        pass\n", "Bad.build returned NoneType, not the task"),
 ])
 def test_a_task_missing_a_part_or_with_a_wrong_signature_is_one_line_at_load(tmp_path, extra,
-                                                                             expected):
+                                                                             expected,
+                                                                             monkeypatch,
+                                                                             capsys):
     code = re.findall(r"```python\n(.*?)```", readme_section(), re.S)[0]
     (tmp_path / "bad.py").write_text(code + "\n\n" + extra)
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--task",
-                           "bad.py:Bad", *tiny_args(tmp_path / "run")], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tasks, "_loaded", {})  # "bad.py:Bad" is another file in each case
+    code, _, err = main_in_process(train.main, ["--task", "bad.py:Bad",
+                                                *tiny_args(tmp_path / "run")], capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --task bad.py:Bad: ") and \
-        expected in lines[0], done.stderr
+        expected in lines[0], err
     assert not (tmp_path / "run").exists()
 
 
@@ -365,7 +370,8 @@ PAYLOAD = "open('RAN', 'w').close()  # what any file of code could do when impor
 
 
 @pytest.mark.slow
-def test_a_checkpoint_naming_a_task_file_never_imports_it(tmp_path, task_file):
+def test_a_checkpoint_naming_a_task_file_never_imports_it(tmp_path, task_file, monkeypatch,
+                                                          capsys):
     # Issue 51's F1: test.py and --resume of a checkpoint whose config names a task file
     # say which flag to add, in one line (exit 2), and the file has not run.
     from machinery import checkpoint
@@ -376,13 +382,13 @@ def test_a_checkpoint_naming_a_task_file_never_imports_it(tmp_path, task_file):
     state.pop("checksum")
     state["config"]["task"] = "payload.py:Classifier"
     checkpoint.save_checkpoint(state, str(tmp_path / "received.pt"))  # a valid checksum
-    for script, *args in (("test.py", "--checkpoint", "received.pt"),
-                          ("train.py", "--resume", "received.pt", "--run-dir", "resumed")):
-        done = subprocess.run([sys.executable, os.path.join(ROOT, script), *args, "--device",
-                               "cpu"], cwd=tmp_path, capture_output=True, text=True,
-                              timeout=120)
-        lines = done.stderr.strip().splitlines()
-        assert done.returncode == 2 and len(lines) == 1, (script, done.stderr)
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    for main, *args in ((load_test_py().main, "--checkpoint", "received.pt"),
+                        (train.main, "--resume", "received.pt", "--run-dir", "resumed")):
+        code, _, err = main_in_process(main, [*args, "--device", "cpu"], capsys)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, (args, err)
         assert lines[0].startswith("error:") and \
             lines[0].endswith("add --task payload.py:Classifier"), lines
-        assert not (tmp_path / "RAN").exists(), script
+        assert not (tmp_path / "RAN").exists(), args

@@ -5,25 +5,31 @@ from the global RNG in a worker)."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import ROOT, _child_env, finish, seg_args, start_torchrun, tiny_args
+from helpers import ROOT, finish, main_in_process, seg_args, start_torchrun, tiny_args
 
+import train
 from machinery import verify_resume
 
 TIMEOUT = 600
 
 
-def verify(args, cwd=ROOT):
-    """``python train.py ARGS --verify-resume`` in a fresh process: (exit code, output)."""
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args,
-                          "--verify-resume", "--verify-resume-steps", "4"],
-                         cwd=cwd, env=_child_env(), capture_output=True, text=True,
-                         timeout=TIMEOUT)
-    return out.returncode, out.stdout + out.stderr
+@pytest.fixture
+def verify(monkeypatch, capsys):
+    """``verify(args, cwd=ROOT)``: train.py's ``main(ARGS --verify-resume)`` in this process,
+    its three runs fresh processes as always: (exit code, output)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the runs: two workers on two cores
+
+    def run(args, cwd=ROOT):
+        monkeypatch.chdir(cwd)
+        capsys.readouterr()
+        code, out, err = main_in_process(train.main, [*args, "--verify-resume",
+                                                      "--verify-resume-steps", "4"], capsys)
+        return code, out + err
+
+    return run
 
 
 def small(run_dir, *extra, **kwargs):
@@ -176,7 +182,7 @@ def test_ctrl_c_stops_the_check_and_its_child_and_removes_its_directory(tmp_path
 
 # -------------------------------------------------------------------- the whole check
 
-def test_a_classifier_with_accumulation_and_workers_resumes_exactly(tmp_path):
+def test_a_classifier_with_accumulation_and_workers_resumes_exactly(verify, tmp_path):
     # simple_cnn (BatchNorm), augmentation, two micro-batches a step, a DataLoader worker
     run_dir = tmp_path / "mine"
     code, out = verify(small(run_dir, "--num-workers", "1", "--data-on-device", "off",
@@ -186,21 +192,21 @@ def test_a_classifier_with_accumulation_and_workers_resumes_exactly(tmp_path):
     assert not run_dir.exists()  # the user's run directory is never made
 
 
-def test_the_device_path_with_ema_resumes_exactly(tmp_path):
+def test_the_device_path_with_ema_resumes_exactly(verify, tmp_path):
     code, out = verify(small(tmp_path / "mine", "--data-on-device", "on", "--ema-decay",
                              "0.9", "--mixup-alpha", "0.4"))
     assert code == 0, out[-3000:]
     assert "resume exact" in out
 
 
-def test_segmentation_resumes_exactly(tmp_path):
+def test_segmentation_resumes_exactly(verify, tmp_path):
     code, out = verify(seg_args(tmp_path / "mine", "--virtual-batch-size", "8", batch=4,
                                 size=16, image=16))
     assert code == 0, out[-3000:]
     assert "resume exact" in out
 
 
-def test_a_gan_resumes_exactly(tmp_path):
+def test_a_gan_resumes_exactly(verify, tmp_path):
     # two phases (the discriminator's twice: --d-steps 2), each over two micro-batches
     code, out = verify(tiny_args(tmp_path / "mine", "--task", "gan", "--fid-samples", "0",
                                  "--gan-width", "4", "--latent-dim", "4", "--d-steps", "2",
@@ -211,7 +217,7 @@ def test_a_gan_resumes_exactly(tmp_path):
     assert "resume exact" in out
 
 
-def test_a_diffusion_model_resumes_exactly(tmp_path):
+def test_a_diffusion_model_resumes_exactly(verify, tmp_path):
     # one network drawing its noise and timesteps from the step's ``where``, accumulated
     code, out = verify(["--task", "diffusion", "--dataset", "synthetic", "--synthetic-size",
                         "48", "--image-size", "16", "--diffusion-width", "8",
@@ -287,7 +293,7 @@ class NoisyTask(Classification):
 '''
 
 
-def test_a_dropout_with_a_generator_of_its_own_is_named(tmp_path):
+def test_a_dropout_with_a_generator_of_its_own_is_named(verify, tmp_path):
     (tmp_path / "dropout_task.py").write_text(OWN_DROPOUT)
     code, out = verify(small(tmp_path / "mine", "--task", "dropout_task.py:DropoutTask",
                              "--no-augment"), cwd=tmp_path)
@@ -300,7 +306,7 @@ def test_a_dropout_with_a_generator_of_its_own_is_named(tmp_path):
     assert "two uninterrupted runs differ" not in error  # it is the resume's doing
 
 
-def test_a_dataset_drawing_from_the_global_rng_in_a_worker_is_named(tmp_path):
+def test_a_dataset_drawing_from_the_global_rng_in_a_worker_is_named(verify, tmp_path):
     (tmp_path / "noisy_task.py").write_text(NOISY_DATA)
     code, out = verify(small(tmp_path / "mine", "--task", "noisy_task.py:NoisyTask",
                              "--no-augment", "--num-workers", "1", "--data-on-device", "off"),
