@@ -143,6 +143,8 @@ def train(argv, stop):
         check_config(config)
         if saved is None:  # a photo folder's network, chosen without --network: say which
             presets.network_notes(config, runtime.main_print, explicit=explicit)
+        else:  # another number of processes: the checkpoint's global batch, or one line
+            runtime.check_step_size(saved, config)
         return fit(config, argv, resume_path, saved, directory, stop)
 
 
@@ -606,9 +608,7 @@ def wrap_model(net, config, device, world_size, broadcast_buffers=True):
                                     for name, module in net.items()})
     model = net
     if world_size > 1:
-        ids = [device.index] if device.type == "cuda" else None
-        model = torch.nn.parallel.DistributedDataParallel(
-            net, device_ids=ids, **({} if broadcast_buffers else runtime.NO_BUFFER_BROADCAST))
+        model = runtime.distributed(net, device, broadcast_buffers)  # buckets settled
     elif config["gpus"] and len(runtime.gpu_ids(config["gpus"])) > 1:
         replica = engine.Autocast(net, device.type, runtime.amp_dtype(config["amp"], device))
         model = torch.nn.DataParallel(replica, device_ids=runtime.gpu_ids(config["gpus"]))
@@ -691,7 +691,6 @@ def restore(saved, path, net, ema, optimizer, scaler, state, config, procs, task
         scaler.load_state_dict(saved["scaler"])
     rngs = saved.get("rng_per_rank") or [saved["rng"]]
     checkpoint.set_rng_state(rngs[procs.rank] if len(rngs) == procs.world_size else rngs[0])
-    runtime.note_step_size_change(saved["config"], len(rngs), config, procs.world_size)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,13 @@ and a change of world size leave one line per step and process.
 
     python -m machinery.ledger RUN_DIR    # exit 0: every epoch a permutation; 1: not
 
-names the first duplicate or missing sample (and the steps that saw it). Lines are
+names the first duplicate or missing sample (and the steps that saw it);
+
+    python -m machinery.ledger RUN_DIR OTHER_RUN_DIR    # exit 0: the same samples
+
+says whether two runs trained on the same samples at every step both recorded (each
+step's global batch, whatever the processes: a run resumed on another number of them
+against the run that never stopped), or names the first step that differs. Lines are
 flushed, not fsynced: after a power loss the last steps before a checkpoint may be
 missing, and the check says so (missing samples), which is the truth of the file.
 """
@@ -265,12 +271,45 @@ def _missing_steps(steps, start):
     return None
 
 
+def step_samples(run_dir):
+    """``{step: the sorted sample indices all processes trained on in it}`` of a run's
+    ledger: a step's global batch, whatever the processes that shared it."""
+    steps = collections.defaultdict(list)
+    for _, path in rank_files(run_dir):
+        for line in read_lines(path):
+            if "step" in line:
+                steps[line["step"]] += line["samples"]
+    return {step: sorted(samples) for step, samples in sorted(steps.items())}
+
+
+def compare(run_dir, other):
+    """Whether two runs trained on the same samples at every step both recorded (a run
+    resumed on another number of processes against the run that never stopped).
+
+    Returns:
+        ``(same, lines)``: the first step whose samples differ, or the steps compared.
+    """
+    a, b = step_samples(run_dir), step_samples(other)
+    both = sorted(set(a) & set(b))
+    if not both:
+        return False, [f"error: {run_dir} and {other} recorded no step in common"]
+    for step in both:
+        if a[step] != b[step]:
+            extra, missing = (sorted(set(y) - set(x)) for x, y in ((a[step], b[step]),
+                                                                    (b[step], a[step])))
+            return False, [f"error: step {step}: other samples ({len(a[step])} against "
+                           f"{len(b[step])}; {other} has {extra[:5]} where {run_dir} has "
+                           f"{missing[:5]})"]
+    return True, [f"the same samples at each of steps {both[0]}-{both[-1]} ({len(both)} "
+                  f"steps)"]
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1 or argv[0].startswith("-"):
-        print("usage: python -m machinery.ledger RUN_DIR", file=sys.stderr)
+    if len(argv) not in (1, 2) or any(a.startswith("-") for a in argv):
+        print("usage: python -m machinery.ledger RUN_DIR [OTHER_RUN_DIR]", file=sys.stderr)
         return 2
-    ok, lines = check(argv[0])
+    ok, lines = check(argv[0]) if len(argv) == 1 else compare(*argv)
     for line in lines:
         print(line, file=sys.stdout if ok or not line.startswith("error:") else sys.stderr)
     return 0 if ok else 1

@@ -49,6 +49,52 @@ def _no_buffer_broadcast():
 NO_BUFFER_BROADCAST = _no_buffer_broadcast()
 
 
+def distributed(net, device, broadcast_buffers=True):
+    """``net`` in DistributedDataParallel (``device_ids`` on CUDA; without the buffer
+    broadcast before each forward when ``broadcast_buffers`` is False), its gradient
+    buckets settled before the first step (``settle_buckets``)."""
+    model = torch.nn.parallel.DistributedDataParallel(
+        net, device_ids=[device.index] if device.type == "cuda" else None,
+        **({} if broadcast_buffers else NO_BUFFER_BROADCAST))
+    settle_buckets(model)
+    return model
+
+
+def settle_buckets(model):
+    """Gives a new DDP ``model`` the gradient buckets of all its steps before its first.
+
+    A new DDP all-reduces its first backward in one bucket, then rebuilds its buckets in
+    the order the gradients arrived; with 3 or more processes an all-reduce sums an
+    element in an order set by its place in the bucket, so a resumed run's first step (or
+    the step after ``--preflight``, or after ``--unfreeze-at``'s new wrapper) ended in
+    other bits than the uninterrupted run's on rebuilt buckets (CUDA review 6, M2). So
+    the network's forward is replaced, for one call, by a sum of its trainable parameters
+    times zero, chained so that their gradients arrive in the reverse of the parameters'
+    order (a backward pass's, DDP's own first guess); the zero gradients are all-reduced
+    and cleared (None). The network does not run: no buffer or random state moves. Every
+    step of every run then all-reduces on the buckets rebuilt from that order. The cost
+    (docs/distributed.md): one all-reduce of zeros per wrapper, nothing per step.
+    """
+    params = [p for p in model.module.parameters() if p.requires_grad]
+    if not params:
+        return
+
+    def zero_chain(*args, **kwargs):
+        total = params[0].new_zeros(())
+        for p in params:  # the last added is the first whose gradient arrives
+            total = total + p.sum() * 0
+        return total
+
+    model.module.forward = zero_chain  # for this one call (an attribute of the instance)
+    try:
+        with torch.enable_grad():  # (an input: DDP with device_ids indexes the inputs)
+            model(params[0].new_zeros(())).backward()
+    finally:
+        del model.module.forward
+    for p in params:
+        p.grad = None
+
+
 class Processes(NamedTuple):
     """This process's place: its rank among ``world_size`` processes, and its device.
 
@@ -470,16 +516,51 @@ def native_bf16(capability):
 
 # Ctrl-C, schedulers, a dropped SSH session, SLURM's warning before a time limit
 # (--signal=USR1@90) or another signal chosen for it (--requeue-signal).
-def note_step_size_change(before, before_world, config, world):
-    """On resume: says so when the samples per optimizer step changed (--batch-size is per
-    process, so a run resumed on another number of processes changes them)."""
-    per_step = (before["virtual_batch_size"] or before["batch_size"]) * before_world
-    now = (config["virtual_batch_size"] or config["batch_size"]) * world
-    if per_step != now:
-        main_print(f"note: the checkpoint took {per_step} samples per optimizer step "
-                   f"({before_world} process(es)), this run takes {now} ({world}); to "
-                   f"continue the same training, set --batch-size (per process) so that "
-                   f"they match")
+def saved_world_size(saved):
+    """The number of processes that saved checkpoint ``saved`` (one RNG state each)."""
+    return len(saved.get("rng_per_rank") or [saved["rng"]])
+
+
+def check_step_size(saved, config, world=None):
+    """On resume: the samples per optimizer step (the global batch: --batch-size, or
+    --virtual-batch-size, times the processes) against the checkpoint's.
+
+    On another number of processes (a job requeued onto other nodes) a step must take the
+    checkpoint's samples: the sampler cuts every epoch's order into global batches of
+    them, so the same global batch is the same samples at every step whatever the
+    processes (``data.EpochBatchSampler``), and another would train other steps. Else
+    ``UserError``: one line naming the flags that keep it. On the same processes a changed
+    --batch-size is the user's choice: a note.
+
+    Args:
+        saved: the checkpoint.
+        config: the resumed run's config (merged).
+        world: this run's processes (default: torchrun's WORLD_SIZE, else 1).
+    """
+    before, world = saved_world_size(saved), world or int(os.environ.get("WORLD_SIZE", "1"))
+    old = saved["config"]
+    per_step = (old.get("virtual_batch_size") or old["batch_size"]) * before
+    batch, virtual = config["batch_size"], config["virtual_batch_size"]
+    now = (virtual or batch) * world
+    if per_step == now:
+        return
+    took = (f"the checkpoint took {per_step} samples per optimizer step ({before} "
+            f"process(es)), this run takes {now} ({world})")
+    if world == before:
+        main_print(f"note: {took}; to continue the same training, set --batch-size (per "
+                   f"process) so that they match")
+        return
+    if per_step % world:
+        raise UserError(f"{took}: {world} processes cannot share {per_step} samples per "
+                        f"step; to continue the same training, run a number of processes "
+                        f"that divides {per_step}, with --batch-size {per_step} / processes")
+    share = per_step // world  # each process's samples per step
+    keep = [f"--batch-size {share}" + (" --virtual-batch-size 0" if virtual else "")]
+    if share % batch == 0 and share > batch:  # the same micro-batch, accumulated
+        keep.insert(0 if virtual else 1, f"--virtual-batch-size {share} (accumulating "
+                                         f"{share // batch} batches of {batch})")
+    raise UserError(f"{took}: to continue the same training on {world} process(es), pass "
+                    f"{' or '.join(keep)}")
 
 
 class StopRequest:

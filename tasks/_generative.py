@@ -62,6 +62,19 @@ def first_images(kept, n):
     return first
 
 
+def real_share(n, val_size):
+    """How many of the first ``n`` validation images this process's shard holds (the
+    shards of ``data.shard_indices``: contiguous, in rank order): all it keeps for FID,
+    so no process holds more than its share (``val_size`` 0, unknown: ``n``)."""
+    import torch.distributed as dist
+
+    if not val_size or not (dist.is_available() and dist.is_initialized()):
+        return n
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first, end = rank * val_size // world, (rank + 1) * val_size // world
+    return max(0, min(end, n) - first)
+
+
 def share(n, rank, world):
     """Process ``rank``'s indices of images ``0`` to ``n - 1`` of a validation's generation:
     a contiguous block, the blocks in rank order (``n`` split as evenly as it goes)."""
@@ -76,7 +89,8 @@ def generated_scores(task, make, real, batch_size=256):
 
     One process makes and measures them all, as test.py does. Under DDP the generation is
     split over the processes by index (``share``): each makes its share, extracts its
-    features (``gan_metrics.extract``) and sends them to process 0, which measures. No
+    features batch by batch (``made_features``) and sends them to process 0, which
+    measures. No
     process samples alone while the others wait in a collective (whose timeout a long
     sampling would outlast: the CUDA review's M3), and the figures are one process's up
     to float rounding.
@@ -88,18 +102,28 @@ def generated_scores(task, make, real, batch_size=256):
 
     n, features = task.fid_samples, task.features
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return gan_metrics.measure(features, real, make(torch.arange(n)), task.seed,
-                                   batch_size)
+        return gan_metrics.measure(features, real, made_features(
+            features, make, torch.arange(n), batch_size), task.seed, batch_size,
+            extracted=True)
     rank, world = dist.get_rank(), dist.get_world_size()
-    mine = share(n, rank, world)
-    found = gan_metrics.extract(features, make(mine) if len(mine) else torch.zeros(0),
-                                batch_size)  # (len(mine), D) on the CPU
+    found = made_features(features, make, share(n, rank, world), batch_size)  # (n_r, D)
     parts = [None] * world if rank == 0 else None
     dist.gather_object(found, parts, dst=0)
     if rank != 0:
         return None
     return gan_metrics.measure(features, real, torch.cat(parts), task.seed, batch_size,
                                extracted=True)
+
+
+def made_features(features, make, indices, batch_size):
+    """The features (``gan_metrics.extract``'s: ``(len(indices), D)`` float64 on the CPU)
+    of the images ``make`` makes for ``indices``, one batch of ``batch_size`` at a time:
+    never more than one batch of images alive, on any device (the CUDA review's L5: 10,000
+    images of 256 px were 16 GB on the GPU, twice). The batches are those ``make`` would
+    cut from the whole, so the features are the same bits."""
+    found = [gan_metrics.extract(features, make(chunk), batch_size)
+             for chunk in indices.split(batch_size) if len(chunk)]
+    return torch.cat(found) if found else gan_metrics.extract(features, torch.zeros(0))
 
 
 @contextlib.contextmanager

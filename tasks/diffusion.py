@@ -26,6 +26,7 @@ from tasks._generative import (
     first_images,
     generated_scores,
     real_images,
+    real_share,
     sample_grid,
     write_samples,
 )
@@ -384,7 +385,8 @@ class DiffusionEvaluation(Evaluation):
     def update(self, losses, y, x=None):
         self.total += torch.stack([losses.double().sum().cpu(),
                                    torch.tensor(float(len(losses)), dtype=torch.float64)])
-        want = self.task.fid_samples - self.have if self.sampling else 0
+        want = real_share(self.task.fid_samples, self.task.val_size) - self.have \
+            if self.sampling else 0
         if want > 0:
             self.real.append(x[:want].float().cpu())
             self.have += len(self.real[-1])

@@ -26,6 +26,7 @@ from tasks._generative import (
     first_images,
     generated_scores,
     real_images,
+    real_share,
     sample_grid,
     write_samples,
 )
@@ -196,9 +197,11 @@ class GAN(Task):
     @classmethod
     def build(cls, config, train_set, val_set=None):
         """The GAN, measuring FID on ``fid_samples(config, val_set)`` images."""
-        return cls(config, train_set, fid_samples(config, val_set))
+        return cls(config, train_set, fid_samples(config, val_set),
+                   len(val_set) if val_set is not None else 0)
 
-    def __init__(self, config, train_set, fid_samples=None):
+    def __init__(self, config, train_set, fid_samples=None, val_size=0):
+        self.val_size = val_size  # (each process keeps its share of the first FID images)
         self.kind, self.gp_weight = config["gan_loss"], config["gp_weight"]
         self.latent_dim, self.seed = config["latent_dim"], config["seed"]
         self.fid_samples = FID_SAMPLES if fid_samples is None else fid_samples
@@ -377,7 +380,7 @@ class GANEvaluation(Evaluation):
         self.measured = (engine.bare(generator),)  # (a tuple: not a submodule of the metric)
 
     def update(self, real, y, x=None):
-        want = self.task.fid_samples - self.have
+        want = real_share(self.task.fid_samples, self.task.val_size) - self.have
         if want > 0:
             self.real.append(real[:want].float().cpu())
             self.have += len(self.real[-1])

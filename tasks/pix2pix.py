@@ -327,6 +327,26 @@ class Pix2Pix(Task):
                         ("inputs", "outputs"))
 
 
+@contextlib.contextmanager
+def full_float32(device):
+    """cuDNN without TF32 inside the block on a CUDA ``device`` (nothing elsewhere).
+
+    SSIM's Gaussian filter is a depthwise convolution; torch sends a channels_last one
+    (``--channels-last`` outputs keep their format through torchmetrics' padding) to
+    cuDNN, whose TF32 rounds the filter's inputs to 10 bits: SSIM(x, x) of the synthetic
+    pairs' flat shapes read 0.93 instead of 1 (CUDA review 6's L1). The images are made
+    NCHW-contiguous too, which keeps the filter on torch's own float32 kernel."""
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32 = before
+
+
 class Pix2PixEvaluation(Evaluation):
     """One validation of pix2pix, counted on the device: PSNR and SSIM of the outputs
     against the targets, both in [0, 1] (torchmetrics' ``PeakSignalNoiseRatio``: the
@@ -357,7 +377,8 @@ class Pix2PixEvaluation(Evaluation):
     def update(self, out, y, x=None):
         out, y = out.float(), y.float()
         self.psnr.update((out + 1) / 2, (y + 1) / 2)
-        self.ssim.update((out + 1) / 2, (y + 1) / 2)
+        with full_float32(out.device):  # SSIM's filter on NCHW, without TF32 (review 6's L1)
+            self.ssim.update(((out + 1) / 2).contiguous(), ((y + 1) / 2).contiguous())
         self.l1_sum += (out - y).abs().sum(dtype=torch.float64)
         self.elements += out.numel()
         self.pairs += len(out)

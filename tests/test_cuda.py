@@ -464,3 +464,63 @@ def test_a_resume_on_the_other_data_path_says_so(tmp_path, capsys):
     capsys.readouterr()
     assert train.main(cuda_args(tmp_path, "--data-on-device", "off", "--resume", "auto")) == 0
     assert "--data-on-device on keeps its path" in capsys.readouterr().err
+
+
+def test_ddp_on_a_gpu_settles_its_buckets_before_the_first_step(tmp_path):
+    """Issue 50 (review 6's M2): runtime.distributed spends DDP's one-bucket iteration
+    before the first step on CUDA too (DDP with device_ids indexes its inputs: the
+    settling call passes one), so the first real forward rebuilds the buckets; no
+    gradient and no buffer is left changed. One process of NCCL on GPU 0."""
+    import torch.distributed as dist
+
+    from machinery import runtime
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        net = networks.build_network("resnet9", 10, 3, 16).cuda()
+        before = {k: v.clone() for k, v in net.state_dict().items()}
+        model = runtime.distributed(net, torch.device("cuda", 0))
+        assert all(p.grad is None for p in net.parameters())
+        assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+        model(torch.randn(2, 3, 16, 16, device="cuda")).sum().backward()
+        assert model._has_rebuilt_buckets
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last],
+                         ids=["nchw", "channels_last"])
+def test_ssim_of_an_image_with_itself_is_one_in_either_format(memory_format):
+    """Review 6's L1: SSIM's depthwise filter on channels_last images went to cuDNN and
+    its TF32: SSIM(x, x) of flat shapes read 0.93. Autotuned, as training is."""
+    from tasks.pix2pix import Pix2PixEvaluation
+
+    x = (torch.rand(8, 3, 4, 4).repeat_interleave(16, -1).repeat_interleave(16, -2) * 2
+         - 1).cuda().to(memory_format=memory_format)
+    with torch.backends.cudnn.flags(enabled=True, benchmark=True):
+        evaluation = Pix2PixEvaluation(torch.device("cuda"))
+        evaluation.update(x, x.clone())
+        assert evaluation.compute()["ssim"] >= 0.9999
+    assert torch.backends.cudnn.allow_tf32  # put back
+
+
+def test_fid_generation_holds_one_batch_of_images_on_the_gpu():
+    """Review 6's L5: the images a validation makes for FID are extracted a batch at a
+    time (_generative.made_features), not all kept (twice) on the GPU: 1,024 images of
+    3 x 128 x 128 would be 200 MB, twice; one batch of 64 is 12.6 MB."""
+    from tasks import _generative
+
+    features = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()).cuda()
+    features.register_parameter("anchor", torch.nn.Parameter(torch.zeros(1, device="cuda")))
+    features.num_features = 3
+
+    def make(indices):
+        return torch.rand(len(indices), 3, 128, 128, device="cuda")
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    found = _generative.made_features(features, make, torch.arange(1024), 64)
+    assert found.shape == (1024, 3) and found.device.type == "cpu"
+    assert torch.cuda.max_memory_allocated() - start < 40 * 2**20

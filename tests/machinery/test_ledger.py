@@ -173,7 +173,8 @@ def test_a_resume_from_an_older_checkpoint_cuts_the_ledger_back(tmp_path):
 
 def test_under_torchrun_then_one_process_every_epoch_is_a_permutation(tmp_path):
     torchrun(args(tmp_path, "--max-steps", "4", "--no-augment"))  # 2 x 8 a step: 3 an epoch
-    assert train.main(args(tmp_path, "--resume", "auto", "--max-steps", "0", epochs=3)) == 0
+    assert train.main(args(tmp_path, "--resume", "auto", "--max-steps", "0", "--batch-size",
+                           "16", epochs=3)) == 0  # the global batch of 2 x 8 kept (issue 50)
     assert sorted(os.listdir(tmp_path / "samples")) == ["rank0.jsonl", "rank1.jsonl"]
     done = subprocess.run([sys.executable, "-m", "machinery.ledger", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True)
