@@ -74,6 +74,23 @@ def main_in_process(main, argv, capsys):
     return code, out.out, out.err
 
 
+def run_as_written(argv, cwd, monkeypatch, capsys):
+    """A README command, split (``python train.py ...``, ``python test.py ...`` or
+    ``python -m machinery.ledger ...``), run in this process from ``cwd``: (exit code,
+    stdout, stderr). What those tests check is the commands' flags and what they leave, not
+    an interpreter's start (3-4 s of imports a command as a process)."""
+    import train
+    from machinery import ledger
+
+    mains = {("python", "train.py"): lambda: train.main, ("python", "test.py"):
+             lambda: load_test_py().main, ("python", "-m"): lambda: {
+                 "machinery.ledger": ledger.main}[argv[2]]}
+    main = mains[tuple(argv[:2])]()
+    monkeypatch.chdir(cwd)
+    capsys.readouterr()
+    return main_in_process(main, argv[3:] if argv[1] == "-m" else argv[2:], capsys)
+
+
 def read_metrics(run_dir):
     """The records of a run's metrics.jsonl, in order (blank lines skipped)."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:

@@ -20,6 +20,7 @@ from helpers import (
     load_test_py,
     main_in_process,
     read_metrics,
+    run_as_written,
     stop_at_step,
     tiny_args,
     torchrun,
@@ -44,17 +45,15 @@ def task_file(tmp_path):
     return f"{tmp_path / 'my_tasks.py'}:Regression"
 
 
-def test_the_readme_section_runs_as_written(tmp_path, task_file):
+def test_the_readme_section_runs_as_written(tmp_path, task_file, monkeypatch, capsys):
     commands = re.findall(r"```bash\n(.*?)```", readme_section(), re.S)[0].splitlines()
     assert [shlex.split(c)[1] for c in commands] == ["train.py", "train.py", "test.py"]
+    monkeypatch.setattr(tasks, "_loaded", {})  # "my_tasks.py:Regression": this test's file
     outputs = []
     for command in commands:
-        argv = shlex.split(command)
-        argv[:2] = [sys.executable, os.path.join(ROOT, argv[1])]
-        done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True,
-                              timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-        outputs.append(done.stdout)
+        code, out, err = run_as_written(shlex.split(command), tmp_path, monkeypatch, capsys)
+        assert code == 0, out[-2000:] + err[-2000:]
+        outputs.append(out)
     run = tmp_path / "runs" / "regression"
     records = [r for r in read_metrics(run) if "val_loss" in r]
     assert [r["epoch"] for r in records] == [1, 2, 3] and all("val_r2" in r for r in records)

@@ -8,19 +8,17 @@ import os
 import re
 import shlex
 import signal
-import subprocess
-import sys
 import types
 
 import pytest
 import torch
 from helpers import (
     ROOT,
-    _child_env,
     assert_states_equal,
     events,
     final_state,
     read_metrics,
+    run_as_written,
     seg_args,
     stop_at_step,
     tiny_args,
@@ -388,17 +386,15 @@ def readme_section():
         .split("\n## ", 1)[0].split("\n### ", 1)[0]
 
 
-def test_the_readme_section_runs_as_written(tmp_path):
+def test_the_readme_section_runs_as_written(tmp_path, monkeypatch, capsys):
     commands = re.findall(r"```bash\n(.*?)```", readme_section(), re.S)[0].splitlines()
-    env = {**_child_env(), "PYTHONPATH": ROOT}
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # --verify-resume's runs: two on two cores
     outputs = []
     for command in commands:
-        argv = shlex.split(command.split("  #")[0])
-        argv[0:2] = [sys.executable, os.path.join(ROOT, "train.py")]
-        done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True,
-                              timeout=600, env=env)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-        outputs.append(done.stdout)
+        code, out, err = run_as_written(shlex.split(command.split("  #")[0]), tmp_path,
+                                        monkeypatch, capsys)
+        assert code == 0, out[-2000:] + err[-2000:]
+        outputs.append(out)
     assert all("preflight: 5 stages ok in" in out for out in outputs)
     assert "training simple_cnn" not in outputs[0] and "done:" in outputs[1]
     assert os.listdir(tmp_path / "runs" / "check" / "checkpoints") == []

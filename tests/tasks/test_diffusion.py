@@ -7,8 +7,6 @@ import math
 import os
 import re
 import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -20,6 +18,7 @@ from helpers import (
     final_state,
     load_test_py,
     read_metrics,
+    run_as_written,
     stop_at_step,
     torchrun,
     update,
@@ -468,7 +467,7 @@ def test_the_ddpm_recipes_are_the_papers(name, side):
             config["weight_decay"], config["image_size"]) == (0.9999, 1.0, 1000, 0.0, side)
 
 
-def test_the_readme_diffusion_commands_run_as_written(tmp_path):
+def test_the_readme_diffusion_commands_run_as_written(tmp_path, monkeypatch, capsys):
     """The README's diffusion commands, from a directory holding MNIST and, as the
     repository does, configs/: the same flags, smaller (appended flags win)."""
     readme = open(os.path.join(ROOT, "README.md")).read()
@@ -486,13 +485,10 @@ def test_the_readme_diffusion_commands_run_as_written(tmp_path):
              2: ["--sample-steps", "2"], 3: ["--sample-steps", "3"], 4: [],
              5: ["--epochs", "1", "--synthetic-size", "32", "--batch-size", "16",
                  "--image-size", "8", "--sample-steps", "2", *small_net]}
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for i, argv in enumerate(commands):
-        result = subprocess.run([sys.executable, os.path.join(ROOT, argv[1]), *argv[2:],
-                                 *small[i], "--device", "cpu", "--num-workers", "0"],
-                                cwd=tmp_path, capture_output=True, text=True, env=env,
-                                timeout=600)
-        assert result.returncode == 0, (argv, result.stderr[-2000:])
+        code, _, err = run_as_written([*argv, *small[i], "--device", "cpu", "--num-workers",
+                                       "0"], tmp_path, monkeypatch, capsys)
+        assert code == 0, (argv, err[-2000:])
     assert sorted(os.listdir(tmp_path / "samples"))[::63] == ["000000.png", "000063.png"]
     assert len(os.listdir(tmp_path / "samples-ddpm")) == 16
     assert os.path.getsize(tmp_path / "denoiser.onnx") > 0

@@ -494,14 +494,12 @@ def test_the_dcgan_recipes_are_the_papers(name):
     assert config["batch_size"] == 128 and config["augment"] is False
 
 
-def test_the_readme_gan_commands_run_as_written(tmp_path):
+def test_the_readme_gan_commands_run_as_written(tmp_path, monkeypatch, capsys):
     """The README's first three GAN commands, from a directory holding MNIST and, as the
     repository does, configs/."""
     import re
-    import subprocess
-    import sys
 
-    from helpers import ROOT, write_mnist
+    from helpers import ROOT, run_as_written, write_mnist
 
     readme = open(os.path.join(ROOT, "README.md")).read()
     block = re.search(r"## GANs\n.*?```bash\n(.*?)```", readme, flags=re.DOTALL)
@@ -513,13 +511,10 @@ def test_the_readme_gan_commands_run_as_written(tmp_path):
              1: ["--epochs", "1", "--batch-size", "8", "--fid-samples", "8", "--gan-width",
                  "8"],
              2: []}
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for i, argv in enumerate(commands):
-        result = subprocess.run([sys.executable, os.path.join(ROOT, argv[1]), *argv[2:],
-                                 *small[i], "--device", "cpu", "--num-workers", "0"],
-                                cwd=tmp_path, capture_output=True, text=True, env=env,
-                                timeout=600)
-        assert result.returncode == 0, result.stderr[-2000:]
+        code, _, err = run_as_written([*argv, *small[i], "--device", "cpu", "--num-workers",
+                                       "0"], tmp_path, monkeypatch, capsys)
+        assert code == 0, (argv, err[-2000:])
     pngs = sorted(os.listdir(tmp_path / "samples"))
     assert len(pngs) == 64 and pngs[0] == "000000.png"
     assert "val_fid_classifier" in read_metrics(tmp_path / "runs" / "dcgan-mnist")[-1]

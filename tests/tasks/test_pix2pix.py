@@ -7,8 +7,6 @@ import math
 import os
 import re
 import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -20,6 +18,7 @@ from helpers import (
     final_state,
     load_test_py,
     read_metrics,
+    run_as_written,
     stop_at_step,
     torchrun,
     update,
@@ -420,7 +419,7 @@ def test_the_recipe_is_the_papers_and_trains_in_under_a_minute():
     assert config["l1_weight"] == 100.0 and config["betas"] == [0.5, 0.999]
 
 
-def test_the_readme_pix2pix_commands_run_as_written(tmp_path):
+def test_the_readme_pix2pix_commands_run_as_written(tmp_path, monkeypatch, capsys):
     """The README section's commands, from a directory holding configs/ (as the repository
     does) and a pairfolder at data/pairs."""
     readme = open(os.path.join(ROOT, "README.md")).read()
@@ -434,13 +433,10 @@ def test_the_readme_pix2pix_commands_run_as_written(tmp_path):
     write_pairs(tmp_path / "data" / "pairs")
     small = {0: ["--epochs", "1", "--synthetic-size", "64"],  # smaller than written
              3: ["--epochs", "1", "--pix2pix-width", "8"]}
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for i, argv in enumerate(commands):
-        result = subprocess.run([sys.executable, os.path.join(ROOT, argv[1]), *argv[2:],
-                                 *small.get(i, []), "--device", "cpu", "--num-workers", "0"],
-                                cwd=tmp_path, capture_output=True, text=True, env=env,
-                                timeout=600)
-        assert result.returncode == 0, (argv, result.stderr[-2000:])
+        code, _, err = run_as_written([*argv, *small.get(i, []), "--device", "cpu",
+                                       "--num-workers", "0"], tmp_path, monkeypatch, capsys)
+        assert code == 0, (argv, err[-2000:])
     assert len(os.listdir(tmp_path / "outputs")) == 8
     assert (tmp_path / "generator.onnx").is_file() or (tmp_path / "generator.pt2").is_file()
     assert "val_psnr" in read_metrics(tmp_path / "runs" / "pix2pix-synthetic")[-1]

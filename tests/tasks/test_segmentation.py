@@ -253,26 +253,21 @@ def test_pretrained_torchvision_weights_train_with_a_new_head(tmp_path, monkeypa
     assert trained["classifier.low_classifier.weight"].shape[0] == 3
 
 
-def test_the_readme_segmentation_commands_run_as_written(tmp_path):
+def test_the_readme_segmentation_commands_run_as_written(tmp_path, monkeypatch, capsys):
     """The README's first two segmentation commands, from a fresh directory."""
     import re
-    import subprocess
-    import sys
 
-    from helpers import ROOT
+    from helpers import ROOT, run_as_written
 
     readme = open(os.path.join(ROOT, "README.md")).read()
     block = re.search(r"## Segmentation\n.*?```bash\n(.*?)```", readme, flags=re.DOTALL)
     commands = [line.split("#")[0].split() for line in block.group(1).splitlines()][:2]
     assert commands[0][:2] == ["python", "train.py"] and commands[1][:2] == ["python", "test.py"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for argv in commands:
-        script = os.path.join(ROOT, argv[1])
         extra = ["--device", "cpu", "--synthetic-size", "48"] if argv[1] == "train.py" else []
-        result = subprocess.run([sys.executable, script, *argv[2:], *extra], cwd=tmp_path,
-                                capture_output=True, text=True, env=env, timeout=600)
-        assert result.returncode == 0, result.stderr[-2000:]
-    assert "mIoU" in result.stdout and "per-class IoU:" in result.stdout
+        code, out, err = run_as_written([*argv, *extra], tmp_path, monkeypatch, capsys)
+        assert code == 0, err[-2000:]
+    assert "mIoU" in out and "per-class IoU:" in out
 
 
 def test_the_masks_picture_shows_the_first_validation_images_truth(learned):
