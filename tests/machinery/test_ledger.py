@@ -15,7 +15,7 @@ import types
 
 import pytest
 import torch
-from helpers import ROOT, _child_env, ckpt, tiny_args, torchrun
+from helpers import ROOT, ckpt, run_as_written, tiny_args, torchrun
 
 import train
 from machinery import ledger
@@ -189,19 +189,14 @@ def readme_section():
     return text.split("### Check the resume of your own run", 1)[1].split("\n## ", 1)[0]
 
 
-def test_the_readme_section_runs_as_written(tmp_path):
+def test_the_readme_section_runs_as_written(tmp_path, monkeypatch, capsys):
     commands = re.findall(r"```bash\n(.*?)```", readme_section(), re.S)[0].splitlines()
-    env = {**_child_env(), "PYTHONPATH": ROOT}
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # --verify-resume's runs: two on two cores
     outputs = []
     for command in commands:
-        argv = shlex.split(command)
-        argv[0] = sys.executable
-        if argv[1] == "train.py":
-            argv[1] = os.path.join(ROOT, "train.py")
-        done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True,
-                              timeout=600, env=env)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-        outputs.append(done.stdout)
+        code, out, err = run_as_written(shlex.split(command), tmp_path, monkeypatch, capsys)
+        assert code == 0, out[-2000:] + err[-2000:]
+        outputs.append(out)
     assert "resume exact" in outputs[0] and "before micro-batch 2 of 2" in outputs[0]
     assert "ledger ok: 3 epoch(s), 2 start(s)" in outputs[-1]
     assert not (tmp_path / "runs").exists() or os.listdir(tmp_path / "runs") == ["ledger"]
