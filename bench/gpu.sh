@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
-# The GPU checks as ONE prepared run, sized for a borrowed GPU: a budget of 480 s of work on
-# one H100/H200-class GPU (a 15-minute loan, 10 minutes a command: call it with
-# timeout_s=560). From the repository:
+# The GPU checks as prepared runs, each sized for one borrowed GPU: a budget of 300 s of
+# work on one H100/H200-class GPU, so that one 15-minute loan (a minute or two of it to
+# start the machine) holds the run and a second try of it: call it with timeout_s=350
+# (120 + 2 x 350 = 820 s of the 900). From the repository:
 #
-#   bash bench/gpu.sh                 # the slot profile: by value, in this order:
+#   bash bench/gpu.sh                 # the slot profile, the goal figures first:
 #     1. imports: which of the project's packages this Python has (and which wheels to
 #        carry where some are missing), the torch/CUDA/GPU figures;
 #     2. the goal figures: train.py end to end on CIFAR-sized synthetic data, resnet9 at
 #        32 px on the device path, resnet18 bf16 against --amp none;
-#     3. tests: tests/test_cuda.py (the CUDA review's H1, H2, M1, M2, L1 among them) and
-#        the CUDA cases of tests/pipeline/test_device_data.py,
-#        tests/reporting/test_profiling.py, tests/pipeline/test_recipes.py and
-#        tests/tasks/test_seg_parts.py (pytest -x);
-#     4. one torch.compile run, then each task's step rate: segmentation (a unet on the
-#        synthetic shapes) and the entries of STEP_RATES (a GAN's bench/gan.py, ...), then
-#        resnet9 on the DataLoader path.
-#     (photos at 224 px and train.py against PyTorch Lightning are not goal figures: the
-#     full profile runs them.)
-#   GPU_SH_FULL=1 bash bench/gpu.sh   # the same, then every bench's GPU figures
+#     3. tests: tests/test_cuda.py (the CUDA reviews' cases among them) and the CUDA
+#        cases of tests/pipeline/test_device_data.py, tests/reporting/test_profiling.py,
+#        tests/pipeline/test_recipes.py and tests/tasks/test_seg_parts.py (pytest -x).
+#   GPU_SH_RATES=1 bash bench/gpu.sh  # the rates profile (a loan of its own, or the
+#     second call of the first loan when the slot profile passed): imports, then each
+#     task's step rate: segmentation (a unet on the synthetic shapes), the entries of
+#     STEP_RATES (a GAN's bench/gan.py, ...), then resnet9 on the DataLoader path.
+#     (torch.compile, photos at 224 px and train.py against PyTorch Lightning are not goal
+#     figures: the full profile runs them.)
+#   GPU_SH_FULL=1 bash bench/gpu.sh   # both, compile, then every bench's GPU figures
 #                                     # (about 30 minutes: not for one borrowed slot)
 #   GPU_SH_SMOKE=1 bash bench/gpu.sh  # the same script on the CPU, smallest settings
 #                                     # (tests/test_bench.py runs it: it cannot rot)
@@ -26,9 +27,10 @@
 # $OUT/gpu-sh.log and the figures to $OUT/gpu-figures.json (rewritten after every check,
 # so a run cut short keeps what it measured); without $OUT, to runs/gpu-sh/. Each check
 # runs under its own `timeout`, cut at the smaller of its limit and what is left of the
-# budget (GPU_SH_BUDGET seconds of work, 480 in the slot profile; a check that would start
-# with under GPU_SH_MIN_LEFT seconds left, 20 by default, is SKIPPED). A check that fails
-# or is cut prints "FAILED: ...", the rest still runs, and the script exits 1.
+# budget (GPU_SH_BUDGET seconds of work, 300 in the slot and rates profiles; a check that
+# would start with under GPU_SH_MIN_LEFT seconds left, 20 by default, is SKIPPED). A check
+# that fails or is cut prints "FAILED: ...", the rest still runs, and the script exits 1.
+# GPU_SH_RATES and GPU_SH_FULL choose the other profiles.
 #
 # Settings (environment): PYTHON (the interpreter, default python3; used for everything),
 # GPU_SH_BUDGET, GPU_SH_MIN_LEFT, GPU_SH_SKIP (names of checks to leave out, e.g. "tests
@@ -55,10 +57,11 @@ if [ "${GPU_SH_SMOKE:-0}" = 1 ]; then
 else
   # 100 full batches an epoch (no partial last batch to autotune or compile for); the
   # figures are the last epoch's, after cuDNN's autotuning and compiling in the first
-  profile=slot device=cuda samples=51200 batch=512 epochs=2 image=32 workers=8 budget=480
+  profile=slot device=cuda samples=51200 batch=512 epochs=2 image=32 workers=8 budget=300
   net9=resnet9 net18=resnet18 photos=256 photo_size=224 photo_batch=64 seg_samples=8192
   lightning_args="--network resnet9 --image-size 32 --batch-size 512 --steps 100 --epochs 3"
   limit=
+  [ "${GPU_SH_RATES:-0}" = 1 ] && profile=rates
   [ "${GPU_SH_FULL:-0}" = 1 ] && profile=full budget=3000
 fi
 budget=${GPU_SH_BUDGET:-$budget} min_left=${GPU_SH_MIN_LEFT:-20}
@@ -97,9 +100,9 @@ else
   gan_args="--samples 16384 --steps 256 --batch-size 128 --fid-samples 1024 \
 --classifier-network simple_cnn"
   diffusion_args="--samples 8192 --steps 256 --batch-size 128 --image-size 32 --width 64 \
---blocks 2 --fid-samples 512 --sample-steps 20 --repeats 2 --classifier-network simple_cnn"
+--blocks 2 --fid-samples 512 --sample-steps 20 --repeats 1 --classifier-network simple_cnn"
   pix2pix_args="--samples 4096 --steps 512 --batch-size 32 --image-size 64 --width 64 \
---repeats 2"
+--repeats 1"
   detection_args="--samples 2048 --size 320 --epochs 2 --batch-size 32 --amp bf16 \
 --network fasterrcnn_mobilenet_v3_large_320_fpn --lr 0.04"
 fi
@@ -272,6 +275,16 @@ EOF
     return 1
   fi
 
+  [ "$profile" = rates ] || slot_checks
+  [ "$profile" = slot ] || rate_checks
+  [ "$profile" = slot ] && echo "note: each task's step rate: GPU_SH_RATES=1 (a second" \
+    "call or loan); photos, Lightning and compile are not goal figures: GPU_SH_FULL=1"
+  [ "$profile" = full ] || [ "$profile" = smoke ] || return 0
+  more_checks
+}
+
+# slot_checks: the goal figures, then the CUDA tests.
+slot_checks() {
   part "2. the goal figures"
   train_run resnet9-device "$net9" on bf16
   train_run resnet18-bf16 "$net18" on bf16
@@ -299,15 +312,11 @@ EOF
   else
     skipping "tests (GPU_SH_SKIP)"
   fi
+}
 
-  part "4. compile, then each task's step rate"
-  if [ "$profile" = smoke ]; then  # inductor compiles C++ for minutes on a CPU
-    skipping "compile (the smoke profile: torch.compile on a CPU takes minutes)"
-  else
-    train_run compile "$net9" on bf16 --compile
-    r=$(ratio "$net9.device.bf16.compiled.samples_per_s" "$net9.device.bf16.samples_per_s")
-    [ -n "$r" ] && figure "$net9.compiled_over_eager" "$r" "(samples/s, device path, bf16)"
-  fi
+# rate_checks: each task's step rate, then the DataLoader path.
+rate_checks() {
+  part "4. each task's step rate"
   train_run segmentation unet on bf16 --task segmentation --num-classes 5 \
     --synthetic-size "$seg_samples"
   local entry
@@ -317,31 +326,38 @@ EOF
     fi
   done
   train_run resnet9-loader "$net9" off bf16
+}
 
-  if [ "$profile" = slot ]; then
-    echo "note: photos and lightning are not goal figures: GPU_SH_FULL=1 runs them"
+# more_checks: compile, photos and Lightning; with GPU_SH_FULL=1 every bench's figures.
+more_checks() {
+  local r
+  part "5. compile, photos and Lightning"
+  if [ "$profile" = smoke ]; then  # inductor compiles C++ for minutes on a CPU
+    skipping "compile (the smoke profile: torch.compile on a CPU takes minutes)"
   else
-    part "5. photos and Lightning"
-    if wanted photos; then
-      check photos "$T_PHOTOS" "$PY" bench/photos.py --device "$device" --sizes 1mp \
-        --images "$photos" --image-size "$photo_size" --batch-size "$photo_batch" \
-        --workers "$workers" --finetune-steps 0 --repeats 1 --dir "$work"
-      local rate
-      rate=$(awk '/later epoch, device path/ {print $(NF-1)}' "$work/check.log")
-      [ -n "$rate" ] && figure "photos.$photo_size.device.images_per_s" "$rate" \
-        "(bench/photos.py: $photos JPEGs of 1 MP, later epochs, crops of $photo_size px)"
-      rate=$(sed -n 's/^ResNet-50 training step.*: \([0-9.]*\) samples\/s.*/\1/p' \
-        "$work/check.log")
-      [ -n "$rate" ] && figure photos.resnet50_step.samples_per_s "$rate" "(bf16, 224 px)"
-    else
-      skipping "photos (GPU_SH_SKIP)"
-    fi
-    if wanted lightning; then
-      check lightning "$T_LIGHTNING" "$PY" bench/lightning.py --device "$device" \
-        $lightning_args
-    else
-      skipping "lightning (GPU_SH_SKIP)"
-    fi
+    train_run compile "$net9" on bf16 --compile
+    r=$(ratio "$net9.device.bf16.compiled.samples_per_s" "$net9.device.bf16.samples_per_s")
+    [ -n "$r" ] && figure "$net9.compiled_over_eager" "$r" "(samples/s, device path, bf16)"
+  fi
+  if wanted photos; then
+    check photos "$T_PHOTOS" "$PY" bench/photos.py --device "$device" --sizes 1mp \
+      --images "$photos" --image-size "$photo_size" --batch-size "$photo_batch" \
+      --workers "$workers" --finetune-steps 0 --repeats 1 --dir "$work"
+    local rate
+    rate=$(awk '/later epoch, device path/ {print $(NF-1)}' "$work/check.log")
+    [ -n "$rate" ] && figure "photos.$photo_size.device.images_per_s" "$rate" \
+      "(bench/photos.py: $photos JPEGs of 1 MP, later epochs, crops of $photo_size px)"
+    rate=$(sed -n 's/^ResNet-50 training step.*: \([0-9.]*\) samples\/s.*/\1/p' \
+      "$work/check.log")
+    [ -n "$rate" ] && figure photos.resnet50_step.samples_per_s "$rate" "(bf16, 224 px)"
+  else
+    skipping "photos (GPU_SH_SKIP)"
+  fi
+  if wanted lightning; then
+    check lightning "$T_LIGHTNING" "$PY" bench/lightning.py --device "$device" \
+      $lightning_args
+  else
+    skipping "lightning (GPU_SH_SKIP)"
   fi
 
   if [ "$profile" = full ]; then

@@ -14,11 +14,13 @@ process. 8 processes: checked by hand (docs/distributed.md), too slow for the su
 """
 
 import json
+import os
 
 import pytest
 import torch
 from helpers import (
     FLAGS,
+    ROOT,
     ckpt,
     final_state,
     finish,
@@ -42,6 +44,7 @@ TIMEOUT = 600
 # of its own (a store prefix of its own: a torchrun restart's round number).
 SEVERAL = """
 import json
+import os
 RUNS = json.loads({runs!r})
 for i, argv in enumerate(RUNS):
     os.environ["TORCHELASTIC_RESTART_COUNT"] = str(i)
@@ -295,3 +298,50 @@ def test_fid_holds_one_batch_of_made_images_and_each_process_its_share_of_real_o
         for batch in images[:5].split(2):
             evaluation.update(batch, None)
         assert evaluation.have == share, rank
+
+
+LEASE_S, START_S = 900, 120  # a lent GPU's 15 minutes; a machine's start, at most
+
+
+def _gpu_sh_plan(tmp_path, **env_extra):
+    """bench/gpu.sh's GPU profile run with a $PYTHON that does nothing for train.py,
+    pytest and the benches (imports skipped: no GPU here): its budget line and the checks
+    it starts, in order."""
+    import re
+    import subprocess
+    import sys
+
+    tmp_path.mkdir()
+    shim = tmp_path / "python-shim"
+    shim.write_text(f'#!/bin/sh\ncase "$*" in *train.py*|*pytest*|*bench/*) exit 0;; esac\n'
+                    f'exec {sys.executable} "$@"\n')
+    shim.chmod(0o755)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("GPU_SH_") and k not in ("RANK", "WORLD_SIZE")}
+    env.update(PYTHON=str(shim), OUT=str(tmp_path / "out"), GPU_SH_SKIP="imports",
+               **env_extra)
+    done = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu.sh")], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    budget = int(re.search(r"budget (\d+) s", done.stdout).group(1))
+    return budget, re.findall(r"^== (\S+) ", done.stdout, re.M)
+
+
+def test_each_gpu_sh_call_fits_a_lease_with_a_second_try(tmp_path):
+    """Review 6's M4: the slot profile held about 510 s of work for its 480 s budget, in
+    a 560 s call: one try a lease, its last checks cut. Now a call of either GPU profile
+    (the slot's goal figures and CUDA tests; the rates' step rates) has a budget that,
+    with its call's timeout_s (bench/README.md), fits one lease twice after the start."""
+    import re
+
+    readme = open(os.path.join(ROOT, "bench", "README.md"), encoding="utf-8").read()
+    timeouts = {int(t) for t in re.findall(r"timeout_s=(\d+)", readme)}
+    assert len(timeouts) == 1, timeouts  # the one call, written once
+    timeout_s = timeouts.pop()
+    assert START_S + 2 * timeout_s <= LEASE_S
+    budget, checks = _gpu_sh_plan(tmp_path / "slot")
+    assert budget + 30 <= timeout_s  # (the install, a check's 10 s to die, the JSON)
+    assert checks == ["resnet9-device", "resnet18-bf16", "resnet18-fp32", "tests"]
+    budget, checks = _gpu_sh_plan(tmp_path / "rates", GPU_SH_RATES="1")
+    assert budget + 30 <= timeout_s
+    assert checks == ["segmentation", "gan", "diffusion", "pix2pix", "detection",
+                      "resnet9-loader"]
