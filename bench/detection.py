@@ -14,7 +14,9 @@ batch, epochs and recipe, side by side in one process run:
   (references/detection/train.py) writes it: a Dataset giving ``tv_tensors.Image`` and
   ``tv_tensors.BoundingBoxes``, ``transforms.v2`` (the reference's ``lsj`` policy at this
   size: horizontal flip, ``ScaleJitter`` to [0.5, 1.5] of the size, a crop padded where
-  smaller, the boxes clipped and the emptied ones removed, to float), a DataLoader
+  smaller, the boxes clipped and the emptied ones removed, to float, ``ToPureTensor`` as
+  the reference's presets end: a tv_tensor subclass reaching the detector made its steps
+  up to 10x slower here), a DataLoader
   (shuffled, ``collate_fn=tuple(zip(*batch))``), SGD with momentum and weight decay, a
   linear warm-up over the first epoch then a cosine decay stepped per iteration, the sum
   of the detector's losses; evaluation with torchmetrics' ``MeanAveragePrecision``
@@ -30,6 +32,7 @@ Asserts nothing.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -86,13 +89,13 @@ class PlainSet(torch.utils.data.Dataset):
 
 def plain_transforms(size, train):
     if not train:
-        return v2.Compose([v2.Resize(None, max_size=size), v2.ToDtype(torch.float32,
-                                                                       scale=True)])
+        return v2.Compose([v2.Resize(None, max_size=size),
+                           v2.ToDtype(torch.float32, scale=True), v2.ToPureTensor()])
     return v2.Compose([v2.RandomHorizontalFlip(0.5),
                        v2.ScaleJitter((size, size), scale_range=detection_data.SCALE_RANGE),
                        v2.RandomCrop(size, pad_if_needed=True), v2.ClampBoundingBoxes(),
                        v2.SanitizeBoundingBoxes(min_size=1.0),
-                       v2.ToDtype(torch.float32, scale=True)])
+                       v2.ToDtype(torch.float32, scale=True), v2.ToPureTensor()])
 
 
 def collate(batch):
@@ -129,7 +132,10 @@ def plain(args, device):
     total = len(loader) * args.epochs
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_at(step, total, len(loader)))
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp == "bf16")
+    def autocast():  # (a fresh one each time, as train.py's loop; none without --amp)
+        return torch.autocast(device.type, dtype=torch.bfloat16) if args.amp == "bf16" \
+            else contextlib.nullcontext()
+
     rate = 0.0
     for _ in range(args.epochs):
         model.train()
@@ -139,7 +145,7 @@ def plain(args, device):
             images = [i.to(device, non_blocking=True) for i in images]
             targets = [{k: v.to(device, non_blocking=True) for k, v in t.items()}
                        for t in targets]
-            with autocast:
+            with autocast():
                 losses = model(images, targets)
             loss = sum(losses.values())
             optimizer.zero_grad(set_to_none=True)
@@ -153,7 +159,7 @@ def plain(args, device):
     metric = MeanAveragePrecision(box_format="xyxy", iou_type="bbox", backend="pycocotools")
     with torch.no_grad():
         for i, (images, _) in enumerate(val_loader):
-            with autocast:
+            with autocast():
                 out = model([image.to(device) for image in images])
             for k, o in enumerate(out):
                 index = i * args.batch_size + k
