@@ -38,6 +38,7 @@ from machinery import ledger, runtime, verify_resume
 from networks import build_network
 from reporting import gan_metrics
 
+pytestmark = pytest.mark.slow  # (torchruns of 3 and 4 processes; conftest agrees)
 TIMEOUT = 600
 
 # train.main once per argv in RUNS, in the same torchrun processes; each run joins a group
