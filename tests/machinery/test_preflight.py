@@ -182,8 +182,8 @@ def test_a_gan_whose_fid_needs_more_than_one_batch(tmp_path, features, capsys,
     from reporting import gan_metrics
 
     real_measure, measured = gan_metrics.measure, []  # (real images, generated images)
-    monkeypatch.setattr(gan_metrics, "measure", lambda f, real, fake, *args: (
-        measured.append((len(real), len(fake))), real_measure(f, real, fake, *args))[1])
+    monkeypatch.setattr(gan_metrics, "measure", lambda f, real, fake, *args, **kw: (
+        measured.append((len(real), len(fake))), real_measure(f, real, fake, *args, **kw))[1])
     assert train.main(gan(features)(tmp_path / "run", "--fid-samples", "9",
                                     "--preflight")) == 0
     out = said(capsys)
