@@ -25,13 +25,20 @@ import subprocess
 # at random. 1000 rounds cost nothing on an idle machine (OMP_WAIT_POLICY=passive, no spin,
 # made a small unet's runs 1.7x slower). The numbers computed do not change.
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+# One thread a process, here and in every process the tests start (a test that is about
+# threads sets its own): the suite runs two workers on two cores, each starting processes
+# of its own, and the tiny tensors here gain nothing from a second thread. Two threads a
+# worker were four on two cores, each waiting on a sibling the scheduler had parked: one
+# test file took 162 s with two threads a process, 37 s with one (side by side, a loaded
+# machine), and half the CPU time.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
 from helpers import tiny_args
 
-# Small runs need no more threads than the CI machine's 2 cores; fixed for reproducibility.
-torch.set_num_threads(2)
+# Fixed for reproducibility (the runs in this process and those it starts agree).
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 # The quick half of the suite (`python -m pytest -m "not slow"`): modules of unit tests on
