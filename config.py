@@ -510,11 +510,14 @@ def default_network(dataset, image_size=32, pretrained=None, task=tasks.TASKS[0]
 
 def apply_pretrained_preset(config, explicit):
     """``--pretrained torchvision``: the image size and crop fraction the weights were
-    trained with, where the user set none (their own transforms' crop and resize)."""
+    trained with, where the user set none (their own transforms' crop and resize; a
+    detector's weights have none: their task's geometry stays)."""
     weights = presets.torchvision_weights(config["network"], config["pretrained"])
     if weights is None or is_segmentation(config["network"]):  # (their own geometry)
         return config
     t = weights.transforms()
+    if getattr(t, "crop_size", None) is None:  # (detection's: images of any size)
+        return config
     if "image_size" not in explicit:
         config["image_size"] = t.crop_size[0]
     if "crop_pct" not in explicit:

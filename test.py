@@ -9,6 +9,7 @@
     python test.py --model model.int8.onnx                    # evaluate a file you ship
     python test.py --checkpoint made.pt --samples 64 --out samples/  # images made: PNGs
     python test.py --checkpoint made.pt --fid-samples 10000 --export generator.onnx
+    python test.py --checkpoint det.pt --samples 8 --out boxes/ --predictions results.json
 
 The network is rebuilt from the checkpoint's config and evaluated on the validation (or
 test) split the way training validated it: eval mode, the same transforms, batch size,
@@ -26,6 +27,8 @@ The checkpoint of a task that makes images (``Task.generates``) holds a generato
 predictions: its images of the run's seeded inputs as PNGs, FID and KID against the first
 validation images (gan_metrics.py), and the generator's export are what test.py gives for
 it (the task's ``test_checkpoint``); the accuracy table and --tta are refused in one line.
+A task of predictions may have its own report too (detection's: ``test_checkpoint``) and
+flags of its own (``Report.test_flags``: --predictions), refused for other checkpoints.
 
 Every output (--json, --export, the int8 file and --out) is checked to be writable before
 anything is loaded; a write that fails later (a full disk) is one ``error:`` line, exit
@@ -80,11 +83,12 @@ def build_parser():
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="a checkpoint written by train.py, e.g. "
                         "runs/exp1/checkpoints/best.pt")
+    own = [t for t in tasks.built_in() if t.test_checkpoint is not None]  # own reports
     source.add_argument("--model", metavar="FILE", help="evaluate a file written by "
                         "--export instead (.onnx, int8 .onnx, .pt2, .ts), on the CPU, "
                         "without the checkpoint: the dataset, image size, classes and "
                         "normalisation stored in it at export apply (the flags below "
-                        "override them)")
+                        f"override them); not a --task {', '.join(t.name for t in own)} one")
     add("--task", default=None, metavar="FILE.py:Class", help="the task file of a run "
         "trained with --task FILE.py:Class: a checkpoint's own never is imported (it is "
         "code); name it here if you trust it")
@@ -131,11 +135,13 @@ def build_parser():
     add("--max-accuracy-drop", type=float, default=0.01, metavar="DELTA", help="warn when "
         "the int8 file's accuracy is more than DELTA (0.01 = 1 point) below the eager "
         "network's")
-    making = ", ".join(t.name for t in tasks.built_in() if t.generates)
+    making, drawing = (", ".join(t.name for t in own if t.generates == g) for g in (1, 0))
     made = p.add_argument_group(f"a checkpoint of a task that makes images (--task {making})",
                                 "its generator (the moving average by default: --weights), "
                                 "from the fixed inputs of --seed; --export writes it: its "
-                                "inputs in, images (N, C, H, W) in [-1, 1] out")
+                                "inputs in, images (N, C, H, W) in [-1, 1] out. --samples "
+                                f"and --out also serve --task {drawing}: the first "
+                                "validation images with their predictions drawn")
     made.add_argument("--samples", type=int, default=None, metavar="N", help="write N "
                       "images as PNGs into --out (000000.png, ...): the same command writes "
                       "the same files")
@@ -153,6 +159,7 @@ def build_parser():
                       "training run's)")
     made.add_argument("--sampler", default=None, help="a task that samples in steps: how "
                       "(its --sampler choices; default: the training run's)")
+    tasks.add_test_flags(p)  # each task's own (detection's --predictions)
     return p
 
 
@@ -175,7 +182,8 @@ def check_args(args):
                         f"{args.max_accuracy_drop}")
     for flag, path in (("--json", args.json), ("--export", args.export),
                        ("--checkpoint", args.checkpoint), ("--model", args.model),
-                       ("--out", args.out), ("--fid-features", args.fid_features)):
+                       ("--out", args.out), ("--fid-features", args.fid_features),
+                       *tasks.test_outputs(args)):
         if path is not None and not path.strip():
             raise UserError(f"{flag} needs a {'directory' if flag == '--out' else 'file'} "
                             f"name")
@@ -222,8 +230,8 @@ def _check_sample_args(args):
     given = [flag for flag, value in (("--samples", args.samples),
                                       ("--fid-samples", args.fid_samples)) if value]
     if args.model is not None and given:
-        raise UserError(f"{given[0]} needs --checkpoint (of a task that makes images): "
-                        f"--model evaluates an exported network's predictions")
+        raise UserError(f"{given[0]} needs --checkpoint (of a task that makes or draws "
+                        f"images): --model evaluates an exported network's predictions")
 
 
 def _check_model_args(args):
@@ -235,6 +243,7 @@ def _check_model_args(args):
         flag = "--export" if args.export is not None else "--quantize"
         raise UserError(f"{flag} needs --checkpoint: --model only evaluates an exported "
                         f"file")
+    tasks.refuse_test_flags(args, None, args.model)
     if args.device not in ("auto", "cpu"):
         raise UserError(f"--model files are evaluated on the CPU, as they were exported; "
                         f"drop --device {args.device}")
@@ -289,8 +298,8 @@ def check_output_dir(flag, path):
 def check_outputs(args):
     """check_output for --json, --export and the int8 file, which must be different files,
     and check_output_dir for --out."""
-    outputs = [(flag, path) for flag, path in (("--json", args.json),
-                                               ("--export", args.export)) if path]
+    outputs = [(flag, path) for flag, path in (("--json", args.json), ("--export", args.export),
+                                               *tasks.test_outputs(args)) if path]
     if args.quantize:
         outputs.append((f"--quantize {args.quantize}", export.int8_path(args.export)))
     for flag, path in outputs:
@@ -593,6 +602,9 @@ def exported_config(args, metadata, shape, outputs):
         raise UserError(f"--model {path!r} is a {stored.get('task')} generator (it makes images): "
                         f"there is nothing to evaluate on a validation split; run test.py "
                         f"--checkpoint with --samples or --fid-samples on its checkpoint")
+    if tasks.of(stored).test_checkpoint is not None:  # (its own report, of a checkpoint)
+        raise UserError(f"--model {path!r} is a {stored.get('task')} network: test.py "
+                        f"evaluates it from its checkpoint (--checkpoint), not its export")
     if not stored and args.dataset is None:
         raise UserError(f"--model {path!r} holds no training config (it was not written by "
                         f"test.py --export): pass --dataset and what it needs (--data-dir; "
@@ -692,11 +704,11 @@ def evaluate_and_export(args):
         if getattr(args, key) is not None and key not in kind.own_flags:
             raise UserError(f"--{key.replace('_', '-')} is for a task that samples in steps; "
                             f"{args.checkpoint!r} is a {config['task']} checkpoint")
+    tasks.refuse_test_flags(args, kind, args.checkpoint)  # another task's own flags
     kind.check_test_flags(args, args.checkpoint)
     weights = choose_weights(state, args.weights, args.checkpoint)
-    if kind.generates:  # images made, no predictions: the task's own report
-        return evaluate_generator(args, suffix, kind, state, config, device, batch_size,
-                                  weights)
+    if kind.test_checkpoint is not None:  # images made, or the task's own report
+        return evaluate_own(args, suffix, kind, state, config, device, batch_size, weights)
 
     # 3. Data and network, evaluated as training validated (the training split unaugmented:
     #    --quantize int8 calibrates on it).
@@ -719,10 +731,10 @@ def evaluate_and_export(args):
     return export_and_report(args, report, export_step)
 
 
-def evaluate_generator(args, suffix, kind, state, config, device, batch_size, weights):
-    """A checkpoint of a task that generates images (``kind.generates``): the task's
-    --samples and --fid-samples, then --export of its generator and --json; returns the
-    exit code."""
+def evaluate_own(args, suffix, kind, state, config, device, batch_size, weights):
+    """A checkpoint of a task with its own report (``kind.test_checkpoint``: a generator's,
+    detection's): its figures, --samples, its own flags, then --export of the network it
+    names and --json; returns the exit code."""
     report, (generator, shape, described, names) = kind.test_checkpoint(
         args, state, config, device, batch_size, weights)
 

@@ -567,7 +567,7 @@ def build_model(config, train_set, device, world_size, log, task, resuming=False
     net = task.build_networks(config, train_set)  # the task's network(s)
     if config["pretrained"] and not resuming:
         presets.load_pretrained(net, config["pretrained"], log, config["pretrained_weights"],
-                        config["network"])
+                                config["network"], task.class_heads(net))
     if config["freeze"]:
         frozen = ops.freeze(net, config["freeze"])
         log(f"frozen: {len(frozen)} parameter tensors matching {' '.join(config['freeze'])}")

@@ -3,6 +3,7 @@
     data.py               datasets, transforms, the seeded sampler, per-sample loaders
     segmentation_data.py  (image, mask) sets whose masks follow their images
     pair_transforms.py    the joint transforms of an image and its mask
+    detection_data.py     images and their boxes: synthetic shapes, COCO-format folders
     device_data.py        the device path: whole batches gathered and augmented there
     decoded_cache.py      each image of a folder decoded once, memory-mapped
     sample_transforms.py  the (seed, epoch, index) hash and the per-sample crop and flip

@@ -454,15 +454,18 @@ def load_segmentation_weights(net, weights):
     return line
 
 
-def load_pretrained(net, path, log, which="ema", network=None):
+def load_pretrained(net, path, log, which="ema", network=None, heads=None):
     """Initialises ``net`` from a checkpoint of this project or a plain state_dict, or,
     where ``path`` is ``torchvision[:NAME]`` and no such file exists, from torchvision's
     pretrained weights of ``network`` (``presets.fetch_weights``).
 
     From a checkpoint with a moving average of the weights, ``which="ema"`` takes the
-    average. A classifier head of another size (another number of classes) keeps its
-    fresh initialisation and is listed; any other mismatch is a UserError listing the keys.
-    A torchvision segmentation network takes its weights through
+    average. The class-dependent modules (``heads``: module names, the task's
+    ``class_heads(net)``; None: the module of the last parameter, a classifier's head)
+    whose shapes differ (another number of classes) keep their fresh initialisation and
+    are listed; any other mismatch is a UserError listing the keys. BatchNorm's
+    ``num_batches_tracked`` where ``net`` has a ``FrozenBatchNorm2d`` (a detector's
+    backbone) is dropped. A torchvision segmentation network takes its weights through
     ``load_segmentation_weights`` (new heads for another number of classes).
 
     Returns:
@@ -490,14 +493,27 @@ def load_pretrained(net, path, log, which="ema", network=None):
                         f"this project or a state_dict (names mapped to tensors)")
     weights = checkpoint.unwrap_state_dict(weights)
     own = net.state_dict()
-    head = list(dict(net.named_parameters()))[-1].rsplit(".", 1)[0]  # e.g. "fc"
+    weights = {k: v for k, v in weights.items()  # (a frozen BatchNorm counts nothing)
+               if k in own or not k.endswith(".num_batches_tracked")
+               or k.rsplit(".", 1)[0] + ".running_mean" not in own}
+    heads = last_module(net) if heads is None else heads
     resized = [k for k in weights if k in own and own[k].shape != weights[k].shape]
     skipped = []
-    if resized and all(k.rsplit(".", 1)[0] == head for k in resized):
-        skipped = [k for k in own if k.rsplit(".", 1)[0] == head]
+    if resized and all(any(k == h or k.startswith(h + ".") for h in heads) for k in resized):
+        modules = {k.rsplit(".", 1)[0] for k in resized}  # (their weight and bias)
+        skipped = [k for k in own if k.rsplit(".", 1)[0] in modules]
         weights = {**weights, **{k: own[k] for k in skipped}}
     checkpoint.check_compatible(net, weights, path)
     net.load_state_dict(weights)
+    listed = ", ".join(skipped[:4]) + (f" and {len(skipped) - 4} more" if len(skipped) > 4
+                                       else "")
     log(f"pretrained: loaded {len(weights) - len(skipped)} tensors from {path}"
-        + (f"; kept the new head ({', '.join(skipped)}): its size differs" if skipped else ""))
+        + (f"; kept the new head ({listed}): its size differs" if skipped else ""))
     return skipped
+
+
+def last_module(net):
+    """``(name,)`` of the module holding ``net``'s last parameter (a classifier's head,
+    ``fc``), or ``()``: ``load_pretrained``'s class-dependent module by default."""
+    names = [name for name, _ in net.named_parameters()]
+    return (names[-1].rsplit(".", 1)[0],) if names else ()

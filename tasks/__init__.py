@@ -40,9 +40,14 @@ write, checked when it is loaded; README "Add a task" has the table and writes o
     example(dataset)                        -> one input sample's shape (FLOPs, summary)
     averaged(net), counted(net)             -> what --ema-decay averages, what a step's
                                                FLOPs are counted on
+    class_heads(net)                        -> the modules --pretrained weights of another
+                                               number of classes leave fresh
   test.py
     report(result, key, path), format_report(report, title)   the JSON and the text
-    (a task that generates images instead: ``generates`` and ``test_checkpoint``)
+    test_flags(group), test_outputs   its own test.py flags (a built-in task), and those
+                                      that name a file it writes (checked up front)
+    test_checkpoint(args, ...)        its own report instead (detection); a task that
+                                      ``generates`` images writes it
 
 A task with several networks (``GAN``) declares ``phases`` (``Phase``: the network each
 trains, with the optimizer of the same name, and how often per step) and
@@ -282,6 +287,20 @@ class Report:
     stored_needs = ()         # (key, check, expected, optional) in a stored config
     measured_export = False   # an ONNX export evaluated (--quantize) beside eager
     generates = False         # images made (``test_checkpoint``), no predictions
+    test_checkpoint = None    # test.py's own route for its checkpoints (a class method:
+    #                           ``test_checkpoint(args, state, config, device, batch_size,
+    #                           weights)`` -> ``(report, export)``): required with
+    #                           ``generates``; a task of predictions may write it too
+    test_flags_title = None   # test.py --help: the title of the group of its own flags
+    test_outputs = ()         # its test.py flags' dests that name a file it writes:
+    #                           checked as --json is, before anything is loaded
+
+    @staticmethod
+    def test_flags(group):
+        """Adds the task's own flags to test.py's parser (``group``: an argparse group
+        titled ``test_flags_title``; a built-in task's, as ``CommandLine.flags``). test.py
+        refuses them, in one line, for another task's checkpoint or a --model file; the
+        task reads them from ``args`` (``check_test_flags``, ``test_checkpoint``)."""
 
     @classmethod
     def check_test_flags(cls, args, path):
@@ -446,6 +465,17 @@ class Task(CommandLine, Report):
         """What a step's FLOPs are counted on: the network's forward and backward."""
         return net
 
+    @staticmethod
+    def class_heads(net):
+        """The modules of ``net`` shaped by the number of classes (their names; a tensor
+        at or under one is theirs): --pretrained weights of another number of classes
+        leave the modules whose shapes differ at their fresh initialisation
+        (``presets.load_pretrained``). The default: the module of the last parameter (a
+        classifier's ``fc``)."""
+        from pipeline import presets
+
+        return presets.last_module(net)
+
 
 # The parts a task must write: name -> (when, the call as the loop makes it).
 REQUIRED = {"build": (None, "build(cls, config, train_set, val_set=None)"),
@@ -463,7 +493,7 @@ ARGUMENTS = {"build": 3, "loss": (3, 4), "phase_loss": 7, "evaluation": 2, "prep
              "example": 1, "summarised": 2, "averaged": 1, "counted": 1, "flags": 1,
              "defaults": 2, "check_config": 1, "check_test_flags": 2, "report": 3,
              "format_report": 2, "inference_network": 1, "evaluating_on": 1,
-             "test_checkpoint": 6}
+             "test_checkpoint": 6, "test_flags": 1, "class_heads": 1}
 
 
 def _takes(cls, name, counts):
@@ -653,6 +683,44 @@ def check_config(config):
         raise UserError(f"--network {config['network']} is {owner.own_networks_are}: train "
                         f"it with --task {owner.name}")
     task.check_config(config)
+
+
+# ------------------------------------------------------- what test.py asks of every task
+
+def add_test_flags(parser):
+    """Each built-in task's own test.py flags (``Report.test_flags``), a group each, on
+    ``parser``; returns ``{dest: (flag, the task)}``."""
+    owners = {}
+    for task in built_in():
+        group = parser.add_argument_group(task.test_flags_title or f"a {task.name} checkpoint")
+        task.test_flags(group)  # (argparse shows no group without flags)
+        owners.update({a.dest: (a.option_strings[0], task) for a in group._group_actions})
+    return owners
+
+
+@functools.cache
+def test_flags():
+    """``{dest: (flag, the task)}`` of the built-in tasks' own test.py flags."""
+    import argparse
+
+    return add_test_flags(argparse.ArgumentParser(add_help=False))
+
+
+def test_outputs(args):
+    """``[(flag, path)]``: the files that the tasks' own test.py flags given name (their
+    ``test_outputs``), which test.py checks before anything is loaded."""
+    return [(flag, getattr(args, dest)) for dest, (flag, task) in test_flags().items()
+            if dest in task.test_outputs and getattr(args, dest) is not None]
+
+
+def refuse_test_flags(args, kind, path):
+    """One ``UserError`` line for a task's own test.py flag given for another task's
+    checkpoint (``kind``: the checkpoint's task class) or for a --model file (None)."""
+    for dest, (flag, owner) in test_flags().items():
+        if getattr(args, dest) is not None and owner is not kind:
+            what = f"is a {kind.name} checkpoint" if kind else "is an exported file (--model)"
+            raise UserError(f"{flag} is for a {owner.name} checkpoint (--checkpoint); "
+                            f"{path!r} {what}")
 
 
 def use_tta(config):

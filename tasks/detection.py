@@ -129,7 +129,10 @@ class Detection(Task):
     figures = ("map", "map_50", "map_75")
     best = "map"
     default_network = "torchvision/fasterrcnn_mobilenet_v3_large_320_fpn"
-    generates = True  # test.py: its own report (figures, images with boxes, predictions)
+    # test.py: its own report (``test_checkpoint``: the figures, --samples images with
+    # boxes, --predictions), the flag of its own:
+    test_flags_title = "a detection checkpoint (--task detection)"
+    test_outputs = ("predictions",)
 
     # ---------------------------------------------------------------- command line
 
@@ -223,6 +226,13 @@ class Detection(Task):
     def counted(net):
         return _Counted(net)
 
+    @staticmethod
+    def class_heads(net):
+        """The classification layers, shaped by the number of classes (and Faster R-CNN's
+        box regression, one box per class): COCO's weights (91 ids) on another
+        ``--num-classes`` load everything else."""
+        return ("roi_heads.box_predictor", "head.classification_head")
+
     # ---------------------------------------------------------------- a step
 
     @staticmethod
@@ -270,6 +280,13 @@ class Detection(Task):
 
     # ---------------------------------------------------------------- test.py
 
+    @staticmethod
+    def test_flags(group):
+        group.add_argument("--predictions", default=None, metavar="FILE", help="write every "
+                           "validation image's predictions to FILE as COCO results json "
+                           "(image_id, category_id, bbox [x, y, w, h], score: the data's own "
+                           "ids and pixels, what pycocotools' loadRes reads)")
+
     @classmethod
     def check_test_flags(cls, args, path):
         if args.tta is not None:
@@ -285,9 +302,10 @@ class Detection(Task):
     @classmethod
     def test_checkpoint(cls, args, state, config, device, batch_size, weights):
         """test.py on a detection checkpoint: the figures training logged (the same
-        evaluation), and with ``--samples N --out DIR`` the first N validation images with
-        their boxes as PNGs and every validation image's predictions as COCO results
-        (``DIR/predictions.json``, in the file's own image and category ids).
+        evaluation), with ``--samples N --out DIR`` the first N validation images with
+        their boxes as PNGs, and with ``--predictions FILE`` every validation image's
+        predictions as COCO results (in the file's own image and category ids; written
+        atomically, its path checked by test.py before anything is loaded).
 
         Returns:
             ``(report, (network, input_shape, described, names))``: what --export writes
@@ -314,18 +332,19 @@ class Detection(Task):
         say(f"checkpoint {path} (epoch {state.get('epoch', '?')}, step "
             f"{state.get('step', '?')}, {which}): {config['network']} on {config['dataset']}")
         result, found = evaluate(net, val_set, config, device, batch_size, args.num_workers,
-                                 task, keep=args.samples or 0, everything=bool(args.out))
+                                 task)
         report = task.report(result, "checkpoint", path)
         report.update(weights=weights, task=cls.name)
         say(task.format_report(report, "figures (COCO's, on the validation images):"))
         if args.samples:
             written = write_samples(found, val_set, task.classes, args.out, names)
-            predictions = os.path.join(args.out, "predictions.json")
-            write_predictions(found, task, predictions)
-            report["samples"] = {"count": len(written), "dir": args.out,
-                                 "predictions": predictions}
-            say(f"wrote {len(written)} images with their boxes to {args.out} and every "
-                f"validation image's predictions to {predictions} (COCO results)")
+            report["samples"] = {"count": len(written), "dir": args.out}
+            say(f"wrote {len(written)} images with their boxes to {args.out}")
+        if args.predictions:
+            count = write_predictions(found, task, args.predictions)
+            report["predictions"] = {"file": args.predictions, "count": count}
+            say(f"wrote every validation image's predictions to {args.predictions} (COCO "
+                f"results: {count} boxes)")
         described = {"input": f"images (N, 3, {side}, {side}) float32 in [0, 1], resized so "
                               f"that the long side is {side}, padded right and bottom",
                      "output": f"(N, {EXPORT_DETECTIONS}, 6): x1, y1, x2, y2, score, label "
@@ -501,10 +520,9 @@ def load_detector(state, config, val_set, path, weights):
     return net.eval()
 
 
-def evaluate(net, val_set, config, device, batch_size, num_workers, task, keep=0,
-             everything=False):
-    """The validation as training ran it (the run's autocast), and the predictions of
-    the first ``keep`` images (``everything``: of every image, for the results file).
+def evaluate(net, val_set, config, device, batch_size, num_workers, task):
+    """The validation as training ran it (the run's autocast), and every image's
+    predictions (the PNGs and the results file).
 
     Returns:
         ``(result, (order, predictions))``: ``engine.evaluate``'s figures, and the
@@ -569,11 +587,17 @@ def coco_results(found, task):
 
 
 def write_predictions(found, task, path):
-    text = json.dumps(coco_results(found, task))
+    """``coco_results`` as json at ``path`` (--predictions), written atomically (a file
+    there before stays whole if the write fails: one ``error:`` line). Returns the
+    number of boxes."""
+    results = coco_results(found, task)
+    text = json.dumps(results)
     try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         files.atomic_write(path, lambda f: f.write(text))
     except OSError as e:
-        raise files.output_failed("--out", path, e) from None
+        raise files.output_failed("--predictions", path, e) from None
+    return len(results)
 
 
 def check_exportable(exported, side, path, network):

@@ -10,11 +10,15 @@ import signal
 import pytest
 import torch
 from helpers import (
+    ROOT,
     assert_states_equal,
     events,
     final_state,
     load_test_py,
+    main_in_process,
+    put_in_torch_hub,
     read_metrics,
+    run_as_written,
     stop_at_step,
 )
 from PIL import Image
@@ -126,9 +130,11 @@ def test_a_detector_trains_on_a_coco_folder_and_logs_map(trained):
 def test_test_py_reports_the_logged_figures_and_writes_coco_results(trained, coco, tmp_path,
                                                                     capsys):
     out, report_path = tmp_path / "out", tmp_path / "report.json"
+    predictions = tmp_path / "results" / "coco.json"  # (its folder made)
     assert load_test_py().main(["--checkpoint", str(trained / "checkpoints" / "last.pt"),
                                 "--samples", "2", "--out", str(out), "--json",
-                                str(report_path), "--num-workers", "0"]) == 0
+                                str(report_path), "--num-workers", "0", "--predictions",
+                                str(predictions)]) == 0
     report = json.loads(report_path.read_text())
     last = read_metrics(trained)[-1]
     assert report["weights"] == "ema"
@@ -136,8 +142,9 @@ def test_test_py_reports_the_logged_figures_and_writes_coco_results(trained, coc
         assert report[key] == pytest.approx(last[f"val_{key}_ema"], abs=1e-12), key
     assert report["per_class_ap"] == pytest.approx(last["val_class_ap_ema"])
     assert "mAP" in capsys.readouterr().out
-    assert sorted(os.listdir(out)) == ["000000.png", "000001.png", "predictions.json"]
-    results = json.loads((out / "predictions.json").read_text())
+    assert sorted(os.listdir(out)) == ["000000.png", "000001.png"]
+    results = json.loads(predictions.read_text())
+    assert report["predictions"] == {"file": str(predictions), "count": len(results)}
     val = json.load(open(os.path.join(coco, "valid", "_annotations.coco.json")))
     assert results and {r["category_id"] for r in results} <= {i for i, _ in CATEGORIES}
     assert {r["image_id"] for r in results} <= {im["id"] for im in val["images"]}
@@ -151,11 +158,134 @@ def test_test_py_reports_the_logged_figures_and_writes_coco_results(trained, coc
 
     with contextlib.redirect_stdout(io.StringIO()):
         gt = COCO(os.path.join(coco, "valid", "_annotations.coco.json"))
-        evaluation = COCOeval(gt, gt.loadRes(str(out / "predictions.json")), "bbox")
+        evaluation = COCOeval(gt, gt.loadRes(str(predictions)), "bbox")
         evaluation.evaluate()
         evaluation.accumulate()
         evaluation.summarize()
     assert evaluation.stats[0] == pytest.approx(report["map"], abs=2e-3)
+
+
+def test_predictions_that_cannot_be_written_or_are_not_a_detectors_are_one_line(
+        trained, tmp_path, capsys):
+    """--predictions FILE: a path that cannot be written is one line (exit 2) before the
+    checkpoint is read; on another task's checkpoint, or with --model, one line too."""
+    test_py = load_test_py()
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    checkpoint = str(trained / "checkpoints" / "last.pt")
+    for argv, words in (
+            (["--checkpoint", checkpoint, "--predictions", str(blocker / "p.json")],
+             f"--predictions '{blocker / 'p.json'}': '{blocker}' is a file, not a directory"),
+            (["--checkpoint", checkpoint, "--predictions", str(tmp_path)],
+             "is a directory; name a file"),
+            (["--checkpoint", checkpoint, "--predictions", " "], "--predictions needs a file"),
+            (["--checkpoint", checkpoint, "--predictions", checkpoint],
+             "is the checkpoint being evaluated"),
+            (["--model", str(tmp_path / "m.onnx"), "--predictions", str(tmp_path / "p.json")],
+             "--predictions is for a detection checkpoint (--checkpoint); "
+             f"'{tmp_path / 'm.onnx'}' is an exported file (--model)")):
+        code, out, err = main_in_process(test_py.main, argv, capsys)
+        assert code == 2 and err.startswith("error: ") and words in err, err
+        assert len(err.strip().splitlines()) == 1 and "mAP" not in out
+    classifier = str(tmp_path / "c.pt")  # (what test.py reads before the data)
+    torch.save({"model": {"fc.weight": torch.zeros(2, 2)}, "config": {
+        "task": "classification", "network": "mlp", "dataset": "synthetic", "data_dir": "d",
+        "seed": 0, "batch_size": 4, "synthetic_size": 8, "num_classes": 2}}, classifier)
+    code, out, err = main_in_process(test_py.main, ["--checkpoint", classifier,
+                                                    "--predictions", "p.json"], capsys)
+    assert code == 2 and err == (f"error: --predictions is for a detection checkpoint "
+                                 f"(--checkpoint); '{classifier}' is a classification "
+                                 f"checkpoint\n"), err
+    help_text = test_py.build_parser().format_help()
+    assert "a detection checkpoint (--task detection):\n  --predictions FILE" in help_text
+    assert "makes images (--task gan, diffusion, pix2pix)" in help_text  # (not detection)
+
+
+def test_the_readme_detection_commands_run_as_written(tmp_path, monkeypatch, capsys):
+    """The README's detection commands from a fresh directory: train, test.py's images and
+    COCO results; then --pretrained torchvision from COCO's weights (torchvision's file in
+    TORCH_HOME, here random weights of 91 classes): offline without the file, one line
+    naming it; with it, the backbone loaded as it was and new class layers for 3 classes."""
+    import re
+    import urllib.error
+    import urllib.request
+
+    import torchvision
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    block = re.search(r"## Detection\n.*?```bash\n(.*?)```", readme, flags=re.DOTALL)
+    commands = [line.split("#")[0].split() for line in block.group(1).splitlines()]
+    fit = {1: ["--synthetic-size", "20"], 2: ["--num-workers", "0"],
+           3: ["--synthetic-size", "8", "--max-steps", "1", "--lr", "0"]}
+    for i in (1, 2):
+        argv = commands[i - 1]
+        extra = ["--device", "cpu", "--num-workers", "0"] if argv[1] == "train.py" else []
+        code, out, err = run_as_written([*argv, *extra, *fit[i]], tmp_path, monkeypatch,
+                                        capsys)
+        assert code == 0, err[-2000:]
+    assert "mAP" in out and "per-class AP:" in out
+    boxes = tmp_path / "runs" / "det-shapes" / "boxes"
+    assert sorted(os.listdir(boxes)) == [f"00000{i}.png" for i in range(4)]
+    results = json.loads((tmp_path / "runs" / "det-shapes" / "predictions.json").read_text())
+    assert {r["image_id"] for r in results} <= set(range(4))  # (synthetic: the index)
+    assert all(r["category_id"] in (1, 2, 3) and len(r["bbox"]) == 4 for r in results)
+
+    argv = [*commands[2], "--device", "cpu", "--num-workers", "0", *fit[3]]
+    assert "--pretrained" in argv and argv[argv.index("--pretrained") + 1] == "torchvision"
+    weights = torchvision.models.detection.SSDLite320_MobileNet_V3_Large_Weights.COCO_V1
+    torch.manual_seed(0)
+    coco_state = torchvision.models.get_model_builder(argv[argv.index("--network") + 1][12:])(
+        weights=None, weights_backbone=None, num_classes=91).state_dict()
+    put_in_torch_hub(weights, coco_state, tmp_path, monkeypatch)
+    cached = tmp_path / "torch_home" / "hub" / "checkpoints" / weights.url.rsplit("/", 1)[1]
+    os.replace(cached, tmp_path / "away.pth")
+
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no network")
+
+    with monkeypatch.context() as m:
+        m.setattr(urllib.request, "urlopen", offline)
+        m.setattr(torch.hub, "urlopen", offline)  # (its own name for it)
+        code, _, err = run_as_written(argv, tmp_path, monkeypatch, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: --pretrained torchvision: cannot download") and \
+        f"Put the file at {cached}" in err, err
+    os.replace(tmp_path / "away.pth", cached)
+    code, out, err = run_as_written(argv, tmp_path, monkeypatch, capsys)
+    assert code == 0, err[-2000:]
+    assert "pretrained: loaded" in out and "kept the new head (head.classification_head." in out
+    run = final_state(tmp_path / "runs" / "det-coco-weights")["model"]
+    backbone = [k for k in run if k.startswith("backbone.")]
+    assert backbone and all(torch.equal(run[k], coco_state[k]) for k in backbone)  # lr 0
+    assert not any(k.endswith("num_batches_tracked") for k in backbone)  # (frozen)
+    for k in (k for k in run if k.startswith("head.classification_head.")):
+        fresh = run[k].shape != coco_state[k].shape
+        assert fresh == bool(re.search(r"module_list\.\d+\.1\.(weight|bias)$", k)), k
+        if fresh:  # 6 anchors (or 4) a place, each with 3 classes and the background
+            assert run[k].shape[0] % 4 == 0 and coco_state[k].shape[0] % 91 == 0, k
+
+
+def test_a_faster_rcnn_on_other_classes_keeps_coco_weights_but_its_box_predictor(tmp_path):
+    """--pretrained FILE of Faster R-CNN's 91 COCO ids into a 3-class one: every tensor but
+    the box predictor's (its classes, and a box per class) loaded."""
+    from pipeline import presets
+    from tasks.detection import build_detector
+
+    name = "fasterrcnn_mobilenet_v3_large_320_fpn"
+    torch.manual_seed(0)
+    coco_state = build_detector(name, 90, 64, pretrained=True).state_dict()
+    torch.save(coco_state, tmp_path / "coco.pth")
+    net = build_detector(name, 3, 64, pretrained=True)
+    lines = []
+    kept = presets.load_pretrained(net, str(tmp_path / "coco.pth"), lines.append, "ema",
+                                   "torchvision/" + name, Detection.class_heads(net))
+    assert sorted(kept) == sorted(f"roi_heads.box_predictor.{m}.{p}" for m in
+                                  ("cls_score", "bbox_pred") for p in ("weight", "bias"))
+    mine = net.state_dict()
+    assert mine["roi_heads.box_predictor.cls_score.weight"].shape[0] == 4
+    assert mine["roi_heads.box_predictor.bbox_pred.weight"].shape[0] == 16
+    assert all(torch.equal(mine[k], v) for k, v in coco_state.items() if k not in kept)
+    assert "kept the new head (roi_heads.box_predictor." in lines[0]
 
 
 def test_export_is_one_line_where_torch_export_cannot_take_the_detector(trained, tmp_path,
