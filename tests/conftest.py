@@ -52,9 +52,23 @@ QUICK_MODULES = {"test_config", "test_layers", "test_losses", "test_ops_blocks",
 
 
 def pytest_collection_modifyitems(items):
+    shared = []
     for item in items:
-        if item.module.__name__.rsplit(".", 1)[-1] not in QUICK_MODULES:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if module not in QUICK_MODULES:
             item.add_marker(pytest.mark.slow)
+        # A test reading a run its module makes once (a module-scoped fixture): every such
+        # test of the module goes to one worker (pytest-xdist's --dist loadgroup, in
+        # pyproject.toml), which makes the run once, not once on each worker.
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info else ()
+        if any(d and d[-1].scope == "module" for d in defs):
+            item.add_marker(pytest.mark.xdist_group(module))
+            shared.append(item)
+    # Those groups are the longest units of work: handed out first, none is left to run
+    # alone at the end while the other worker idles.
+    grouped = set(shared)
+    items[:] = shared + [item for item in items if item not in grouped]
 
 
 @pytest.fixture
