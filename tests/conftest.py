@@ -51,24 +51,21 @@ QUICK_MODULES = {"test_config", "test_layers", "test_losses", "test_ops_blocks",
                  "test_meters"}
 
 
+# The modules that take longest (process launches: --verify-resume's runs, gpu.sh's smoke
+# profile, torchrun), handed to the workers first (pytest-xdist's --dist loadscope sends
+# a module's tests to one worker, in this order), so that none is left to run alone at the
+# end while the other worker idles. Only the order of the work depends on this list.
+FIRST = ("test_verify_resume", "test_bench", "test_distributed", "test_restarts",
+         "test_world_sizes", "test_cluster", "test_ledger", "test_user_task", "test_gan",
+         "test_watchdog", "test_preflight", "test_diffusion", "test_mlflow", "test_looking")
+
+
 def pytest_collection_modifyitems(items):
-    shared = []
     for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        if module not in QUICK_MODULES:
+        if item.module.__name__.rsplit(".", 1)[-1] not in QUICK_MODULES:
             item.add_marker(pytest.mark.slow)
-        # A test reading a run its module makes once (a module-scoped fixture): every such
-        # test of the module goes to one worker (pytest-xdist's --dist loadgroup, in
-        # pyproject.toml), which makes the run once, not once on each worker.
-        info = getattr(item, "_fixtureinfo", None)
-        defs = info.name2fixturedefs.values() if info else ()
-        if any(d and d[-1].scope == "module" for d in defs):
-            item.add_marker(pytest.mark.xdist_group(module))
-            shared.append(item)
-    # Those groups are the longest units of work: handed out first, none is left to run
-    # alone at the end while the other worker idles.
-    grouped = set(shared)
-    items[:] = shared + [item for item in items if item not in grouped]
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(FIRST)))
 
 
 @pytest.fixture
