@@ -57,6 +57,7 @@ from torchvision.transforms.v2 import functional as TF
 from machinery.runtime import say
 from ops import UserError
 from pipeline import data, images, sample_transforms
+from pipeline.segmentation_data import shape_mask
 
 DATASETS = ("coco", "synthetic")
 SCALE_RANGE = (0.5, 1.5)  # training's scale jitter, times the image fitted into S x S
@@ -67,20 +68,6 @@ SPLIT_NAMES = {"train": ("train",), "val": ("val", "valid")}
 # ------------------------------------------------------------------ the synthetic set
 
 SHAPES = ("rectangle", "disc", "diamond", "triangle", "ring")
-
-
-def _shape(kind, dy, dx, r):
-    """Where a shape of radius ``r`` covers the offsets ``dy``, ``dx`` from its centre."""
-    if kind == "rectangle":
-        return (dy.abs() <= r * 0.6) & (dx.abs() <= r)
-    if kind == "disc":
-        return dy * dy + dx * dx <= r * r
-    if kind == "diamond":
-        return dy.abs() + dx.abs() <= r
-    if kind == "ring":
-        d2 = dy * dy + dx * dx
-        return (d2 <= r * r) & (d2 >= (r * 0.5) ** 2)
-    return (dy <= r * 0.7) & (dy >= -r) & (dx.abs() * 2 <= dy + r)  # triangle
 
 
 class SyntheticBoxes(torch.utils.data.Dataset):
@@ -112,7 +99,7 @@ class SyntheticBoxes(torch.utils.data.Dataset):
                 c = int(torch.randint(1, num_classes + 1, (), generator=g))
                 cy, cx = ((torch.rand(2, generator=g) * 0.7 + 0.15) * s).tolist()
                 r = float(torch.rand((), generator=g) * 0.15 + 0.12) * s
-                where = _shape(SHAPES[(c - 1) % len(SHAPES)], ys - cy, xs - cx, r)
+                where = shape_mask(SHAPES[(c - 1) % len(SHAPES)], ys - cy, xs - cx, r)
                 if not bool(where.any()):
                     continue
                 pictures[i][:, where] = colours[c].view(3, 1)

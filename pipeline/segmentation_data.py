@@ -125,9 +125,9 @@ class SegmentationSet(data.SeededDataset):
 SHAPES = ("rectangle", "disc", "diamond", "ring", "triangle")  # class c >= 1: SHAPES[c-1 % 5]
 
 
-def _shape(kind, dy, dx, r):
+def shape_mask(kind, dy, dx, r):
     """Where a shape of radius ``r`` (per image, (N, 1, 1)) covers the offsets
-    ``dy``, ``dx`` from its centre."""
+    ``dy``, ``dx`` from its centre (the synthetic masks' shapes, and detection's)."""
     if kind == "rectangle":
         return (dy.abs() <= r * 0.6) & (dx.abs() <= r)
     if kind == "disc":
@@ -176,7 +176,7 @@ class SyntheticMasks(torch.utils.data.Dataset):
             for c in range(1, num_classes):
                 kind = SHAPES[(c - 1) % len(SHAPES)]
                 drawn = (cls == c) & (count > slot)
-                where = _shape(kind, ys - cy, xs - cx, r) & drawn.view(-1, 1, 1)
+                where = shape_mask(kind, ys - cy, xs - cx, r) & drawn.view(-1, 1, 1)
                 masks[where] = c
         self.masks = masks.to(torch.uint8)
         self.images = colours[masks].permute(0, 3, 1, 2).contiguous()  # (N, C, H, W)
