@@ -133,6 +133,37 @@ def _number(value):
         math.isfinite(value)
 
 
+def _own_categories(json_path, doc):
+    """A COCO json's ``[(id, name)]``, each id an integer, no id twice."""
+    own = []
+    for cat in doc["categories"]:
+        if not isinstance(cat, dict) or not isinstance(cat.get("id"), int) or \
+                isinstance(cat.get("id"), bool):
+            _fail(json_path, f"a category without an integer id: {str(cat)[:100]}")
+        own.append((cat["id"], str(cat.get("name", cat["id"]))))
+    if len({i for i, _ in own}) != len(own):
+        _fail(json_path, "two categories share an id")
+    return own
+
+
+def _image_entries(json_path, doc, image_dir):
+    """A COCO json's images by id, each with empty lists for its boxes."""
+    by_id = {}
+    for image in doc["images"]:
+        if not isinstance(image, dict) or "id" not in image or \
+                not isinstance(image.get("file_name"), str) or \
+                not all(_number(image.get(k)) and image[k] > 0 for k in ("width", "height")):
+            _fail(json_path, f"an image entry without id, file_name, width and height: "
+                             f"{str(image)[:120]}")
+        if image["id"] in by_id:
+            _fail(json_path, f"two images have the id {image['id']!r}")
+        path = os.path.join(image_dir, image["file_name"])
+        by_id[image["id"]] = {"path": path, "id": image["id"], "height": image["height"],
+                              "width": image["width"], "boxes": [], "categories": [],
+                              "crowd": []}
+    return by_id
+
+
 def read_coco(json_path, image_dir, categories=None):
     """One split's COCO json, checked: ``(images, categories)``.
 
@@ -162,32 +193,13 @@ def read_coco(json_path, image_dir, categories=None):
         have = ", ".join(sorted(doc)[:8]) if isinstance(doc, dict) else type(doc).__name__
         _fail(json_path, f"not a COCO annotation file: it needs the lists images, "
                          f"annotations and categories (it has {have or 'nothing'})")
-    own = []
-    for cat in doc["categories"]:
-        if not isinstance(cat, dict) or not isinstance(cat.get("id"), int) or \
-                isinstance(cat.get("id"), bool):
-            _fail(json_path, f"a category without an integer id: {str(cat)[:100]}")
-        own.append((cat["id"], str(cat.get("name", cat["id"]))))
-    if len({i for i, _ in own}) != len(own):
-        _fail(json_path, "two categories share an id")
+    own = _own_categories(json_path, doc)
     if categories is None:
         categories = sorted(own)
         if not categories:
             _fail(json_path, "no categories")
     known = {i for i, _ in categories}
-    by_id = {}
-    for image in doc["images"]:
-        if not isinstance(image, dict) or "id" not in image or \
-                not isinstance(image.get("file_name"), str) or \
-                not all(_number(image.get(k)) and image[k] > 0 for k in ("width", "height")):
-            _fail(json_path, f"an image entry without id, file_name, width and height: "
-                             f"{str(image)[:120]}")
-        if image["id"] in by_id:
-            _fail(json_path, f"two images have the id {image['id']!r}")
-        path = os.path.join(image_dir, image["file_name"])
-        by_id[image["id"]] = {"path": path, "id": image["id"], "height": image["height"],
-                              "width": image["width"], "boxes": [], "categories": [],
-                              "crowd": []}
+    by_id = _image_entries(json_path, doc, image_dir)
     empty = 0
     for ann in doc["annotations"]:
         name = f"annotation {ann.get('id', '?')}" if isinstance(ann, dict) else "annotation"
