@@ -29,6 +29,7 @@ import time
 import numpy as np
 import pytest
 import torch
+import torchrun_pool
 from PIL import Image
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
@@ -329,8 +330,17 @@ def finish(proc, timeout=TIMEOUT):
     return proc.returncode, out
 
 
-def torchrun(args, **kwargs):
-    rc, out = finish(start_torchrun(args, **kwargs))
+def torchrun(args, script="train.py", nproc=2, torchrun_args=(), timeout=TIMEOUT):
+    """A torchrun of ``script`` (train.py or a ``write_launcher`` script) expected to end
+    with 0; returns its output. Two processes without torchrun flags run in this test
+    process's pool (tests/torchrun_pool.py: torchrun workers that import train.py once and
+    fork each run; not where CUDA is: a fork after CUDA's start fails), anything else in a
+    torchrun of its own."""
+    pooled = script == "train.py" or script in _PATCHES
+    if pooled and nproc == 2 and not torchrun_args and not torch.cuda.is_available():
+        rc, out = torchrun_pool.run(ROOT, _child_env(), args, _PATCHES.get(script), timeout)
+    else:
+        rc, out = finish(start_torchrun(args, script, nproc, torchrun_args), timeout)
     assert rc == 0, out[-3000:]
     return out
 
@@ -372,7 +382,11 @@ def write_launcher(path, patch):
     the child-process counterpart of monkeypatch."""
     path.write_text(f"import os, sys\nsys.path.insert(0, {ROOT!r})\nimport train\n"
                     f"from machinery import checkpoint\n{patch}\nsys.exit(train.main())\n")
+    _PATCHES[str(path)] = patch  # (helpers.torchrun's pool runs the patch, then train.main)
     return str(path)
+
+
+_PATCHES = {}  # write_launcher's scripts: their patches
 
 
 def make_config(tmp_path, name, augment=True, seed=5, **extra):

@@ -1,0 +1,197 @@
+"""Two torchrun worker processes kept up for the whole test session, each run a fresh fork.
+
+A torchrun of two processes costs about 8 s of CPU on this machine before its first step
+(torchrun and each worker import torch and train.py: 3.3 s a process), and the suite
+launched over forty. ``helpers.torchrun(args)`` (a run expected to succeed, two processes,
+train.py or a ``write_launcher`` patch) sends its run here instead: one ``torchrun
+--standalone --nproc_per_node 2`` per test process (started at its first run, ended with
+the session) whose workers import train.py once, then for each run fork a child that
+
+* runs the launcher's patch (if any), then ``train.main(args)`` with ``sys.argv`` as
+  train.py would have it, its stdout and stderr in a file of its own;
+* has the test's environment at the run (os.environ, as a launch then would; what a
+  module reads from it at import was read when the pool started);
+* joins a process group of its own: a store prefix of its own
+  (``TORCHELASTIC_RESTART_COUNT``, as a torchrun restart's round: machinery/elastic.py);
+* ends with train.main's exit code (``os._exit`` after the exit handlers).
+
+Each run is a new process with torchrun's environment (RANK, WORLD_SIZE, the agent's
+store), the state of a process that imported train.py and did nothing else, as a
+launch's worker is. What a pool cannot show stays a real torchrun of its own
+(``helpers.start_torchrun``): torchrun's report of its workers' exit codes, a signal to a
+worker, torchrun's own flags (``--max-restarts``), another number of processes.
+"""
+
+import atexit
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+WORKER = r"""
+import atexit, json, os, sys, time, traceback
+sys.path.insert(0, {root!r})
+import train
+from machinery import checkpoint
+
+queue, parent, rank = sys.argv[1], int(sys.argv[2]), os.environ["RANK"]
+TORCHRUN_ENV = {{"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT"}}
+n = 0
+while True:
+    path = os.path.join(queue, f"job-{{n}}.json")
+    while not os.path.exists(path):
+        try:
+            os.kill(parent, 0)  # the test process is gone: so is the pool
+        except ProcessLookupError:
+            sys.exit(0)
+        time.sleep(0.01)
+    with open(path) as f:
+        job = json.load(f)
+    if job is None:
+        sys.exit(0)
+    sys.stdout.flush(), sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the run, in a process of its own
+        code = 1
+        try:
+            fd = os.open(os.path.join(queue, f"job-{{n}}.rank{{rank}}.log"),
+                         os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 1), os.dup2(fd, 2), os.close(fd)
+            mine = {{k: v for k, v in os.environ.items() if k in TORCHRUN_ENV
+                     or k.startswith(("TORCHELASTIC_", "GROUP_", "ROLE_"))}}
+            os.environ.clear()  # the test's environment at the run, then torchrun's own
+            os.environ.update({{**job["env"], **mine}})
+            os.environ["TORCHELASTIC_RESTART_COUNT"] = str(n + 1)  # a group of its own
+            sys.argv = [os.path.join({root!r}, "train.py"), *job["args"]]
+            exec(job["patch"], {{"__name__": "__main__", "os": os, "sys": sys,
+                                 "train": train, "checkpoint": checkpoint}})
+            code = train.main(job["args"])
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            with __import__("contextlib").suppress(BaseException):
+                atexit._run_exitfuncs()
+                sys.stdout.flush(), sys.stderr.flush()
+            os._exit(code)
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    with open(path + f".rank{{rank}}.tmp", "w") as f:
+        f.write(str(status))
+    os.replace(path + f".rank{{rank}}.tmp", os.path.join(queue, f"job-{{n}}.rank{{rank}}.done"))
+    n += 1
+"""
+
+GRACE_S = 30  # one process ended with an error: the time the other has to end too
+
+
+class Pool:
+    """``Pool(root, env).run(args, patch, env, timeout)``: ``(exit code, output)``, as a
+    launch of its own would give (the output: process 0's, then process 1's; ``None``
+    and what there is when the run did not end in time: the pool is gone then)."""
+
+    nproc = 2
+
+    def __init__(self, root, env):
+        self.dir = tempfile.mkdtemp(prefix="torchrun-pool-")
+        script = os.path.join(self.dir, "worker.py")
+        with open(script, "w") as f:
+            f.write(WORKER.format(root=root))
+        self.log = open(os.path.join(self.dir, "torchrun.log"), "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc_per_node", str(self.nproc), script, self.dir, str(os.getpid())],
+            cwd=root, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.jobs = 0
+
+    def alive(self):
+        return self.proc.poll() is None
+
+    def run(self, args, patch, env, timeout):
+        n, self.jobs = self.jobs, self.jobs + 1
+        path = os.path.join(self.dir, f"job-{n}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump({"args": [str(a) for a in args], "patch": patch or "", "env": env}, f)
+        os.replace(path + ".tmp", path)
+        done = [os.path.join(self.dir, f"job-{n}.rank{r}.done") for r in range(self.nproc)]
+        deadline, failed_at = time.monotonic() + timeout, None
+        while not all(os.path.exists(d) for d in done):
+            codes = [_read(d) for d in done if os.path.exists(d)]
+            if failed_at is None and any(codes):
+                failed_at = time.monotonic()
+            if not self.alive() or time.monotonic() > deadline or (
+                    failed_at is not None and time.monotonic() - failed_at > GRACE_S):
+                self.close(kill=True)
+                return None, self.output(n) + self.agent_output()
+            time.sleep(0.02)
+        codes = [_read(d) for d in done]
+        return next((c for c in codes if c), 0), self.output(n)
+
+    def output(self, n):
+        out = []
+        for rank in range(self.nproc):
+            with contextlib.suppress(OSError), open(
+                    os.path.join(self.dir, f"job-{n}.rank{rank}.log"), errors="replace") as f:
+                out.append(f.read())
+        return "".join(out)
+
+    def agent_output(self):
+        with contextlib.suppress(OSError), open(self.log.name, errors="replace") as f:
+            return "\ntorchrun (the pool's): " + f.read()[-3000:]
+        return ""
+
+    def close(self, kill=False):
+        if self.alive() and not kill:
+            path = os.path.join(self.dir, f"job-{self.jobs}.json")
+            with open(path + ".tmp", "w") as f:
+                json.dump(None, f)
+            os.replace(path + ".tmp", path)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=20)
+        if self.alive():
+            _kill_tree(self.proc.pid)
+            self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _read(path):
+    with open(path) as f:
+        return int(f.read())
+
+
+def _kill_tree(pid):
+    pending, pids = [pid], []
+    while pending:  # the whole tree first: nothing re-parented meanwhile
+        kids = _children(pending.pop())
+        pids += kids
+        pending += kids
+    for p in [*pids, pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
+def _children(pid):
+    kids = []
+    for task in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else ():
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as f:
+            kids += [int(p) for p in f.read().split()]
+    return kids
+
+
+_pool = None
+
+
+def run(root, env, args, patch=None, timeout=300):
+    """A run in this test process's pool (started on first use, again after a failure)."""
+    global _pool
+    if _pool is None or not _pool.alive():
+        _pool = Pool(root, env)
+        atexit.register(_pool.close)
+    return _pool.run(args, patch, env, timeout)
