@@ -131,9 +131,11 @@ def test_every_ddp_wrapper_trains_its_first_step_on_rebuilt_buckets(tmp_path, ta
 def test_verify_resume_under_three_processes_is_exact(tmp_path):
     """Review 6's M2 as the user meets it: --verify-resume under torchrun of 3 processes
     said "resume differs" and blamed a dropout or a kernel; with gradient accumulation
-    (a stop inside its window) and an EMA."""
+    (a stop inside its window), an EMA and a DataLoader worker in each process. (This is
+    --verify-resume's test under torchrun: process 0 starts a torchrun of its own with as
+    many processes, the others end at once; 2 processes take the same path.)"""
     args = tiny_args(tmp_path / "mine", *FLAGS, "--virtual-batch-size", "4", "--ema-decay",
-                     "0.9", size=48, batch=2, epochs=2)
+                     "0.9", "--num-workers", "1", size=48, batch=2, epochs=2)
     rc, out = finish(start_torchrun([*args, "--verify-resume", "--verify-resume-steps", "3"],
                                     nproc=3), timeout=TIMEOUT)
     assert rc == 0, out[-3000:]

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from helpers import ROOT, finish, main_in_process, seg_args, start_torchrun, tiny_args
+from helpers import ROOT, main_in_process, seg_args, tiny_args
 
 import train
 from machinery import verify_resume
@@ -229,13 +229,7 @@ def test_a_diffusion_model_resumes_exactly(verify, tmp_path):
     assert "resume exact" in out and "the EMA weights" in out
 
 
-def test_under_torchrun_with_two_processes(tmp_path):
-    args = small(tmp_path / "mine", "--num-workers", "1", "--data-on-device", "off",
-                 size=64)
-    rc, out = finish(start_torchrun([*args, "--verify-resume", "--verify-resume-steps", "3"]),
-                     timeout=TIMEOUT)
-    assert rc == 0, out[-3000:]
-    assert "2 process(es)" in out and "resume exact" in out
+# Under torchrun: tests/test_world_sizes.py (3 processes, each with a DataLoader worker).
 
 
 # ------------------------------------------------------- what breaks the promise, named
