@@ -12,7 +12,8 @@ the session) whose workers import train.py once, then for each run fork a child 
 * has the test's environment at the run (os.environ, as a launch then would; what a
   module reads from it at import was read when the pool started);
 * joins a process group of its own: a store prefix of its own
-  (``TORCHELASTIC_RESTART_COUNT``, as a torchrun restart's round: machinery/elastic.py);
+  (``TORCHELASTIC_RESTART_COUNT`` 1000, 1001...: as a torchrun restart's round,
+  machinery/elastic.py);
 * ends with train.main's exit code (``os._exit`` after the exit handlers).
 
 Each run is a new process with torchrun's environment (RANK, WORLD_SIZE, the agent's
@@ -67,7 +68,9 @@ while True:
                      or k.startswith(("TORCHELASTIC_", "GROUP_", "ROLE_"))}}
             os.environ.clear()  # the test's environment at the run, then torchrun's own
             os.environ.update({{**job["env"], **mine}})
-            os.environ["TORCHELASTIC_RESTART_COUNT"] = str(n + 1)  # a group of its own
+            # A group of its own, in a round no restart of a job reaches (a launcher patch
+            # may wait for round 3).
+            os.environ["TORCHELASTIC_RESTART_COUNT"] = str(1000 + n)
             sys.argv = [os.path.join({root!r}, "train.py"), *job["args"]]
             exec(job["patch"], {{"__name__": "__main__", "os": os, "sys": sys,
                                  "train": train, "checkpoint": checkpoint}})
