@@ -25,6 +25,11 @@ batch, epochs and recipe, side by side in one process run:
 * train.py: ``train.main`` in this process with ``--task detection --dataset synthetic``
   and the same recipe; its ``samples_per_sec`` and ``val_map`` read from metrics.jsonl.
 
+``--alternate-epochs N`` instead runs both sides in one run: ``train.main`` with an epoch
+of the plain loop before each of its epochs (after it, every other turn), so that the
+swings of a shared machine fall on both sides alike; the figure is the median of the
+turns' ratios, the first turn left out (bench/pix2pix.py's harness).
+
 Prints ``figure: KEY VALUE`` lines: each side's samples/s of its last epoch and mAP, and
 ``detection.train_py_over_plain`` (the issue's target: at least 0.95) and
 ``detection.map_delta`` (train.py's minus the plain loop's; the target: above -0.01).
@@ -36,6 +41,7 @@ import contextlib
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -64,6 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--amp", default="none", choices=["none", "bf16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", choices=["plain", "train.py"], default=None)
+    p.add_argument("--alternate-epochs", type=int, default=0, metavar="N",
+                   help="instead: N epochs of each side in one run, an epoch of each in turn")
     return p.parse_args(argv)
 
 
@@ -111,6 +119,16 @@ def lr_at(step, total, warmup):
 
 def plain(args, device):
     """The reference's loop: ``(samples_per_sec of the last epoch, mAP)``."""
+    result = {}
+    rate = 0.0
+    for seconds, seen in plain_epochs(args, device, args.epochs, result):
+        rate = seen / seconds
+    return rate, result["map"]
+
+
+def plain_epochs(args, device, epochs, result):
+    """The reference's loop, an epoch at a time: yields each epoch's ``(seconds,
+    images)``; after the last, ``result["map"]`` is the validation set's mAP."""
     from torchmetrics.detection import MeanAveragePrecision
 
     torch.manual_seed(args.seed)
@@ -129,15 +147,14 @@ def plain(args, device):
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9,
                                 weight_decay=args.weight_decay)
-    total = len(loader) * args.epochs
+    total = len(loader) * epochs
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_at(step, total, len(loader)))
     def autocast():  # (a fresh one each time, as train.py's loop; none without --amp)
         return torch.autocast(device.type, dtype=torch.bfloat16) if args.amp == "bf16" \
             else contextlib.nullcontext()
 
-    rate = 0.0
-    for _ in range(args.epochs):
+    for _ in range(epochs):
         model.train()
         sync(device)
         start, seen = time.perf_counter(), 0
@@ -154,7 +171,7 @@ def plain(args, device):
             scheduler.step()
             seen += len(images)
         sync(device)
-        rate = seen / (time.perf_counter() - start)
+        yield time.perf_counter() - start, seen
     model.eval()
     metric = MeanAveragePrecision(box_format="xyxy", iou_type="bbox", backend="pycocotools")
     with torch.no_grad():
@@ -169,18 +186,55 @@ def plain(args, device):
                                 "scores": o["scores"].float().cpu(),
                                 "labels": o["labels"].cpu()}],
                               [{"boxes": original["boxes"], "labels": original["labels"]}])
-    return rate, float(metric.compute()["map"])
+    result["map"] = float(metric.compute()["map"])
 
 
-def train_py(args, run_dir):
+def alternating(args, device, run_dir):
+    """``--alternate-epochs N``: both sides in one run, an epoch of each in turn (the plain
+    loop's before train.py's in even turns, after it in odd ones), so that a shared
+    machine's swings, longer than a turn, fall on both alike. Returns the turns'
+    ``(plain images/s, train.py images/s)``, the first turn (warm-up) left out, and both
+    sides' mAP. train.py's epochs are timed around ``train.run_epoch``."""
+    import train
+
+    plain_result = {}
+    epochs = plain_epochs(args, device, args.alternate_epochs, plain_result)
+    turns, run_epoch = [], train.run_epoch
+
+    def both(training, loader, *a, **k):
+        timed = {}
+        for side in ("plain", "train.py")[::1 if len(turns) % 2 == 0 else -1]:
+            if side == "plain":
+                seconds, seen = next(epochs)
+                timed[side] = seen / seconds
+            else:
+                start = time.perf_counter()
+                ended = run_epoch(training, loader, *a, **k)
+                sync(device)
+                timed[side] = loader.batch_sampler.size / (time.perf_counter() - start)
+        turns.append((timed["plain"], timed["train.py"]))
+        return ended
+
+    train.run_epoch = both
+    try:
+        _, train_map = train_py(args, run_dir, epochs=args.alternate_epochs)
+    finally:
+        train.run_epoch = run_epoch
+    for _ in epochs:  # the plain loop's validation
+        pass
+    return turns[1:], plain_result["map"], train_map
+
+
+def train_py(args, run_dir, epochs=None):
     """train.py in this process: ``(samples_per_sec of the last epoch, val_map)``."""
+    epochs = epochs or args.epochs
     import train
 
     argv = ["--task", "detection", "--dataset", "synthetic", "--network",
             f"torchvision/{args.network}", "--synthetic-size", str(args.samples),
             "--num-classes", str(args.num_classes), "--image-size", str(args.size),
-            "--batch-size", str(args.batch_size), "--epochs", str(args.epochs),
-            "--eval-every", str(args.epochs), "--optimizer", "sgd", "--lr", str(args.lr),
+            "--batch-size", str(args.batch_size), "--epochs", str(epochs),
+            "--eval-every", str(epochs), "--optimizer", "sgd", "--lr", str(args.lr),
             "--momentum", "0.9", "--weight-decay", str(args.weight_decay),
             "--warmup-epochs", "1", "--scheduler", "cosine", "--num-workers",
             str(args.workers), "--device", args.device, "--amp", args.amp, "--seed",
@@ -199,6 +253,21 @@ def main(argv=None):
     print(f"detection bench: {args.network}, {args.samples} images at {args.size} px, batch "
           f"{args.batch_size}, {args.epochs} epochs, {args.workers} workers, {device}, "
           f"{hardware} (root {ROOT})")
+    if args.alternate_epochs:
+        with tempfile.TemporaryDirectory() as run_dir:
+            turns, plain_map, train_map = alternating(args, device, run_dir)
+        for n, (p, t) in enumerate(turns, 2):
+            print(f"turn {n}: plain {p:.1f} images/s, train.py {t:.1f} images/s ({t / p:.3f})")
+        ratio = statistics.median(t / p for p, t in turns)
+        print(f"figure: detection.alternating.plain.samples_per_s "
+              f"{statistics.median(p for p, _ in turns):.1f}")
+        print(f"figure: detection.alternating.train_py.samples_per_s "
+              f"{statistics.median(t for _, t in turns):.1f}")
+        print(f"figure: detection.alternating.train_py_over_plain {ratio:.3f} (the turns' "
+              f"median; target: at least 0.95)")
+        print(f"figure: detection.alternating.map_delta {train_map - plain_map:+.4f} "
+              f"(train.py {train_map:.4f}, plain {plain_map:.4f}; target: above -0.01)")
+        return 0
     figures = {}
     if args.only in (None, "plain"):
         figures["plain"] = plain(args, device)
