@@ -15,6 +15,8 @@ from helpers import (
     ROOT,
     assert_states_equal,
     final_state,
+    fork_popen,
+    fork_run,
     read_metrics,
     tiny_args,
     write_image_folder,
@@ -246,7 +248,7 @@ def test_a_failed_background_write_stops_the_run_at_once(tmp_path, monkeypatch, 
 def launch(run_dir, *extra):
     args = tiny_args(run_dir, "--synthetic-size", "4000", "--log-every", "5", *extra,
                      epochs=50)
-    return subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT,
+    return fork_popen([sys.executable, "train.py", *args], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
@@ -319,7 +321,7 @@ def test_sighup_saves_and_exits_129_then_resumes_exactly(tmp_path):
     full = tmp_path / "full"
     args = ("--synthetic-size", "640", "--log-every", "1")
     assert train.main(tiny_args(full, *args, epochs=2)) == 0
-    proc = subprocess.Popen([sys.executable, "train.py",
+    proc = fork_popen([sys.executable, "train.py",
                              *tiny_args(tmp_path / "run", *args, epochs=2)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True,
@@ -334,7 +336,7 @@ def test_sighup_saves_and_exits_129_then_resumes_exactly(tmp_path):
 
 
 def test_a_closed_stdout_pipe_does_not_stop_the_training(tmp_path):
-    proc = subprocess.Popen([sys.executable, "train.py", *tiny_args(tmp_path, epochs=2)],
+    proc = fork_popen([sys.executable, "train.py", *tiny_args(tmp_path, epochs=2)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # `python train.py | head -0`: the reader is gone
     err = proc.stderr.read().decode()
@@ -371,7 +373,7 @@ def test_ctrl_c_while_importing_exits_quietly_with_130(tmp_path):
 def test_a_log_file_gets_plain_lines_not_bar_redraws(tmp_path):
     log = tmp_path / "log.txt"
     with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "train.py",
+        proc = fork_run([sys.executable, "train.py",
                                *tiny_args(tmp_path / "run", "--synthetic-size", "256",
                                           epochs=2)],
                               cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=300)
@@ -499,7 +501,7 @@ def test_a_kill_during_validation_costs_no_step_of_the_epoch(tmp_path):
     script.write_text(f"import os, signal, sys\nsys.path.insert(0, {ROOT!r})\nimport train\n"
                       f"train.validate = lambda training: os.kill(os.getpid(), "
                       f"signal.SIGKILL)\nsys.exit(train.main(sys.argv[1:]))\n")
-    proc = subprocess.run([sys.executable, str(script), *tiny_args(tmp_path / "run",
+    proc = fork_run([sys.executable, str(script), *tiny_args(tmp_path / "run",
                                                                    epochs=2)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr

@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import (
     final_state,
+    fork_popen,
     load_test_py,
     photo_folder,
     read_metrics,
@@ -282,7 +283,7 @@ def test_the_others_are_told_when_process_0_fails_without_a_launcher_signal(tmp_
     script = tmp_path / "launch.py"
     script.write_text(FAIL_ON_0.format(root=ROOT))
     args = tiny_args(tmp_path / "run", "--data-on-device", "off")
-    procs = [subprocess.Popen([sys.executable, str(script), *args], cwd=ROOT,
+    procs = [fork_popen([sys.executable, str(script), *args], cwd=ROOT,
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in (0, 1)]

@@ -5,13 +5,12 @@ import errno
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 
 import pytest
 import torch
-from helpers import ROOT, load_test_py, read_metrics
+from helpers import ROOT, fork_run, load_test_py, read_metrics
 
 from config import parse_config, with_defaults
 from machinery import checkpoint
@@ -184,7 +183,7 @@ def test_help_shows_defaults_and_the_torchscript_deprecation(capsys):
 
 
 def _run_script(*argv):
-    return subprocess.run([sys.executable, "test.py", *argv], cwd=ROOT, capture_output=True,
+    return fork_run([sys.executable, "test.py", *argv], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
 
 

@@ -8,7 +8,6 @@ import os
 import re
 import shlex
 import signal
-import subprocess
 import sys
 
 import pytest
@@ -17,6 +16,7 @@ from helpers import (
     ROOT,
     assert_states_equal,
     final_state,
+    fork_run,
     load_test_py,
     main_in_process,
     read_metrics,
@@ -323,7 +323,7 @@ def test_a_task_drawing_from_where_trains_8_plus_8_and_2x8_as_one_batch_of_16(tm
     assert max((a[k] - b[k]).abs().max().item() for k in a) > 1e-4
     assert train.main(run("one", 16, "--resume", "auto", epochs=3)) == 0
     assert final_state(tmp_path / "one")["epoch"] == 3
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "test.py"), "--checkpoint",
+    done = fork_run([sys.executable, os.path.join(ROOT, "test.py"), "--checkpoint",
                            str(tmp_path / "one" / "checkpoints" / "last.pt"), "--task",
                            task], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from helpers import ROOT, assert_states_equal, final_state, stop_at_step, tiny_args
+from helpers import ROOT, assert_states_equal, final_state, fork_popen, stop_at_step, tiny_args
 
 import networks
 import train
@@ -258,7 +258,7 @@ def test_nonfinite_loss_stops_with_an_error_and_keeps_the_last_good(tmp_path, ca
 def launch(run_dir, *extra, workers=0):
     """train.py in its own process group (as a shell or a scheduler would start it)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "train.py", *cnn_args(run_dir, *extra,
+    return fork_popen([sys.executable, "train.py", *cnn_args(run_dir, *extra,
                                                                    workers=workers)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, env=env)
@@ -316,7 +316,7 @@ def test_signal_to_the_process_group_saves_and_resumes_exactly(tmp_path, signum,
     argv = [sys.executable, "-c", PAUSED_AT_STEP, str(ready), str(go), "3",
             *cnn_args(run_dir, workers=2)]
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=err, text=True,
+        proc = fork_popen(argv, cwd=ROOT, stdout=out, stderr=err, text=True,
                                 start_new_session=True,
                                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
         try:

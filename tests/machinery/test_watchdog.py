@@ -4,7 +4,6 @@ a hung process that says where (alone, and under torchrun with a peer that stall
 import contextlib
 import os
 import pickle
-import subprocess
 import sys
 import time
 
@@ -15,6 +14,7 @@ from helpers import (
     assert_exit_codes,
     ckpt,
     finish,
+    fork_run,
     start_torchrun,
     tiny_args,
     write_launcher,
@@ -68,7 +68,7 @@ checkpoint.Saver.save = slow_save
 
 
 def run_launcher(path, args, timeout=120):
-    return subprocess.run([sys.executable, path, *map(str, args)], cwd=ROOT,
+    return fork_run([sys.executable, path, *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -223,7 +223,7 @@ def test_a_hang_in_the_dataloader_workers_ends_with_one_line_and_no_worker_left(
     run_dir, pids = tmp_path / "run", tmp_path / "workers.txt"
     launcher = write_launcher(tmp_path / "stop.py", STOPPED_WORKERS)
     env = dict(os.environ, WORKERS_FILE=str(pids))
-    done = subprocess.run([sys.executable, launcher, *tiny_args(
+    done = fork_run([sys.executable, launcher, *tiny_args(
         run_dir, "--synthetic-size", "2000", "--num-workers", "2", "--data-on-device", "off",
         "--hang-timeout", "2")], cwd=ROOT, capture_output=True, text=True, timeout=300,
         env=env)

@@ -15,6 +15,7 @@ from helpers import (
     ROOT,
     SLOW_DECODING,
     check_against_per_sample,
+    fork_popen,
     make_config,
     tiny_args,
     write_image_folder,
@@ -80,7 +81,7 @@ def start_slow_build(cfg):
     """A process building the training split's cache slowly, once its temporary file is
     there (its name holds the process's pid)."""
     cache = os.path.join(cfg["data_dir"], ".cache")
-    process = subprocess.Popen([sys.executable, "-c", SLOW_BUILD.format(
+    process = fork_popen([sys.executable, "-c", SLOW_BUILD.format(
         root=ROOT, cfg=cfg, cache=cache)])
     deadline = time.monotonic() + 60
     while not any(f.startswith(f".tmp-{process.pid}.") for f in cache_files(cfg)):
@@ -223,7 +224,7 @@ def test_a_stop_signal_during_a_build_stops_at_once_and_cleanly(tmp_path, signum
     run = tmp_path / "run"
     args = tiny_args(run, "--dataset", "imagefolder", "--data-dir", str(images),
                      "--data-on-device", "on", network="simple_cnn", image=16, batch=6)
-    process = subprocess.Popen([sys.executable, "-c", SLOW_DECODING.format(root=ROOT, args=args)],
+    process = fork_popen([sys.executable, "-c", SLOW_DECODING.format(root=ROOT, args=args)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     cache = images / ".cache"
     deadline = time.monotonic() + 60

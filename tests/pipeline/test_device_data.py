@@ -8,7 +8,6 @@ once, reused, rebuilt when the folder changes and never trusted half-written; re
 
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -23,6 +22,7 @@ from helpers import (
     check_against_per_sample,
     final_state,
     folder_loaders,
+    fork_popen,
     make_config,
     per_sample,
     stop_at_step,
@@ -395,7 +395,7 @@ def test_a_build_killed_with_sigkill_is_not_trusted(tmp_path):
     cfg = make_config(tmp_path, "imagefolder")
     cache = tmp_path / ".cache"
     script = KILLED_BUILD.format(root=ROOT, cfg=cfg, cache=str(cache))
-    process = subprocess.Popen([sys.executable, "-c", script])
+    process = fork_popen([sys.executable, "-c", script])
     try:
         deadline = time.monotonic() + 60
         while not (cache.is_dir() and any(f.startswith(".tmp-") for f in os.listdir(cache))):

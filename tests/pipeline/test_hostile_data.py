@@ -13,7 +13,15 @@ import time
 
 import pytest
 import torch
-from helpers import ROOT, SLOW_DECODING, final_state, load_test_py, tiny_args, write_image_folder
+from helpers import (
+    ROOT,
+    SLOW_DECODING,
+    final_state,
+    fork_popen,
+    load_test_py,
+    tiny_args,
+    write_image_folder,
+)
 from PIL import Image
 
 import train
@@ -30,7 +38,7 @@ def folder_args(run, images, *extra, image=16, batch=4, workers=0):
 def run_train(args, timeout=120, env=None):
     """train.py in its own process: ``(returncode, stdout, stderr)``; a process that does
     not end within ``timeout`` fails the test (and is killed with its workers)."""
-    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args],
+    process = fork_popen([sys.executable, os.path.join(ROOT, "train.py"), *args],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                cwd=ROOT, env=env, start_new_session=True)
     try:
@@ -95,7 +103,7 @@ raise SystemExit(3)
 def test_loader_workers_left_running_do_not_keep_the_process_from_ending():
     # The workers ignore SIGTERM, all that multiprocessing's exit handler sends them
     # before it waits for them.
-    process = subprocess.Popen([sys.executable, "-c", LEFT_RUNNING.format(root=ROOT)],
+    process = fork_popen([sys.executable, "-c", LEFT_RUNNING.format(root=ROOT)],
                                start_new_session=True)
     try:
         assert process.wait(timeout=60) == 3
@@ -205,7 +213,7 @@ def test_a_damaged_copy_of_the_weights_is_refused_with_one_line(
 def signal_during_the_build(images, args, signum):
     """Starts train.py with a slow decoded-cache build (0.1 s an image), sends ``signum``
     1 s into the training split's build; ``(returncode, stdout, stderr)``."""
-    process = subprocess.Popen([sys.executable, "-c", SLOW_DECODING.format(root=ROOT, args=args)],
+    process = fork_popen([sys.executable, "-c", SLOW_DECODING.format(root=ROOT, args=args)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     cache = images / ".cache"
     deadline = time.monotonic() + 120
@@ -315,7 +323,7 @@ def test_a_worker_killed_by_sigkill_is_one_line_and_the_run_resumes(tmp_path):
     run = tmp_path / "run"
     args = folder_args(run, images, "--data-on-device", "off", "--epochs", "50",
                        "--ckpt-every-steps", "5", workers=2)
-    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args],
+    process = fork_popen([sys.executable, os.path.join(ROOT, "train.py"), *args],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
     try:

@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import ROOT, events, tiny_args
+from helpers import ROOT, events, fork_popen, tiny_args
 from PIL import Image
 
 import train
@@ -137,7 +137,7 @@ def test_sigterm_during_the_sweep_writes_what_there_is_and_exits_143(tmp_path):
     steps = 100000  # far more than it takes before the signal
     args = tiny_args(tmp_path, "--find-lr", "--find-lr-steps", str(steps),
                      "--find-lr-max", "1e-3")
-    proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT,
+    proc = fork_popen([sys.executable, "train.py", *args], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     seen = []

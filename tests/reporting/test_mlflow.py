@@ -8,7 +8,17 @@ import sys
 import pytest
 import torch
 import yaml
-from helpers import ROOT, closed_port, final_state, only_run, read_metrics, stop_at_step, tiny_args
+from helpers import (
+    ROOT,
+    closed_port,
+    final_state,
+    fork_popen,
+    fork_run,
+    only_run,
+    read_metrics,
+    stop_at_step,
+    tiny_args,
+)
 
 import train
 from reporting import tracking
@@ -199,7 +209,7 @@ def test_unreachable_server_is_one_warning(tmp_path):
     with closed_port() as sock:
         uri = f"http://127.0.0.1:{sock.getsockname()[1]}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-        proc = subprocess.run([sys.executable, "train.py", *tiny_args(
+        proc = fork_run([sys.executable, "train.py", *tiny_args(
             run_dir, "--mlflow", uri, "--ckpt-every-steps", "2", epochs=2)],
             cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
@@ -220,7 +230,7 @@ def test_unreachable_server_is_one_warning(tmp_path):
 def test_without_the_flag_mlflow_is_not_imported(tmp_path):
     code = ("import sys, train; code = train.main(sys.argv[1:]); "
             "print('mlflow imported:', 'mlflow' in sys.modules); sys.exit(code)")
-    proc = subprocess.run([sys.executable, "-c", code, *tiny_args(tmp_path / "run")],
+    proc = fork_run([sys.executable, "-c", code, *tiny_args(tmp_path / "run")],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "mlflow imported: False" in proc.stdout
@@ -283,7 +293,7 @@ def test_two_runs_started_at_once_on_a_new_store_are_both_recorded(tmp_path):
     script = tmp_path / "open.py"
     script.write_text(OPEN_AND_RECORD.format(root=ROOT, uri=uri))
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / f"run{i}"),
+    procs = [fork_popen([sys.executable, str(script), str(tmp_path / f"run{i}"),
                                str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env) for i in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
@@ -306,7 +316,7 @@ def test_a_store_that_cannot_be_written_gives_up_at_once_in_one_line(mount_tmpfs
             f"tracking; t0 = time.monotonic(); t = tracking.Tracker(sys.argv[1], "
             f"sys.argv[2]); t.start({{'dataset': 'synthetic'}}); "
             f"print('took', time.monotonic() - t0, t.client)")
-    proc = subprocess.run([sys.executable, "-c", code, f"sqlite:///{read_only}/mlflow.db",
+    proc = fork_run([sys.executable, "-c", code, f"sqlite:///{read_only}/mlflow.db",
                            str(tmp_path / "run")], cwd=read_only, capture_output=True,
                           text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr

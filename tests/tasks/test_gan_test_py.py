@@ -7,14 +7,21 @@ DCGAN (width 8, latents of 8) at 28 or 32 px."""
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
 import torchvision
-from helpers import ROOT, load_test_py, snapshot, tiny_args, write_gan_checkpoint, write_mnist
+from helpers import (
+    ROOT,
+    fork_run,
+    load_test_py,
+    snapshot,
+    tiny_args,
+    write_gan_checkpoint,
+    write_mnist,
+)
 from PIL import Image
 
 import dcgan
@@ -133,7 +140,7 @@ def test_the_same_command_writes_the_same_bytes(tmp_path, test_py):
     assert test_py.main(argv) == 0
     first = snapshot(out)
     os.remove(out / "000002.png")
-    proc = subprocess.run([sys.executable, "test.py", *argv], cwd=ROOT, capture_output=True,
+    proc = fork_run([sys.executable, "test.py", *argv], cwd=ROOT, capture_output=True,
                           text=True)  # the script, in a process of its own
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     assert snapshot(out) == first and len(first) == 6  # rewritten, no .tmp- file left
