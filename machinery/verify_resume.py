@@ -67,6 +67,9 @@ _TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
                  "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE",
                  "MASTER_ADDR", "MASTER_PORT")
 CHILD_STOP_S = 60  # a child sent the stop signal: the time it has to save and end
+# What starts a run's process (subprocess.Popen's signature); the tests start theirs as forks
+# of a process that has imported train.py (tests/fork_server.py), the same code run.
+start_process = subprocess.Popen
 
 
 # ----------------------------------------------------------------------- comparing
@@ -303,8 +306,8 @@ class _Runs:
                *(["--resume", "auto"] if resume else [])]
         log = os.path.join(self.root, f"{name}.log")
         with open(log, "ab") as out:
-            child = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
+            child = start_process(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL)
             try:
                 code = _wait(child)
             except BaseException as e:  # a stop signal (Interrupted), Ctrl-C: it stops too

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from helpers import ROOT, main_in_process, seg_args, tiny_args
+from helpers import ROOT, fork_popen, main_in_process, seg_args, tiny_args
 
 import train
 from machinery import verify_resume
@@ -19,8 +19,11 @@ TIMEOUT = 600
 @pytest.fixture
 def verify(monkeypatch, capsys):
     """``verify(args, cwd=ROOT)``: train.py's ``main(ARGS --verify-resume)`` in this process,
-    its three runs fresh processes as always: (exit code, output)."""
+    its three runs processes of their own, forked from a process that has imported train.py
+    (``fork_popen``: the new interpreters' start is tests/test_world_sizes.py's and the
+    README's test): (exit code, output)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the runs: two workers on two cores
+    monkeypatch.setattr(verify_resume, "start_process", fork_popen)
 
     def run(args, cwd=ROOT):
         monkeypatch.chdir(cwd)
