@@ -49,13 +49,20 @@ def print_exc(e):  # the traceback from the script's frames on, as the interpret
         tb = tb.tb_next
     traceback.print_exception(type(e), e, tb)
 
-def child(req):
+def child(req, fds=None, close=()):
     try:
-        for fd, (path, flags) in enumerate(req["stdio"]):  # first (the test waits on its
-            new = os.open(path, flags)                     # ends of them): stdout's pipe
-            os.dup2(new, fd)                               # before stderr's
+        for fd in close:  # the server's sockets
+            os.close(fd)
+        if fds is not None:  # a client's own stdin, stdout and stderr
+            for fd, new in enumerate(fds):
+                os.dup2(new, fd)
+            for new in set(fds) - {{0, 1, 2}}:
+                os.close(new)
+        for fd, (path, flags) in enumerate(req.get("stdio", ())):  # first (the test waits
+            new = os.open(path, flags)                # on its ends of them): stdout's pipe
+            os.dup2(new, fd)                          # before stderr's
             os.close(new)
-        if req["session"]:
+        if req.get("session"):
             os.setsid()
         os.chdir(req["cwd"])
         os.environ.clear()
@@ -74,10 +81,13 @@ def child(req):
                                       errors="backslashreplace", line_buffering=True)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        argv, code = req["argv"], 0
+        argv, code = req["argv"] or ["-"], 0
         sys.argv = list(argv)
         try:
-            if argv[0] == "-c":
+            if argv[0] == "-":  # the program on stdin
+                sys.argv = argv
+                exec(compile(sys.stdin.read(), "<stdin>", "exec"), {{"__name__": "__main__"}})
+            elif argv[0] == "-c":
                 sys.argv = ["-c", *argv[2:]]
                 exec(compile(argv[1], "<string>", "exec"), {{"__name__": "__main__"}})
             elif argv[0] == "-m":
@@ -112,32 +122,88 @@ def child(req):
         os.kill(os.getpid(), -code)
     os._exit(code & 0xFF)
 
-requests, pending = sys.stdin.buffer, b""
+import socket
+listener = socket.socket(socket.AF_UNIX)
+listener.bind(os.path.join({queue!r}, "socket"))  # CLIENT's requests
+listener.listen(64)
+requests, pending, clients = sys.stdin.buffer, b"", {{}}  # clients: pid -> connection
 while True:
-    ready, _, _ = select.select([requests], [], [], 0.02)
-    if ready:
+    waiting = [requests, listener, *clients.values()]
+    ready, _, _ = select.select(waiting, [], [], 0.02)
+    if requests in ready:
         chunk = os.read(requests.fileno(), 65536)
         if not chunk:
             break  # the test process is gone
         pending += chunk
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
-            req = json.loads(line)
             pid = os.fork()
             if pid == 0:
-                child(req)
+                child(json.loads(line), close=[listener.fileno(),
+                                               *(c.fileno() for c in clients.values())])
             os.write(1, (json.dumps(pid) + "\n").encode())
-    while True:  # the children that ended: how, in a file each
+    if listener in ready:  # a CLIENT: its request and its stdin, stdout and stderr
+        conn, _ = listener.accept()
+        message, fds, _, _ = socket.recv_fds(conn, 1 << 22, 3)
+        while not message.endswith(b"\n"):
+            message += conn.recv(1 << 22)
+        pid = os.fork()
+        if pid == 0:
+            child(json.loads(message), fds, close=[listener.fileno(), conn.fileno(),
+                                                  *(c.fileno() for c in clients.values())])
+        for fd in fds:
+            os.close(fd)
+        conn.sendall(f"{{pid}}\n".encode())
+        clients[pid] = conn
+    for pid, conn in list(clients.items()):  # a client gone (killed): so is its child
+        if conn in ready and not conn.recv(1, socket.MSG_PEEK):
+            with __import__("contextlib").suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    while True:  # the children that ended: how, in a file each (and to their client)
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             break
         if pid == 0:
             break
+        code = os.waitstatus_to_exitcode(status)
+        conn = clients.pop(pid, None)
+        if conn is not None:
+            with __import__("contextlib").suppress(OSError):
+                conn.sendall(f"{{code}}\n".encode())
+            conn.close()
+            continue
         path = os.path.join({queue!r}, f"{{pid}}.status")
         with open(path + ".tmp", "w") as f:
-            f.write(str(os.waitstatus_to_exitcode(status)))
+            f.write(str(code))
         os.replace(path + ".tmp", path)
+"""
+
+# An executable that stands for ``python`` (bench/gpu.sh's $PYTHON): it hands its arguments,
+# working directory, environment, stdin, stdout and stderr to the server, which forks the
+# run; it passes on the signals it gets and ends as the run ends. Killed, its run is too.
+CLIENT = r"""#!{python} -IS
+import json, os, signal, socket, sys
+conn = socket.socket(socket.AF_UNIX)
+conn.connect({socket!r})
+request = json.dumps({{"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ)}})
+socket.send_fds(conn, [request.encode() + b"\n"], [0, 1, 2])
+replies = conn.makefile("rb")
+pid = int(replies.readline())
+def forward(signum, frame):
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
+    signal.signal(getattr(signal, name), forward)
+line = replies.readline()
+code = int(line) if line.strip() else 1
+if code < 0:  # the run died of a signal: so does this
+    if -code not in (signal.SIGKILL, signal.SIGSTOP):
+        signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+sys.exit(code)
 """
 
 
@@ -283,6 +349,21 @@ class ForkedProcess:
             if stream is not None:
                 stream.close()
         self.wait()
+
+
+def client(root, path):
+    """Writes ``CLIENT`` (a ``python`` whose runs are this test process's server's forks) to
+    ``path``; returns its path."""
+    server = _the_server(root)
+    sock, deadline = os.path.join(server.dir, "socket"), time.monotonic() + 120
+    while not os.path.exists(sock):  # (bound once the server has imported train.py)
+        if not server.alive() or time.monotonic() > deadline:
+            raise RuntimeError("the fork server did not start")
+        time.sleep(0.02)
+    with open(path, "w") as f:
+        f.write(CLIENT.format(python=sys.executable, socket=sock))
+    os.chmod(path, 0o755)
+    return str(path)
 
 
 def popen(root, args, **kwargs):

@@ -298,6 +298,14 @@ def fork_run(args, **kwargs):
     return fork_server.run(ROOT, args, **kwargs)
 
 
+def python_client(path):
+    """Writes at ``path`` an executable that stands for ``python`` in a script (a $PYTHON):
+    each call is a fork of the server ``fork_popen`` uses, with the caller's arguments,
+    directory, environment and standard streams; signals are passed on, and it ends as its
+    run ends. Returns the path."""
+    return fork_server.client(ROOT, path)
+
+
 def _children(pid):
     paths = glob.glob(f"/proc/{pid}/task/*/children")
     if not paths:  # kernels without /proc/.../children
