@@ -15,10 +15,10 @@ import types
 
 import pytest
 import torch
-from helpers import ROOT, ckpt, run_as_written, tiny_args, torchrun
+from helpers import ROOT, ckpt, fork_popen, run_as_written, tiny_args, torchrun
 
 import train
-from machinery import ledger
+from machinery import ledger, verify_resume
 from ops import RunFailed
 
 
@@ -192,6 +192,7 @@ def readme_section():
 def test_the_readme_section_runs_as_written(tmp_path, monkeypatch, capsys):
     commands = re.findall(r"```bash\n(.*?)```", readme_section(), re.S)[0].splitlines()
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # --verify-resume's runs: two on two cores
+    monkeypatch.setattr(verify_resume, "start_process", fork_popen)  # (forks: no 3 s starts)
     outputs = []
     for command in commands:
         code, out, err = run_as_written(shlex.split(command), tmp_path, monkeypatch, capsys)
