@@ -174,6 +174,11 @@ class Detection(Task):
                                "logits; a detector's boxes are not averaged"),
                               (config["grad_checkpointing"], "--grad-checkpointing",
                                "is for this project's own networks"),
+                              (config["pretrained"] == "torchvision:backbone",
+                               "--pretrained torchvision:backbone", "maps a classifier's "
+                               "ImageNet weights by name, and a detector's backbone has other "
+                               "names: use --pretrained torchvision (the COCO detector, its "
+                               "class layers fresh for --num-classes) or --pretrained FILE"),
                               (config["data_on_device"] == "on", "--data-on-device on",
                                "has no detection path: each image's boxes and scale jitter "
                                "are per-sample work for DataLoader workers (use off or "
