@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from helpers import ROOT, python_client
+from helpers import ROOT, fork_run, python_client
 
 # script -> (smallest arguments, a line of its output that says it got to its figures)
 SMALLEST = {
@@ -67,123 +67,23 @@ def test_every_bench_script_has_a_smallest_run():
     assert not set(SMALLEST) & set(IN_GPU_SH_SMOKE)
 
 
-# Runs bench scripts one after another in this one process, each as `python bench/NAME.py
-# ARGS` would (its folder first on the path, the repository's modules imported afresh, its
-# own argv), so that torch and torchvision load once, not once a script (3 s of CPU each):
-#   python -c DRIVER SPEC.json   (SPEC: [[script, [args...], stdout file, stderr file]...])
-# For each script it writes, into SPEC.json's results (rewritten after each one): its exit
-# status and what it left in the repository; its stdout and stderr go to their files. What
-# a script changes in the process (environment, threads, signal handlers, argv, path) is
-# put back before the next; one that runs longer than 300 s is stopped (exit status 124).
-DRIVER = r"""
-import atexit, json, os, runpy, signal, sys, traceback
-import torch
-spec_path = sys.argv[1]
-spec, ROOT = json.load(open(spec_path)), os.getcwd()
-base_path = [p for p in sys.path[1:] if os.path.abspath(p or ".") != ROOT]
-results = {"at_exit": None, "after_last": [], "scripts": {}}
-def save():
-    with open(spec_path + ".results", "w") as f:
-        json.dump(results, f)
-def at_exit():  # (registered first: runs after every script's own exit handlers)
-    results["at_exit"] = sorted(os.listdir(ROOT))
-    save()
-atexit.register(at_exit)
-def own(module):  # a module of the repository (not of the environment in .venv)
-    where = getattr(module, "__file__", None) or next(iter(getattr(module, "__path__", [])), "")
-    return where.startswith(ROOT + os.sep) and not where.startswith(sys.prefix + os.sep)
-def timeout(signum, frame):
-    raise TimeoutError("bench script ran past 300 s")
-kept = {n: m for n, m in sys.modules.items() if not own(m)}
-environ, threads = dict(os.environ), torch.get_num_threads()
-signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
-                                            signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD)}
-for script, args, out, err in spec:
+@pytest.mark.parametrize("script", sorted(SMALLEST))
+def test_bench_runs_with_its_smallest_settings(script, tmp_path):
+    # Each script a fork of a process that has imported train.py and torch (``fork_run``),
+    # as `python bench/NAME.py ARGS` (its folder first on the path, its own argv and
+    # streams): not 3 s of CPU a script to start an interpreter.
+    args, shows = SMALLEST[script]
+    if script in WRITES_INTO:
+        args = [*args, WRITES_INTO[script], str(tmp_path)]
     before = set(os.listdir(ROOT))
-    sys.stdout.flush(), sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    with open(out, "w") as o, open(err, "w") as e:
-        os.dup2(o.fileno(), 1), os.dup2(e.fileno(), 2)
-    path = os.path.join("bench", script)
-    sys.argv, sys.path[:] = [path, *args], [os.path.join(ROOT, "bench"), *base_path]
-    signal.signal(signal.SIGALRM, timeout), signal.alarm(300)
-    try:
-        runpy.run_path(path, run_name="__main__")
-        rc = 0
-    except SystemExit as stop:
-        rc = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
-        if not isinstance(stop.code, (int, type(None))):
-            print(stop.code, file=sys.stderr)
-    except TimeoutError:
-        traceback.print_exc()
-        rc = 124
-    except BaseException:
-        traceback.print_exc()
-        rc = 1
-    signal.alarm(0)
-    sys.stdout.flush(), sys.stderr.flush()
-    os.dup2(saved[0], 1), os.dup2(saved[1], 2), os.close(saved[0]), os.close(saved[1])
-    for name in [n for n in sys.modules if n not in kept and own(sys.modules[n])]:
-        del sys.modules[name]
-    os.environ.clear(), os.environ.update(environ), torch.set_num_threads(threads)
-    for signum, handler in signals.items():
-        signal.signal(signum, handler)
-    now = os.listdir(ROOT)
-    results["scripts"][script] = {"rc": rc, "left": sorted(set(now) - before)}
-    results["after_last"] = sorted(now)
-    save()
-"""
-
-
-@pytest.fixture(scope="module")
-def smallest_runs(request, tmp_path_factory):
-    """Runs the scripts of this session's test_bench_runs_with_its_smallest_settings cases
-    (all of them, or those -k chose) in one DRIVER process; returns ``{script: (exit status,
-    stdout, stderr, what it left in the repository)}`` (None for one the driver never ended),
-    what was left by exit handlers (None if the driver never got to its own) and the
-    driver's ``(exit status, output)``."""
-    chosen = sorted({item.callspec.params["script"] for item in request.session.items
-                     if item.originalname == "test_bench_runs_with_its_smallest_settings"
-                     and item.module is request.module})
-    work = tmp_path_factory.mktemp("bench")
-    spec = []
-    for script in chosen:
-        args = SMALLEST[script][0]
-        if script in WRITES_INTO:
-            (work / script).mkdir()
-            args = [*args, WRITES_INTO[script], str(work / script)]
-        spec.append([script, args, str(work / f"{script}.out"), str(work / f"{script}.err")])
-    (work / "spec.json").write_text(json.dumps(spec))
     env = dict(os.environ)  # (one thread a process: tests/conftest.py)
     env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("LOCAL_RANK", None)
-    driver = subprocess.run([sys.executable, "-c", DRIVER, str(work / "spec.json")],
-                            cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=300 * len(spec) + 60)
-    saved = work / "spec.json.results"
-    results = json.loads(saved.read_text()) if saved.exists() else {"scripts": {}}
-    runs, output = {}, driver.stdout + driver.stderr
-    for script, _, out, err in spec:
-        got = results["scripts"].get(script)
-        runs[script] = got and (got["rc"], open(out).read(), open(err).read(), got["left"])
-        if got is None and os.path.exists(err):  # the script the driver died in
-            output += f"\n{script}'s stderr:\n" + open(err).read()[-3000:]
-    # what the scripts' exit handlers left (after the last script, before the process ended)
-    at_exit = results.get("at_exit") and set(results["at_exit"]) - set(results["after_last"])
-    return runs, at_exit, (driver.returncode, output)
-
-
-@pytest.mark.parametrize("script", sorted(SMALLEST))
-def test_bench_runs_with_its_smallest_settings(script, smallest_runs):
-    runs, at_exit, driver = smallest_runs
-    assert runs[script] is not None, \
-        f"the driver ended (exit status {driver[0]}) before {script} did: {driver[1][-5000:]}"
-    returncode, stdout, stderr, left = runs[script]
-    assert returncode == 0, stdout[-2000:] + stderr[-3000:]
-    assert SMALLEST[script][1] in stdout, stdout[-2000:]
-    assert "Traceback" not in stderr
-    assert left == []  # nothing left in the repository
-    assert driver[0] == 0 and at_exit is not None, driver[1][-3000:]  # the process ended,
-    assert at_exit == set()  # and nothing was left by an exit handler either
+    out = fork_run([sys.executable, os.path.join("bench", script), *args], cwd=ROOT, env=env,
+                   capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert shows in out.stdout, out.stdout[-2000:]
+    assert "Traceback" not in out.stderr
+    assert set(os.listdir(ROOT)) - before == set()  # nothing left in the repository
 
 
 def test_gpu_script_is_valid_bash_and_names_every_bench():
