@@ -24,6 +24,7 @@ from helpers import (
 
 import train
 from machinery import checkpoint, meters
+from machinery.checkpoint import Kind
 from reporting import runlog
 
 
@@ -512,6 +513,31 @@ def test_a_kill_during_validation_costs_no_step_of_the_epoch(tmp_path):
 
 
 # ---------------------------------------- round 6's F4, F11: a stop during a validation
+
+def test_a_signal_during_the_save_before_a_validation_ends_the_run_before_it(tmp_path,
+                                                                             monkeypatch):
+    """F7: a SIGTERM that comes while the epoch's last.pt is written (before its
+    validation, a long FID) ends the run there: the validation does not start."""
+    save, validate, calls = train.save, train.validate, []
+
+    def save_then_signal(training, kind, best=False):
+        save(training, kind, best)
+        if kind is Kind.STOP and not calls:  # the save before the first validation
+            calls.append("saved")
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def long_validation(training):
+        calls.append("validated")
+        time.sleep(20)
+        return validate(training)
+
+    monkeypatch.setattr(train, "save", save_then_signal)
+    monkeypatch.setattr(train, "validate", long_validation)
+    started = time.monotonic()
+    assert train.main(tiny_args(tmp_path, epochs=2)) == 128 + signal.SIGTERM
+    assert calls == ["saved"] and time.monotonic() - started < 15
+    assert ckpt(tmp_path)["progress"]["epoch_samples"] == 64  # the epoch's training, saved
+
 
 def test_a_max_steps_stop_saves_before_its_final_validation_and_a_signal_ends_it(
         tmp_path, monkeypatch):
