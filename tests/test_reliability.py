@@ -250,8 +250,8 @@ def launch(run_dir, *extra):
     args = tiny_args(run_dir, "--synthetic-size", "4000", "--log-every", "5", *extra,
                      epochs=50)
     return fork_popen([sys.executable, "train.py", *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                      start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 
 def wait_for_line(proc, text, timeout=120):
@@ -323,10 +323,10 @@ def test_sighup_saves_and_exits_129_then_resumes_exactly(tmp_path):
     args = ("--synthetic-size", "640", "--log-every", "1")
     assert train.main(tiny_args(full, *args, epochs=2)) == 0
     proc = fork_popen([sys.executable, "train.py",
-                             *tiny_args(tmp_path / "run", *args, epochs=2)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                       *tiny_args(tmp_path / "run", *args, epochs=2)],
+                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                      text=True, start_new_session=True,
+                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
     wait_for_line(proc, "training mlp")
     os.killpg(proc.pid, signal.SIGHUP)
     out, err = proc.communicate(timeout=120)
@@ -338,7 +338,7 @@ def test_sighup_saves_and_exits_129_then_resumes_exactly(tmp_path):
 
 def test_a_closed_stdout_pipe_does_not_stop_the_training(tmp_path):
     proc = fork_popen([sys.executable, "train.py", *tiny_args(tmp_path, epochs=2)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # `python train.py | head -0`: the reader is gone
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0, err
@@ -375,9 +375,9 @@ def test_a_log_file_gets_plain_lines_not_bar_redraws(tmp_path):
     log = tmp_path / "log.txt"
     with open(log, "w") as f:
         proc = fork_run([sys.executable, "train.py",
-                               *tiny_args(tmp_path / "run", "--synthetic-size", "256",
-                                          epochs=2)],
-                              cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=300)
+                         *tiny_args(tmp_path / "run", "--synthetic-size", "256",
+                                    epochs=2)],
+                        cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=300)
     assert proc.returncode == 0
     text = log.read_text()
     assert "\r" not in text
@@ -503,8 +503,8 @@ def test_a_kill_during_validation_costs_no_step_of_the_epoch(tmp_path):
                       f"train.validate = lambda training: os.kill(os.getpid(), "
                       f"signal.SIGKILL)\nsys.exit(train.main(sys.argv[1:]))\n")
     proc = fork_run([sys.executable, str(script), *tiny_args(tmp_path / "run",
-                                                                   epochs=2)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                                                             epochs=2)],
+                    cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert ckpt(tmp_path / "run")["progress"]["epoch_samples"] == 64
     assert train.main(tiny_args(tmp_path / "run", "--resume", "auto", epochs=2)) == 0

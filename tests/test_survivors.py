@@ -284,8 +284,8 @@ def test_the_others_are_told_when_process_0_fails_without_a_launcher_signal(tmp_
     script.write_text(FAIL_ON_0.format(root=ROOT))
     args = tiny_args(tmp_path / "run", "--data-on-device", "off")
     procs = [fork_popen([sys.executable, str(script), *args], cwd=ROOT,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                        env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in (0, 1)]
     try:
         first, _ = procs[0].communicate(timeout=300)

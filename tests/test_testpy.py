@@ -184,7 +184,7 @@ def test_help_shows_defaults_and_the_torchscript_deprecation(capsys):
 
 def _run_script(*argv):
     return fork_run([sys.executable, "test.py", *argv], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+                    text=True, timeout=120)
 
 
 def test_script_exit_code_and_json(mlp_run, tmp_path):

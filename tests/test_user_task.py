@@ -324,8 +324,8 @@ def test_a_task_drawing_from_where_trains_8_plus_8_and_2x8_as_one_batch_of_16(tm
     assert train.main(run("one", 16, "--resume", "auto", epochs=3)) == 0
     assert final_state(tmp_path / "one")["epoch"] == 3
     done = fork_run([sys.executable, os.path.join(ROOT, "test.py"), "--checkpoint",
-                           str(tmp_path / "one" / "checkpoints" / "last.pt"), "--task",
-                           task], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                     str(tmp_path / "one" / "checkpoints" / "last.pt"), "--task",
+                     task], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "tiny_denoiser on synthetic" in done.stdout
 

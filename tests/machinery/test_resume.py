@@ -259,9 +259,9 @@ def launch(run_dir, *extra, workers=0):
     """train.py in its own process group (as a shell or a scheduler would start it)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return fork_popen([sys.executable, "train.py", *cnn_args(run_dir, *extra,
-                                                                   workers=workers)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, env=env)
+                                                             workers=workers)],
+                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                      text=True, start_new_session=True, env=env)
 
 
 def wait_for(path, proc, timeout=120, output=None):
@@ -317,8 +317,8 @@ def test_signal_to_the_process_group_saves_and_resumes_exactly(tmp_path, signum,
             *cnn_args(run_dir, workers=2)]
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
         proc = fork_popen(argv, cwd=ROOT, stdout=out, stderr=err, text=True,
-                                start_new_session=True,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                          start_new_session=True,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
         try:
             wait_for(ready, proc, timeout=300, output=(tmp_path / "err").read_text)
             assert not os.path.exists(run_dir / "checkpoints" / "last.pt")

@@ -69,8 +69,8 @@ checkpoint.Saver.save = slow_save
 
 def run_launcher(path, args, timeout=120):
     return fork_run([sys.executable, path, *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                    capture_output=True, text=True, timeout=timeout,
+                    env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def test_default_rule():

@@ -225,7 +225,7 @@ def test_a_stop_signal_during_a_build_stops_at_once_and_cleanly(tmp_path, signum
     args = tiny_args(run, "--dataset", "imagefolder", "--data-dir", str(images),
                      "--data-on-device", "on", network="simple_cnn", image=16, batch=6)
     process = fork_popen([sys.executable, "-c", SLOW_DECODING.format(root=ROOT, args=args)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     cache = images / ".cache"
     deadline = time.monotonic() + 60
     while not (cache.is_dir() and any(f.startswith(".tmp-") for f in os.listdir(cache))):

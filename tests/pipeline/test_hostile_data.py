@@ -39,8 +39,8 @@ def run_train(args, timeout=120, env=None):
     """train.py in its own process: ``(returncode, stdout, stderr)``; a process that does
     not end within ``timeout`` fails the test (and is killed with its workers)."""
     process = fork_popen([sys.executable, os.path.join(ROOT, "train.py"), *args],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               cwd=ROOT, env=env, start_new_session=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=ROOT, env=env, start_new_session=True)
     try:
         out, err = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -104,7 +104,7 @@ def test_loader_workers_left_running_do_not_keep_the_process_from_ending():
     # The workers ignore SIGTERM, all that multiprocessing's exit handler sends them
     # before it waits for them.
     process = fork_popen([sys.executable, "-c", LEFT_RUNNING.format(root=ROOT)],
-                               start_new_session=True)
+                         start_new_session=True)
     try:
         assert process.wait(timeout=60) == 3
     finally:
@@ -214,7 +214,7 @@ def signal_during_the_build(images, args, signum):
     """Starts train.py with a slow decoded-cache build (0.1 s an image), sends ``signum``
     1 s into the training split's build; ``(returncode, stdout, stderr)``."""
     process = fork_popen([sys.executable, "-c", SLOW_DECODING.format(root=ROOT, args=args)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     cache = images / ".cache"
     deadline = time.monotonic() + 120
     while not (cache.is_dir() and any(f.startswith(".tmp-") for f in os.listdir(cache))):
@@ -324,8 +324,8 @@ def test_a_worker_killed_by_sigkill_is_one_line_and_the_run_resumes(tmp_path):
     args = folder_args(run, images, "--data-on-device", "off", "--epochs", "50",
                        "--ckpt-every-steps", "5", workers=2)
     process = fork_popen([sys.executable, os.path.join(ROOT, "train.py"), *args],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         while not (run / "checkpoints" / "last.pt").exists():

@@ -138,8 +138,8 @@ def test_sigterm_during_the_sweep_writes_what_there_is_and_exits_143(tmp_path):
     args = tiny_args(tmp_path, "--find-lr", "--find-lr-steps", str(steps),
                      "--find-lr-max", "1e-3")
     proc = fork_popen([sys.executable, "train.py", *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                      start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     seen = []
     try:
         for line in proc.stdout:  # the progress line comes after the first step

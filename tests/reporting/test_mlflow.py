@@ -231,7 +231,7 @@ def test_without_the_flag_mlflow_is_not_imported(tmp_path):
     code = ("import sys, train; code = train.main(sys.argv[1:]); "
             "print('mlflow imported:', 'mlflow' in sys.modules); sys.exit(code)")
     proc = fork_run([sys.executable, "-c", code, *tiny_args(tmp_path / "run")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                    cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "mlflow imported: False" in proc.stdout
     assert final_state(tmp_path / "run")["config"]["mlflow"] is None
@@ -294,8 +294,8 @@ def test_two_runs_started_at_once_on_a_new_store_are_both_recorded(tmp_path):
     script.write_text(OPEN_AND_RECORD.format(root=ROOT, uri=uri))
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     procs = [fork_popen([sys.executable, str(script), str(tmp_path / f"run{i}"),
-                               str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env) for i in range(2)]
+                         str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        text=True, env=env) for i in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     for proc, (out, err) in zip(procs, outs):
         assert proc.returncode == 0 and "warning" not in err.lower(), err
@@ -317,8 +317,8 @@ def test_a_store_that_cannot_be_written_gives_up_at_once_in_one_line(mount_tmpfs
             f"sys.argv[2]); t.start({{'dataset': 'synthetic'}}); "
             f"print('took', time.monotonic() - t0, t.client)")
     proc = fork_run([sys.executable, "-c", code, f"sqlite:///{read_only}/mlflow.db",
-                           str(tmp_path / "run")], cwd=read_only, capture_output=True,
-                          text=True, timeout=300, env=env)
+                     str(tmp_path / "run")], cwd=read_only, capture_output=True,
+                    text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(

@@ -141,7 +141,7 @@ def test_the_same_command_writes_the_same_bytes(tmp_path, test_py):
     first = snapshot(out)
     os.remove(out / "000002.png")
     proc = fork_run([sys.executable, "test.py", *argv], cwd=ROOT, capture_output=True,
-                          text=True)  # the script, in a process of its own
+                    text=True)  # the script, in a process of its own
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     assert snapshot(out) == first and len(first) == 6  # rewritten, no .tmp- file left
 
