@@ -30,6 +30,7 @@ import atexit
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,7 +39,7 @@ import threading
 import time
 
 SERVER = r"""
-import io, json, os, runpy, select, signal, sys, traceback
+import atexit, contextlib, io, json, os, runpy, select, signal, sys, traceback
 sys.path.insert(0, {root!r})
 import train  # (and through it torch, torchvision, the project)
 STDIO = (sys.stdout.encoding, sys.stdout.errors)
@@ -111,11 +112,11 @@ def child(req, fds=None, close=()):
     except BaseException:
         traceback.print_exc()
         code = 1
-    with __import__("contextlib").suppress(BaseException):
-        __import__("atexit")._run_exitfuncs()
-    with __import__("contextlib").suppress(BaseException):
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()
+    with contextlib.suppress(BaseException):
         sys.stdout.flush()
-    with __import__("contextlib").suppress(BaseException):
+    with contextlib.suppress(BaseException):
         sys.stderr.flush()
     if code < 0:  # died of the signal, as the interpreter does for SIGINT
         signal.signal(-code, signal.SIG_DFL)
@@ -157,7 +158,7 @@ while True:
         clients[pid] = conn
     for pid, conn in list(clients.items()):  # a client gone (killed): so is its child
         if conn in ready and not conn.recv(1, socket.MSG_PEEK):
-            with __import__("contextlib").suppress(ProcessLookupError):
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     while True:  # the children that ended: how, in a file each (and to their client)
         try:
@@ -169,7 +170,7 @@ while True:
         code = os.waitstatus_to_exitcode(status)
         conn = clients.pop(pid, None)
         if conn is not None:
-            with __import__("contextlib").suppress(OSError):
+            with contextlib.suppress(OSError):
                 conn.sendall(f"{{code}}\n".encode())
             conn.close()
             continue
@@ -237,7 +238,6 @@ class _Server:
         if self.alive():
             self.proc.kill()
             self.proc.wait()
-        import shutil
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -306,22 +306,13 @@ def python_client(path):
     return fork_server.client(ROOT, path)
 
 
-def _children(pid):
-    paths = glob.glob(f"/proc/{pid}/task/*/children")
-    if not paths:  # kernels without /proc/.../children
-        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
-        return [int(p) for p in out.stdout.split()]
-    kids = []
-    for path in paths:
-        with contextlib.suppress(OSError), open(path) as f:
-            kids += [int(p) for p in f.read().split()]
-    return kids
+children = torchrun_pool.children  # the pids of a process's children (read from /proc)
 
 
 def worker_pids(torchrun_pid):
     """``{rank: pid}`` of torchrun's worker processes, read from their environment."""
     workers = {}
-    for pid in _children(torchrun_pid):
+    for pid in children(torchrun_pid):
         with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
             env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
             if b"RANK" in env:
@@ -331,15 +322,7 @@ def worker_pids(torchrun_pid):
 
 def _kill(proc):
     """Kills torchrun and its workers (they run in sessions of their own), by pid."""
-    pending, pids = [proc.pid], []
-    while pending:  # collect the whole tree before anything dies and is re-parented
-        pid = pending.pop()
-        kids = _children(pid)
-        pids += kids
-        pending += kids
-    for pid in pids + [proc.pid]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    torchrun_pool.kill_tree(proc.pid)
     proc.communicate()
 
 

@@ -25,6 +25,7 @@ worker, torchrun's own flags (``--max-restarts``), another number of processes.
 
 import atexit
 import contextlib
+import glob
 import json
 import os
 import shutil
@@ -35,7 +36,7 @@ import tempfile
 import time
 
 WORKER = r"""
-import atexit, json, os, sys, time, traceback
+import atexit, contextlib, json, os, sys, time, traceback
 sys.path.insert(0, {root!r})
 import train
 from machinery import checkpoint
@@ -80,7 +81,7 @@ while True:
         except BaseException:
             traceback.print_exc()
         finally:
-            with __import__("contextlib").suppress(BaseException):
+            with contextlib.suppress(BaseException):
                 atexit._run_exitfuncs()
                 sys.stdout.flush(), sys.stderr.flush()
             os._exit(code)
@@ -158,7 +159,7 @@ class Pool:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=20)
         if self.alive():
-            _kill_tree(self.proc.pid)
+            kill_tree(self.proc.pid)
             self.proc.wait()
         self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -169,10 +170,12 @@ def _read(path):
         return int(f.read())
 
 
-def _kill_tree(pid):
+def kill_tree(pid):
+    """SIGKILL to ``pid`` and every process below it (torchrun's workers run in sessions of
+    their own, so a process group would miss them)."""
     pending, pids = [pid], []
     while pending:  # the whole tree first: nothing re-parented meanwhile
-        kids = _children(pending.pop())
+        kids = children(pending.pop())
         pids += kids
         pending += kids
     for p in [*pids, pid]:
@@ -180,10 +183,15 @@ def _kill_tree(pid):
             os.kill(p, signal.SIGKILL)
 
 
-def _children(pid):
+def children(pid):
+    """The pids of ``pid``'s child processes."""
+    paths = glob.glob(f"/proc/{pid}/task/*/children")
+    if not paths:  # kernels without /proc/.../children
+        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+        return [int(p) for p in out.stdout.split()]
     kids = []
-    for task in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else ():
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as f:
+    for path in paths:
+        with contextlib.suppress(OSError), open(path) as f:
             kids += [int(p) for p in f.read().split()]
     return kids
 

@@ -16,6 +16,7 @@ import torch
 from helpers import (
     ROOT,
     SLOW_DECODING,
+    children,
     final_state,
     fork_popen,
     load_test_py,
@@ -307,14 +308,6 @@ def test_photos_none_of_them_upscaled_get_no_line(tmp_path, capfd):
 
 # ------------------------------------------------------- a worker killed for memory
 
-def children_of(pid):
-    found = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            found += [int(child) for child in f.read().split()]
-    return found
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux's /proc")
 def test_a_worker_killed_by_sigkill_is_one_line_and_the_run_resumes(tmp_path):
     # What the kernel's out-of-memory killer does: SIGKILL to one DataLoader worker.
@@ -328,10 +321,10 @@ def test_a_worker_killed_by_sigkill_is_one_line_and_the_run_resumes(tmp_path):
                          start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while not (run / "checkpoints" / "last.pt").exists():
-            assert process.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        worker = children_of(process.pid)[0]
+        while not ((run / "checkpoints" / "last.pt").exists() and children(process.pid)):
+            assert process.poll() is None and time.monotonic() < deadline  # (a worker up:
+            time.sleep(0.05)                                  # not between two epochs)
+        worker = children(process.pid)[0]
         os.kill(worker, signal.SIGKILL)
         out, err = process.communicate(timeout=120)
     finally:
