@@ -23,12 +23,13 @@ onnxruntime, next to the eager network (``compare_onnx``): loss, accuracy, per-c
 accuracy, file size and CPU samples/s at batch 64 (THROUGHPUT_BATCH); an int8 accuracy
 drop beyond ``--max-accuracy-drop`` is a warning.
 
-The checkpoint of a task that makes images (``Task.generates``) holds a generator, not
-predictions: its images of the run's seeded inputs as PNGs, FID and KID against the first
-validation images (gan_metrics.py), and the generator's export are what test.py gives for
-it (the task's ``test_checkpoint``); the accuracy table and --tta are refused in one line.
-A task of predictions may have its own report too (detection's: ``test_checkpoint``) and
-flags of its own (``Report.test_flags``: --predictions), refused for other checkpoints.
+Every task goes through one checkpoint route (``evaluate_and_export``): load, choose the
+weights, build the sets, evaluate with the task's own ``evaluation`` (its validation: a
+GAN's FID is its run's FID), say the one title line, report; then the task adds what it
+writes besides its figures (``outputs``: a generator's PNGs, a detector's COCO results)
+and what --export writes (``exported``: a generator, where that is what it ships). The
+tasks' own flags (--samples, --fid-samples, --predictions, ...) are theirs
+(``TestFlags``), read through a ``Request`` (tasks/_report.py); test.py names no kind of task.
 
 Every output (--json, --export, the int8 file and --out) is checked to be writable before
 anything is loaded; a write that fails later (a full disk) is one ``error:`` line, exit
@@ -67,6 +68,7 @@ from machinery import checkpoint, engine, files, runtime
 from machinery.runtime import say, shown
 from ops import UserError
 from pipeline import data
+from tasks import _report as seam  # what test.py asks of every task
 
 EXIT_USER_ERROR, EXIT_FAILED = 2, 1
 
@@ -83,7 +85,7 @@ def build_parser():
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="a checkpoint written by train.py, e.g. "
                         "runs/exp1/checkpoints/best.pt")
-    own = [t for t in tasks.built_in() if t.test_checkpoint is not None]  # own reports
+    own = [t for t in tasks.built_in() if t.exported_is is not None]  # their checkpoints
     source.add_argument("--model", metavar="FILE", help="evaluate a file written by "
                         "--export instead (.onnx, int8 .onnx, .pt2, .ts), on the CPU, "
                         "without the checkpoint: the dataset, image size, classes and "
@@ -135,31 +137,7 @@ def build_parser():
     add("--max-accuracy-drop", type=float, default=0.01, metavar="DELTA", help="warn when "
         "the int8 file's accuracy is more than DELTA (0.01 = 1 point) below the eager "
         "network's")
-    making, drawing = (", ".join(t.name for t in own if t.generates == g) for g in (1, 0))
-    made = p.add_argument_group(f"a checkpoint of a task that makes images (--task {making})",
-                                "its generator (the moving average by default: --weights), "
-                                "from the fixed inputs of --seed; --export writes it: its "
-                                "inputs in, images (N, C, H, W) in [-1, 1] out. --samples "
-                                f"and --out also serve --task {drawing}: the first "
-                                "validation images with their predictions drawn")
-    made.add_argument("--samples", type=int, default=None, metavar="N", help="write N "
-                      "images as PNGs into --out (000000.png, ...): the same command writes "
-                      "the same files")
-    made.add_argument("--out", default=None, metavar="DIR", help="where --samples writes "
-                      "(created if need be)")
-    made.add_argument("--fid-samples", type=int, default=None, metavar="N", help="FID and "
-                      "KID of N generated images against the first N validation images, "
-                      "on Inception-v3 (its weights file under TORCH_HOME, never downloaded)")
-    made.add_argument("--fid-features", default=None, metavar="CHECKPOINT", help="with "
-                      "--fid-samples: on the penultimate features of a classifier this "
-                      "project trained instead (fid_classifier, kid_classifier: comparable "
-                      "only with the same checkpoint)")
-    made.add_argument("--sample-steps", type=int, default=None, metavar="N", help="a task "
-                      "that samples in steps: the timesteps a sample walks (default: the "
-                      "training run's)")
-    made.add_argument("--sampler", default=None, help="a task that samples in steps: how "
-                      "(its --sampler choices; default: the training run's)")
-    tasks.add_test_flags(p)  # each task's own (detection's --predictions)
+    seam.add_test_flags(p)  # the tasks' own (a generator's --samples, --predictions, ...)
     return p
 
 
@@ -172,22 +150,17 @@ def check_args(args):
     for flag, value, low in (("--image-size", args.image_size, 1),
                              ("--num-classes", args.num_classes, 2),
                              ("--synthetic-size", args.synthetic_size, 1),
-                             ("--calibration-samples", args.calibration_samples, 1),
-                             ("--samples", args.samples, 1),
-                             ("--fid-samples", args.fid_samples, 2)):  # two covariances
+                             ("--calibration-samples", args.calibration_samples, 1)):
         if value is not None and value < low:
             raise UserError(f"{flag} must be at least {low}")
     if not 0 <= args.max_accuracy_drop <= 1:  # NaN fails too
         raise UserError(f"--max-accuracy-drop must be in [0, 1] (0.01 = 1 point), not "
                         f"{args.max_accuracy_drop}")
     for flag, path in (("--json", args.json), ("--export", args.export),
-                       ("--checkpoint", args.checkpoint), ("--model", args.model),
-                       ("--out", args.out), ("--fid-features", args.fid_features),
-                       *tasks.test_outputs(args)):
+                       ("--checkpoint", args.checkpoint), ("--model", args.model)):
         if path is not None and not path.strip():
-            raise UserError(f"{flag} needs a {'directory' if flag == '--out' else 'file'} "
-                            f"name")
-    _check_sample_args(args)
+            raise UserError(f"{flag} needs a file name")
+    seam.check_test_flags(args)  # the tasks' own flags, together
     if args.model is not None:
         _check_model_args(args)
     if args.calibration_samples is not None and args.quantize != "int8":
@@ -195,7 +168,7 @@ def check_args(args):
         raise UserError(f"--calibration-samples is for --quantize int8 (static); {without} "
                         f"nothing is calibrated")
     if args.seed is not None and args.quantize != "int8" and \
-            not (args.samples or args.fid_samples):
+            not seam.seeded_test_flags(args):
         raise UserError("--seed picks the calibration images of --quantize int8, or the "
                         "inputs of a generator's --samples and --fid-samples; it does "
                         "nothing without them")
@@ -219,21 +192,6 @@ def check_args(args):
     return suffix
 
 
-def _check_sample_args(args):
-    """--samples goes with --out, --fid-features with --fid-samples; none with --model."""
-    if (args.samples is None) != (args.out is None):
-        raise UserError("--samples N needs --out DIR (where the PNGs go)" if args.out is None
-                        else "--out DIR is where --samples N writes; give --samples")
-    if args.fid_features is not None and args.fid_samples is None:
-        raise UserError("--fid-features CHECKPOINT picks the features of FID; give "
-                        "--fid-samples N too")
-    given = [flag for flag, value in (("--samples", args.samples),
-                                      ("--fid-samples", args.fid_samples)) if value]
-    if args.model is not None and given:
-        raise UserError(f"{given[0]} needs --checkpoint (of a task that makes or draws "
-                        f"images): --model evaluates an exported network's predictions")
-
-
 def _check_model_args(args):
     suffix = os.path.splitext(args.model)[1].lower()
     if suffix not in EXPORT_KINDS:
@@ -243,7 +201,7 @@ def _check_model_args(args):
         flag = "--export" if args.export is not None else "--quantize"
         raise UserError(f"{flag} needs --checkpoint: --model only evaluates an exported "
                         f"file")
-    tasks.refuse_test_flags(args, None, args.model)
+    seam.refuse_test_flags(args, None, args.model)
     if args.device not in ("auto", "cpu"):
         raise UserError(f"--model files are evaluated on the CPU, as they were exported; "
                         f"drop --device {args.device}")
@@ -296,17 +254,20 @@ def check_output_dir(flag, path):
 
 
 def check_outputs(args):
-    """check_output for --json, --export and the int8 file, which must be different files,
-    and check_output_dir for --out."""
-    outputs = [(flag, path) for flag, path in (("--json", args.json), ("--export", args.export),
-                                               *tasks.test_outputs(args)) if path]
+    """check_output for --json, --export, the int8 file and the files the tasks' own flags
+    name, check_output_dir for the directories they name; all of them different."""
+    outputs = [(flag, path) for flag, path in (("--json", args.json), ("--export", args.export))
+               if path]
     if args.quantize:
         outputs.append((f"--quantize {args.quantize}", export.int8_path(args.export)))
     for flag, path in outputs:
         check_output(flag, path, args.checkpoint or args.model)
-    if args.out is not None:
-        check_output_dir("--out", args.out)
-        outputs.append(("--out", args.out))
+    for flag, path, directory in seam.test_outputs(args):  # the tasks' own
+        if directory:
+            check_output_dir(flag, path)
+        else:
+            check_output(flag, path, args.checkpoint or args.model)
+        outputs.append((flag, path))
     for i, (flag, path) in enumerate(outputs):
         for other_flag, other in outputs[i + 1:]:
             if os.path.abspath(path) == os.path.abspath(other):
@@ -434,20 +395,34 @@ def choose_weights(state, which, path):
 
 def load_network(state, config, val_set, path, weights="raw", kind=None):
     """A fresh network holding the checkpoint's weights: CPU, float32, eval mode, contiguous.
+    The one loader of every task's checkpoints: ``model`` (or ``ema``), or a task's named
+    networks (``networks``; with ``ema``, its averaged network's moving average).
 
     Args:
         state: the loaded checkpoint.
         config: the training run's config.
-        val_set: the dataset (its classes, channels and image size shape the network).
+        val_set: the dataset (its classes, channels and image size shape the network; None:
+            a task that rebuilds its networks from the config alone).
         path: the checkpoint file, for messages.
-        weights: ``"raw"`` (``model``) or ``"ema"`` (the moving average, ``ema``).
+        weights: ``"raw"`` or ``"ema"`` (the moving average).
         kind: the task class (None: the config's).
 
     Returns:
-        The nn.Module.
+        The nn.Module (an ``nn.ModuleDict`` of named networks).
     """
-    net = (kind or tasks.of(config)).build_networks(config, val_set)
-    tensors = checkpoint.unwrap_state_dict(state["ema" if weights == "ema" else "model"])
+    kind = kind or tasks.of(config)
+    net = kind.build_networks(config, val_set)
+    named = isinstance(net, torch.nn.ModuleDict)  # a task of several networks, by name
+    checkpoint.require(state, path, ("networks" if named else "model",),
+                       f"a {kind.__name__}'s {kind.averaged_name or 'network'} is in it")
+    if not named:
+        tensors = checkpoint.unwrap_state_dict(state["ema" if weights == "ema" else "model"])
+    else:
+        held = dict(state["networks"])
+        if weights == "ema":
+            held[kind.averaged_name] = state["ema"][kind.averaged_name]
+        tensors = {f"{name}.{key}": value for name, part in held.items()
+                   for key, value in checkpoint.unwrap_state_dict(part).items()}
     checkpoint.check_compatible(net, tensors, path)
     net.load_state_dict(tensors)  # copies into the fresh (contiguous) tensors
     return net.eval()
@@ -478,11 +453,12 @@ def evaluate_checkpoint(net, val_set, config, device, batch_size, num_workers, t
         data.shutdown_loader(loader)
 
 
-def _title(report, state, config):
-    extras = "".join(f", {what}" for what, on in (
-        ("the moving average of the weights", report.get("weights") == "ema"),
-        ("flip TTA", report.get("tta") == "flip")) if on)
-    return (f"checkpoint {report['checkpoint']} (epoch {state.get('epoch', '?')}, step "
+def _title(path, state, config, kind, weights, tta):
+    """The one title line of a checkpoint's report."""
+    average = f"the moving average of the {kind.averaged_name or 'weights'}"
+    extras = "".join(f", {what}" for what, on in ((average, weights == "ema"),
+                                                   ("flip TTA", tta)) if on)
+    return (f"checkpoint {path} (epoch {state.get('epoch', '?')}, step "
             f"{state.get('step', '?')}{extras}): {config['network']} on {config['dataset']}")
 
 
@@ -598,12 +574,9 @@ def exported_config(args, metadata, shape, outputs):
     stored = export.stored_value(metadata, "training_config", path, {})
     if not isinstance(stored, dict):
         raise UserError(f"--model {path!r}: its training_config is not a JSON object")
-    if tasks.of(stored).generates:
-        raise UserError(f"--model {path!r} is a {stored.get('task')} generator (it makes images): "
-                        f"there is nothing to evaluate on a validation split; run test.py "
-                        f"--checkpoint with --samples or --fid-samples on its checkpoint")
-    if tasks.of(stored).test_checkpoint is not None:  # (its own report, of a checkpoint)
-        raise UserError(f"--model {path!r} is a {stored.get('task')} network: test.py "
+    exported_is = tasks.of(stored).exported_is
+    if exported_is is not None:  # not a network of predictions on the validation split
+        raise UserError(f"--model {path!r} is a {stored.get('task')} {exported_is}: test.py "
                         f"evaluates it from its checkpoint (--checkpoint), not its export")
     if not stored and args.dataset is None:
         raise UserError(f"--model {path!r} holds no training config (it was not written by "
@@ -690,61 +663,48 @@ def evaluate_and_export(args):
     if args.model is not None:
         return evaluate_model_file(args)
 
-    # 2. The checkpoint and the training run's config.
+    # 2. The checkpoint, the training run's config, what is asked of its task.
     state = load_training_checkpoint(args.checkpoint)
     stored = apply_data_flags(dict(state["config"]), args)  # what identifies the run and
     check_stored_config(stored, args.checkpoint, need_batch_size=args.batch_size is None)
     config = with_defaults(stored)  # must be there; flags added since take their defaults
-    batch_size = args.batch_size or config["batch_size"]
     kind = tasks.of(config)  # the task: what is reported of its checkpoints
     if args.quantize and not kind.measured_export:
         raise UserError(f"--quantize measures a classifier's accuracy cost; {args.checkpoint!r} "
                         f"is a {config['task']} checkpoint: export it without --quantize")
-    for key in ("sample_steps", "sampler"):  # read by the tasks that own the flag alone
-        if getattr(args, key) is not None and key not in kind.own_flags:
-            raise UserError(f"--{key.replace('_', '-')} is for a task that samples in steps; "
-                            f"{args.checkpoint!r} is a {config['task']} checkpoint")
-    tasks.refuse_test_flags(args, kind, args.checkpoint)  # another task's own flags
-    kind.check_test_flags(args, args.checkpoint)
-    weights = choose_weights(state, args.weights, args.checkpoint)
-    if kind.test_checkpoint is not None:  # images made, or the task's own report
-        return evaluate_own(args, suffix, kind, state, config, device, batch_size, weights)
+    if args.tta is not None and "tta" not in kind.test_reads:
+        raise UserError(f"--tta averages a classifier's predictions over mirrored images; "
+                        f"{args.checkpoint!r} is a {config['task']} checkpoint")
+    seam.refuse_test_flags(args, kind, args.checkpoint)  # the flags of other tasks
+    request = seam.Request(
+        checkpoint=args.checkpoint, weights=choose_weights(state, args.weights,
+                                                           args.checkpoint),
+        seed=config["seed"] if args.seed is None else args.seed, device=device,
+        batch_size=args.batch_size or config["batch_size"], num_workers=args.num_workers,
+        export=args.export, flags=seam.given_test_flags(args))
 
-    # 3. Data and network, evaluated as training validated (the training split unaugmented:
-    #    --quantize int8 calibrates on it).
-    train_set, val_set = kind.datasets(dict(config, augment=False), say)
-    task = tasks.built(kind, config, val_set)
-    tta = (args.tta or config["tta"]) == "flip" and \
+    # 3. Data, the task and the network, evaluated as training validated (the training
+    #    split unaugmented: --quantize int8 calibrates on it); no data, no evaluation.
+    train_set, val_set = kind.test_sets(config, request) or (None, None)
+    task = kind.tested(config, val_set, request)
+    tta = "tta" in kind.test_reads and (args.tta or config["tta"]) == "flip" and \
         data.mirror_keeps_class(config["dataset"])
-    net = load_network(state, config, val_set, args.checkpoint, weights, kind)
-    result = evaluate_checkpoint(net, val_set, config, device, batch_size, args.num_workers,
-                                 task, tta)
-    net = task.inference_network(net)  # (a network whose forward returns a dict: the logits)
+    net = load_network(state, config, val_set, args.checkpoint, request.weights, kind)
+    shipped = task.exported(net, config, val_set) if suffix else None  # (refusals first)
+    result = {} if val_set is None else evaluate_checkpoint(
+        net, val_set, config, device, request.batch_size, args.num_workers, task, tta)
     report = task.report(result, "checkpoint", args.checkpoint)
-    report.update(weights=weights, tta="flip" if tta else "none")
-    say(task.format_report(report, _title(report, state, config)))
+    report.update(weights=request.weights,
+                  **({"tta": "flip" if tta else "none"} if "tta" in kind.test_reads else {}))
+    say(task.format_report(report, _title(args.checkpoint, state, config, kind,
+                                          request.weights, tta)))
+    task.outputs(net, result, val_set, report)  # what the task writes besides its figures
 
     # 4. Export: a fresh CPU network, checked against itself after reloading; an ONNX file
-    #    is also evaluated (and quantized). The JSON holds whatever was done.
+    #    of predictions is also evaluated (and quantized). The JSON holds whatever was done.
     export_step = None if suffix is None else lambda: export_and_compare(
-        args, suffix, net, state, config, train_set, val_set, batch_size, report)
+        args, suffix, shipped, state, config, train_set, val_set, request.batch_size, report)
     return export_and_report(args, report, export_step)
-
-
-def evaluate_own(args, suffix, kind, state, config, device, batch_size, weights):
-    """A checkpoint of a task with its own report (``kind.test_checkpoint``: a generator's,
-    detection's): its figures, --samples, its own flags, then --export of the network it
-    names and --json; returns the exit code."""
-    report, (generator, shape, described, names) = kind.test_checkpoint(
-        args, state, config, device, batch_size, weights)
-
-    def export_generator():  # the CPU generator, checked
-        metadata = export.generator_metadata(config, state, args.checkpoint, weights,
-                                             described)
-        ok = export_checked(args, suffix, generator, shape, metadata, report, names)
-        return 0 if ok else EXIT_FAILED
-
-    return export_and_report(args, report, export_generator if suffix else None)
 
 
 def export_and_report(args, report, export_step):
@@ -765,14 +725,19 @@ def export_and_report(args, report, export_step):
     return code
 
 
-def export_and_compare(args, suffix, net, state, config, train_set, val_set, batch_size,
+def export_and_compare(args, suffix, shipped, state, config, train_set, val_set, batch_size,
                        report):
-    """--export (and --quantize): writes, checks and measures; returns the exit code."""
-    shape = (val_set.in_channels, val_set.image_size, val_set.image_size)
-    metadata = export.export_metadata(config, val_set, state, args.checkpoint)
-    if not export_checked(args, suffix, net, shape, metadata, report):
+    """--export (and --quantize): writes, checks and measures ``shipped`` (the task's
+    ``exported``); returns the exit code."""
+    net, shape, described, names = shipped
+    if described is None:  # a network of predictions: what evaluating its file needs
+        metadata = export.export_metadata(config, val_set, state, args.checkpoint)
+    else:
+        metadata = export.generator_metadata(config, state, args.checkpoint,
+                                             report["weights"], described)
+    if not export_checked(args, suffix, net, shape, metadata, report, names):
         return EXIT_FAILED
-    if suffix == ".onnx" and tasks.of(config).measured_export:  # measured: accuracy
+    if suffix == ".onnx" and described is None and tasks.of(config).measured_export:
         compare_onnx(args, net, val_set, train_set, config, batch_size, report, metadata)
     return 0
 

@@ -42,12 +42,15 @@ write, checked when it is loaded; README "Add a task" has the table and writes o
                                                FLOPs are counted on
     class_heads(net)                        -> the modules --pretrained weights of another
                                                number of classes leave fresh
-  test.py
+  test.py (one route for every task; a task says only what it adds)
+    test_sets(config, request)        -> (train, val) for test.py, or None: no evaluation
+    tested(config, val_set, request)  -> the task evaluating the checkpoint (``Request``:
+                                         what test.py asks, checked against the data)
     report(result, key, path), format_report(report, title)   the JSON and the text
-    test_flags(group), test_outputs   its own test.py flags (a built-in task), and those
-                                      that name a file it writes (checked up front)
-    test_checkpoint(args, ...)        its own report instead (detection); a task that
-                                      ``generates`` images writes it
+    outputs(net, result, val_set, report)   files besides the figures (PNGs, COCO results)
+    exported(net, config, val_set)    -> what --export writes
+    test_flags, test_reads            its own test.py flags (a ``TestFlags``: a built-in
+                                      task's), and the flags it reads
 
 A task with several networks (``GAN``) declares ``phases`` (``Phase``: the network each
 trains, with the optimizer of the same name, and how often per step) and
@@ -74,6 +77,7 @@ import networks
 from machinery import engine
 from ops import UserError
 from pipeline import data, device_data
+from tasks._report import Report  # test.py's part of the seam (Request, TestFlags, ...)
 
 
 class TaskNames(tuple):
@@ -280,57 +284,6 @@ class CommandLine:
         """Refuses, in one ``UserError`` line each, the flags that make no sense for it."""
 
 
-class Report:
-    """A task's part for test.py (its checkpoints evaluated, exported, sampled). Every
-    member is optional but ``test_checkpoint``, which a task that ``generates`` writes."""
-
-    stored_needs = ()         # (key, check, expected, optional) in a stored config
-    measured_export = False   # an ONNX export evaluated (--quantize) beside eager
-    generates = False         # images made (``test_checkpoint``), no predictions
-    test_checkpoint = None    # test.py's own route for its checkpoints (a class method:
-    #                           ``test_checkpoint(args, state, config, device, batch_size,
-    #                           weights)`` -> ``(report, export)``): required with
-    #                           ``generates``; a task of predictions may write it too
-    test_flags_title = None   # test.py --help: the title of the group of its own flags
-    test_outputs = ()         # its test.py flags' dests that name a file it writes:
-    #                           checked as --json is, before anything is loaded
-
-    @staticmethod
-    def test_flags(group):
-        """Adds the task's own flags to test.py's parser (``group``: an argparse group
-        titled ``test_flags_title``; a built-in task's, as ``CommandLine.flags``). test.py
-        refuses them, in one line, for another task's checkpoint or a --model file; the
-        task reads them from ``args`` (``check_test_flags``, ``test_checkpoint``)."""
-
-    @classmethod
-    def check_test_flags(cls, args, path):
-        """Refuses test.py's flags that make no sense for the task's checkpoints (the
-        default: those that ask for a generator's images)."""
-        given = [flag for flag, value in (("--samples", args.samples),
-                                          ("--fid-samples", args.fid_samples)) if value]
-        if given:
-            raise UserError(f"{given[0]} is for a GAN checkpoint's generator; {path!r} is a "
-                            f"{cls.name} checkpoint")
-
-    def report(self, result, key, path):
-        """An evaluation's result as plain JSON types; ``key`` names what was evaluated
-        (``checkpoint``, or ``model`` for an exported file) and ``path`` is it."""
-        return {key: path, **{k: v for k, v in result.items()
-                              if isinstance(v, (int, float, str)) or v is None}}
-
-    @staticmethod
-    def format_report(report, title):
-        """The report as text, under ``title`` (the checkpoint, epoch, step, network)."""
-        return "\n".join([title, "  ".join(f"{k} {v:.4f}" if isinstance(v, float)
-                                           else f"{k} {v}" for k, v in report.items()
-                                           if k not in ("checkpoint", "model"))])
-
-    @staticmethod
-    def inference_network(net):
-        """What test.py exports: the network as it is."""
-        return net
-
-
 class Task(CommandLine, Report):
     """The thin base of every task: the loop's part, with the command line's
     (``CommandLine``) and test.py's (``Report``) beside it. What a task must write is in
@@ -482,18 +435,16 @@ REQUIRED = {"build": (None, "build(cls, config, train_set, val_set=None)"),
             "loss": ("one network", "loss(self, model, x, y, where)"),
             "phase_loss": ("phases", "phase_loss(self, network, model, plain, x, y, where, "
                                      "kept)"),
-            "evaluation": (None, "evaluation(self, device, model=None)"),
-            "test_checkpoint": ("generates", "test_checkpoint(cls, args, state, config, "
-                                             "device, batch_size, weights)")}
+            "evaluation": (None, "evaluation(self, device, model=None)")}
 # Each hook's arguments as its callers pass them (besides self or cls): an override must
 # take them. ``prepare`` and ``loss`` also take their form from before the ``Where``.
 ARGUMENTS = {"build": 3, "loss": (3, 4), "phase_loss": 7, "evaluation": 2, "prepare": (3, 4),
              "predict": 3, "to_device": 3, "datasets": 3, "loaders": 6, "set_identity": 1,
              "build_networks": 2, "recorded": 2, "extra_figures": 3, "images": 3,
              "example": 1, "summarised": 2, "averaged": 1, "counted": 1, "flags": 1,
-             "defaults": 2, "check_config": 1, "check_test_flags": 2, "report": 3,
-             "format_report": 2, "inference_network": 1, "evaluating_on": 1,
-             "test_checkpoint": 6, "test_flags": 1, "class_heads": 1}
+             "defaults": 2, "check_config": 1, "report": 3, "format_report": 2,
+             "evaluating_on": 1, "class_heads": 1, "test_sets": 2, "tested": 3,
+             "outputs": 4, "exported": 3}
 
 
 def _takes(cls, name, counts):
@@ -548,8 +499,6 @@ def check_parts(cls, label):
     """
     several = cls.phases is not None or cls.phase_loss is not Task.phase_loss  # networks
     need = {"build", "evaluation", "phase_loss" if several else "loss"}
-    if cls.generates:
-        need.add("test_checkpoint")
     for name in sorted(need, key=list(REQUIRED).index):
         if getattr(cls, name, None) is None or _default(cls, name):
             raise UserError(f"--task {label}: {cls.__name__} has no {name}: a task writes "
@@ -683,44 +632,6 @@ def check_config(config):
         raise UserError(f"--network {config['network']} is {owner.own_networks_are}: train "
                         f"it with --task {owner.name}")
     task.check_config(config)
-
-
-# ------------------------------------------------------- what test.py asks of every task
-
-def add_test_flags(parser):
-    """Each built-in task's own test.py flags (``Report.test_flags``), a group each, on
-    ``parser``; returns ``{dest: (flag, the task)}``."""
-    owners = {}
-    for task in built_in():
-        group = parser.add_argument_group(task.test_flags_title or f"a {task.name} checkpoint")
-        task.test_flags(group)  # (argparse shows no group without flags)
-        owners.update({a.dest: (a.option_strings[0], task) for a in group._group_actions})
-    return owners
-
-
-@functools.cache
-def test_flags():
-    """``{dest: (flag, the task)}`` of the built-in tasks' own test.py flags."""
-    import argparse
-
-    return add_test_flags(argparse.ArgumentParser(add_help=False))
-
-
-def test_outputs(args):
-    """``[(flag, path)]``: the files that the tasks' own test.py flags given name (their
-    ``test_outputs``), which test.py checks before anything is loaded."""
-    return [(flag, getattr(args, dest)) for dest, (flag, task) in test_flags().items()
-            if dest in task.test_outputs and getattr(args, dest) is not None]
-
-
-def refuse_test_flags(args, kind, path):
-    """One ``UserError`` line for a task's own test.py flag given for another task's
-    checkpoint (``kind``: the checkpoint's task class) or for a --model file (None)."""
-    for dest, (flag, owner) in test_flags().items():
-        if getattr(args, dest) is not None and owner is not kind:
-            what = f"is a {kind.name} checkpoint" if kind else "is an exported file (--model)"
-            raise UserError(f"{flag} is for a {owner.name} checkpoint (--checkpoint); "
-                            f"{path!r} {what}")
 
 
 def use_tta(config):

@@ -23,7 +23,7 @@ from ops import TooFewImages, UserError
 from pipeline import data
 from reporting import gan_metrics
 from reporting.gan_metrics import generate, to_uint8
-from tasks import Task
+from tasks._report import TestFlags
 
 GAN_DATASETS = ("mnist", "fashion_mnist", "cifar10", "imagefolder", "synthetic")
 NATIVE_SIDE = {name: data.native_geometry(name)[0] for name in GAN_DATASETS
@@ -170,20 +170,101 @@ def fid_samples(config, val_set):
     return n
 
 
-def real_images(config, n, batch_size, num_workers):
-    """The first ``n`` validation images of the run's dataset, in [-1, 1] as the generator
-    makes them (gan_metrics.to_generator_range undoes the normalisation)."""
-    _, val_set = Task.datasets(dict(config, augment=False), say)
-    if len(val_set) < n:
+class ImageFlags(TestFlags):
+    """test.py's flags of the tasks that make images (gan, diffusion, pix2pix): their
+    images as PNGs, FID and KID, a sampler's steps; --samples and --out also serve
+    detection (its validation images with their boxes drawn)."""
+
+    title = "a checkpoint of a task that makes images (--task {tasks})"
+    description = ("its generator (the moving average by default: --weights), from the "
+                   "fixed inputs of --seed; --export writes it: its inputs in, images (N, C, "
+                   "H, W) in [-1, 1] out. --samples and --out also serve a detector: the "
+                   "first validation images with their predictions drawn")
+    directories = ("out",)
+    seeded = ("samples", "fid_samples")
+    words = {"samples": ("is for a GAN checkpoint's generator",
+                         "needs --checkpoint (of a task that makes or draws images): --model "
+                         "evaluates an exported network's predictions"),
+             "fid_samples": ("measures a GAN's FID",
+                             "needs --checkpoint (of a task that makes images): --model "
+                             "evaluates an exported network's predictions"),
+             "sample_steps": ("is for a task that samples in steps", None),
+             "sampler": ("is for a task that samples in steps", None)}
+
+    def add(self, group):
+        group.description = self.description
+        add = group.add_argument
+        add("--samples", type=int, default=None, metavar="N", help="write N images as PNGs "
+            "into --out (000000.png, ...): the same command writes the same files")
+        add("--out", default=None, metavar="DIR", help="where --samples writes (created if "
+            "need be)")
+        add("--fid-samples", type=int, default=None, metavar="N", help="FID and KID of N "
+            "generated images against the first N validation images, on Inception-v3 (its "
+            "weights file under TORCH_HOME, never downloaded): the task's own validation, "
+            "on the checkpoint")
+        add("--fid-features", default=None, metavar="CHECKPOINT", help="with --fid-samples: "
+            "on the penultimate features of a classifier this project trained instead "
+            "(fid_classifier, kid_classifier: comparable only with the same checkpoint)")
+        add("--sample-steps", type=int, default=None, metavar="N", help="a task that "
+            "samples in steps: the timesteps a sample walks (default: the training run's)")
+        add("--sampler", default=None, help="a task that samples in steps: how (its "
+            "--sampler choices; default: the training run's)")
+
+    def check(self, args):
+        for flag, value, low in (("--samples", args.samples, 1),
+                                 ("--fid-samples", args.fid_samples, 2)):  # two covariances
+            if value is not None and value < low:
+                raise UserError(f"{flag} must be at least {low}")
+        if args.out is not None and not args.out.strip():
+            raise UserError("--out needs a directory name")
+        if args.fid_features is not None and not args.fid_features.strip():
+            raise UserError("--fid-features needs a file name")
+        if (args.samples is None) != (args.out is None):
+            raise UserError("--samples N needs --out DIR (where the PNGs go)"
+                            if args.out is None else
+                            "--out DIR is where --samples N writes; give --samples")
+        if args.fid_features is not None and args.fid_samples is None:
+            raise UserError("--fid-features CHECKPOINT picks the features of FID; give "
+                            "--fid-samples N too")
+
+
+IMAGE_FLAGS = ImageFlags()
+
+
+def asked_for(request, kind, made):
+    """Refuses a generator's test.py run that asks for nothing (``made``: what it makes)."""
+    if not (request.samples or request.fid_samples or request.export):
+        raise UserError(f"{request.checkpoint!r} is a {kind} checkpoint: there is no accuracy "
+                        f"to evaluate; ask for --samples N --out DIR (PNGs), --fid-samples "
+                        f"N (FID, KID) or --export FILE (the {made})")
+
+
+def fid_sets(task_class, config, request):
+    """``Report.test_sets`` of a task that makes images: the data only for --fid-samples."""
+    if not request.fid_samples:
+        return None
+    return task_class.datasets(dict(config, augment=False), say)
+
+
+def checked_fid(request, config, val_set):
+    """--fid-samples against the validation set (``val_set``: None without it): the count
+    and the features' config for the task's own validation ``Evaluation``."""
+    n = request.fid_samples or 0
+    if n and len(val_set) < n:
         raise UserError(f"--fid-samples {n}: the validation split of {config['dataset']} "
                         f"has only {len(val_set)} images")
-    loader = data.build_loader(val_set, batch_size=batch_size, num_workers=num_workers,
-                               sampler=range(n))
-    try:
-        return torch.cat([gan_metrics.to_generator_range(x, val_set.transform)
-                          for x, _ in loader])  # (n, C, H, W)
-    finally:
-        data.shutdown_loader(loader)
+    return n, dict(config, fid_features=request.fid_features, seed=request.seed)
+
+
+def fid_line(report, what, dataset):
+    """The FID/KID line of a report (``what``: the images and their inputs)."""
+    s = "" if report.get("fid_features") is None else "_classifier"
+    if f"fid{s}" not in report:
+        return None
+    n = report["fid_samples"]
+    return (f"fid{s} {report[f'fid{s}']:.4f}  kid{s} {report[f'kid{s}']:.6f} (std "
+            f"{report[f'kid_std{s}']:.6f}): {n} {what} against the first {n} validation "
+            f"images of {dataset}")
 
 
 def write_samples(generator, latents, out_dir, batch_size):

@@ -24,17 +24,17 @@ builds it with weights); the loss's normalisation stays the batch's.
 """
 
 import contextlib
-import copy
 import json
 import os
 
 import torch
 
-from machinery import engine, files
+from machinery import files
 from machinery.runtime import say
 from ops import UserError
-from pipeline import data, detection_data
+from pipeline import detection_data
 from tasks import Evaluation, Task, joined
+from tasks._report import TestFlags
 
 EXAMPLES = 4          # validation images shown with their boxes in TensorBoard
 SHOWN_SCORE = 0.3     # predicted boxes drawn from this score up ...
@@ -115,6 +115,26 @@ class Detections(torch.nn.Module):
         return torch.stack(found)
 
 
+class DetectionFlags(TestFlags):
+    """test.py's flag of a detection checkpoint (--samples and --out are ``ImageFlags``')."""
+
+    title = "a detection checkpoint (--task {tasks})"
+    files = ("predictions",)
+
+    def add(self, group):
+        group.add_argument("--predictions", default=None, metavar="FILE", help="write every "
+                           "validation image's predictions to FILE as COCO results json "
+                           "(image_id, category_id, bbox [x, y, w, h], score: the data's own "
+                           "ids and pixels, what pycocotools' loadRes reads)")
+
+    def check(self, args):
+        if args.predictions is not None and not args.predictions.strip():
+            raise UserError("--predictions needs a file name")
+
+
+DETECTION_FLAGS = DetectionFlags()
+
+
 class Detection(Task):
     """Object detection with torchvision's detectors (module docstring).
 
@@ -129,10 +149,6 @@ class Detection(Task):
     figures = ("map", "map_50", "map_75")
     best = "map"
     default_network = "torchvision/fasterrcnn_mobilenet_v3_large_320_fpn"
-    # test.py: its own report (``test_checkpoint``: the figures, --samples images with
-    # boxes, --predictions), the flag of its own:
-    test_flags_title = "a detection checkpoint (--task detection)"
-    test_outputs = ("predictions",)
 
     # ---------------------------------------------------------------- command line
 
@@ -285,81 +301,58 @@ class Detection(Task):
 
     # ---------------------------------------------------------------- test.py
 
-    @staticmethod
-    def test_flags(group):
-        group.add_argument("--predictions", default=None, metavar="FILE", help="write every "
-                           "validation image's predictions to FILE as COCO results json "
-                           "(image_id, category_id, bbox [x, y, w, h], score: the data's own "
-                           "ids and pixels, what pycocotools' loadRes reads)")
+    test_flags = DETECTION_FLAGS
+    test_reads = ("samples", "out", "predictions")
 
     @classmethod
-    def check_test_flags(cls, args, path):
-        if args.tta is not None:
-            raise UserError(f"--tta averages a classifier's logits; {path!r} is a detection "
-                            f"checkpoint")
-        if args.fid_samples:
-            raise UserError(f"--fid-samples measures a generator's FID; {path!r} is a "
-                            f"detection checkpoint")
-        if args.export and os.path.splitext(args.export)[1].lower() == ".ts":
-            raise UserError("--export .ts: a traced detector keeps the number of boxes of "
-                            "the image it was traced on; use .pt2 or .onnx")
-
-    @classmethod
-    def test_checkpoint(cls, args, state, config, device, batch_size, weights):
-        """test.py on a detection checkpoint: the figures training logged (the same
-        evaluation), with ``--samples N --out DIR`` the first N validation images with
-        their boxes as PNGs, and with ``--predictions FILE`` every validation image's
-        predictions as COCO results (in the file's own image and category ids; written
-        atomically, its path checked by test.py before anything is loaded).
-
-        Returns:
-            ``(report, (network, input_shape, described, names))``: what --export writes
-            (``Detections``), where torch.export takes the detector; else one
-            ``UserError`` line saying so, before anything is evaluated.
-        """
-        path = args.checkpoint
-        _, val_set = detection_data.build_datasets(dict(config, augment=False))
-        net = load_detector(state, config, val_set, path, weights)
-        side = config["image_size"]
-        exported = Detections(net).eval()
-        if args.export:
-            check_exportable(exported, side, args.export, config["network"])
-        if args.samples and args.samples > len(val_set):
-            raise UserError(f"--samples {args.samples}: the validation set has "
+    def tested(cls, config, val_set, request):
+        """The task for test.py: the figures training logged (the same evaluation), with
+        ``--samples N --out DIR`` the first N validation images with their boxes as PNGs
+        (a file there that test.py did not write refused first), and with
+        ``--predictions FILE`` every image's predictions as COCO results."""
+        task = super().tested(config, val_set, request)
+        if request.samples and request.samples > len(val_set):
+            raise UserError(f"--samples {request.samples}: the validation set has "
                             f"{len(val_set)} images")
-        names = [f"{i:06d}.png" for i in range(args.samples or 0)]
-        if args.samples:
+        if request.samples:
             from tasks._generative import refuse_replacing
 
-            refuse_replacing(args.out, names)
-        task = cls.build(config, val_set, val_set)
-        which = "the moving average of the weights" if weights == "ema" else "the weights"
-        say(f"checkpoint {path} (epoch {state.get('epoch', '?')}, step "
-            f"{state.get('step', '?')}, {which}): {config['network']} on {config['dataset']}")
-        result, found = evaluate(net, val_set, config, device, batch_size, args.num_workers,
-                                 task)
-        report = task.report(result, "checkpoint", path)
-        report.update(weights=weights, task=cls.name)
-        say(task.format_report(report, "figures (COCO's, on the validation images):"))
-        if args.samples:
-            written = write_samples(found, val_set, task.classes, args.out, names)
-            report["samples"] = {"count": len(written), "dir": args.out}
-            say(f"wrote {len(written)} images with their boxes to {args.out}")
-        if args.predictions:
-            count = write_predictions(found, task, args.predictions)
-            report["predictions"] = {"file": args.predictions, "count": count}
-            say(f"wrote every validation image's predictions to {args.predictions} (COCO "
+            refuse_replacing(request.out, [f"{i:06d}.png" for i in range(request.samples)])
+        return task
+
+    def outputs(self, net, result, val_set, report):
+        request, found = self.request, result["predictions"].value
+        if request.samples:
+            names = [f"{i:06d}.png" for i in range(request.samples)]
+            written = write_samples(found, val_set, self.classes, request.out, names)
+            report["samples"] = {"count": len(written), "dir": request.out}
+            say(f"wrote {len(written)} images with their boxes to {request.out}")
+        if request.predictions:
+            count = write_predictions(found, self, request.predictions)
+            report["predictions"] = {"file": request.predictions, "count": count}
+            say(f"wrote every validation image's predictions to {request.predictions} (COCO "
                 f"results: {count} boxes)")
+
+    def exported(self, net, config, val_set):
+        """``Detections``, where torch.export takes the detector; else one ``UserError``
+        line saying so, before anything is evaluated."""
+        side, path = config["image_size"], self.request.export
+        if os.path.splitext(path)[1].lower() == ".ts":
+            raise UserError("--export .ts: a traced detector keeps the number of boxes of "
+                            "the image it was traced on; use .pt2 or .onnx")
+        exported = Detections(net).eval()
+        check_exportable(exported, side, path, config["network"])
         described = {"input": f"images (N, 3, {side}, {side}) float32 in [0, 1], resized so "
                               f"that the long side is {side}, padded right and bottom",
                      "output": f"(N, {EXPORT_DETECTIONS}, 6): x1, y1, x2, y2, score, label "
                                f"per detection, zero rows after the last",
-                     "classes": task.classes, "category_ids": task.category_ids}
-        return report, (exported, (3, side, side), described, ("images", "detections"))
+                     "classes": self.classes, "category_ids": self.category_ids}
+        return exported, (3, side, side), described, ("images", "detections")
 
     def report(self, result, key, path):
-        return {key: path, "map": result["map"], "map_50": result["map_50"],
-                "map_75": result["map_75"], "map_small": result["map_small"],
+        return {key: path, "task": self.name, "map": result["map"],
+                "map_50": result["map_50"], "map_75": result["map_75"],
+                "map_small": result["map_small"],
                 "map_medium": result["map_medium"], "map_large": result["map_large"],
                 "mar_100": result["mar_100"], "per_class_ap": class_ap(result, self.classes),
                 "count": result["count"]}
@@ -513,39 +506,6 @@ def draw_boxes(image, truth, pred, classes):
 
 
 # ------------------------------------------------------------------ test.py's parts
-
-def load_detector(state, config, val_set, path, weights):
-    """The checkpoint's detector (``weights``: raw or ema), CPU float32, eval mode."""
-    from machinery import checkpoint
-
-    net = Detection.build_networks(config, val_set)
-    tensors = checkpoint.unwrap_state_dict(state["ema" if weights == "ema" else "model"])
-    checkpoint.check_compatible(net, tensors, path)
-    net.load_state_dict(tensors)
-    return net.eval()
-
-
-def evaluate(net, val_set, config, device, batch_size, num_workers, task):
-    """The validation as training ran it (the run's autocast), and every image's
-    predictions (the PNGs and the results file).
-
-    Returns:
-        ``(result, (order, predictions))``: ``engine.evaluate``'s figures, and the
-        predictions by image index in the file's pixels.
-    """
-    from machinery import runtime
-
-    model = copy.deepcopy(net).to(device)
-    dtype = runtime.amp_dtype(config["amp"], device, remedy="evaluate with --device cpu")
-    loop = engine.LoopSettings(device=device, amp_dtype=dtype, show_progress=False)
-    loader = data.build_loader(val_set, batch_size=batch_size, num_workers=num_workers,
-                               pin_memory=device.type == "cuda")
-    try:
-        result = engine.evaluate(model, loader, loop, task)
-    finally:
-        data.shutdown_loader(loader)
-    return result, result["predictions"].value
-
 
 def write_samples(found, val_set, classes, out_dir, names):
     """The first validation images (as evaluated) with their true and predicted boxes, as

@@ -12,7 +12,7 @@ import os
 import torch
 
 import ddpm
-from machinery import checkpoint, engine
+from machinery import engine
 from machinery.runtime import say
 from ops import UserError
 from pipeline import data
@@ -20,12 +20,16 @@ from reporting import gan_metrics
 from tasks import Evaluation, Task, check_own_network_and_data, refuse
 from tasks._generative import (
     GAN_DATASETS,
+    IMAGE_FLAGS,
     NATIVE_SIDE,
+    asked_for,
+    checked_fid,
     fewer_fid_samples,
+    fid_line,
     fid_samples,
+    fid_sets,
     first_images,
     generated_scores,
-    real_images,
     real_share,
     sample_grid,
     write_samples,
@@ -129,7 +133,6 @@ class Diffusion(Task):
               "diffusion_blocks": ((lambda v: 1 <= v <= 8), "must be in [1, 8]")}
     # FID with other features, another sampler or other steps is not comparable
     best_depends_on = ("fid_features", "sampler", "sample_steps")
-    generates = True  # test.py: --samples PNGs, --fid-samples, the denoiser's export
 
     @staticmethod
     def flags(g):
@@ -172,7 +175,8 @@ class Diffusion(Task):
     def build_networks(cls, config, dataset):
         """ddpm.py's U-Net."""
         try:
-            return ddpm.build(config, dataset.in_channels)
+            return ddpm.build(config, dataset.in_channels if dataset is not None
+                              else config["in_channels"])
         except ValueError as e:
             raise UserError(str(e)) from None
 
@@ -294,71 +298,68 @@ class Diffusion(Task):
 
     # ---------------------------------------------------------------------- test.py
 
+    exported_is = "denoiser (it makes images)"
+    test_flags = IMAGE_FLAGS
+    test_reads = ("samples", "out", "fid_samples", "fid_features", "sample_steps", "sampler")
+
     @classmethod
-    def check_test_flags(cls, args, path):
-        """A denoiser has no predictions to score against labels."""
-        if args.tta is not None:
-            raise UserError(f"--tta averages a classifier's predictions over mirrored "
-                            f"images; {path!r} is a diffusion checkpoint")
-        if not (args.samples or args.fid_samples or args.export):
-            raise UserError(f"{path!r} is a diffusion checkpoint: there is no accuracy to "
-                            f"evaluate; ask for --samples N --out DIR (PNGs), --fid-samples "
-                            f"N (FID, KID) or --export FILE (the denoiser)")
-        if args.sample_steps is not None and not 1 <= args.sample_steps:
+    def test_sets(cls, config, request):
+        return fid_sets(cls, config, request)
+
+    @classmethod
+    def tested(cls, config, val_set, request):
+        """The diffusion model for test.py: its own validation samples (FID and KID of
+        --fid-samples images) with --sampler and --sample-steps, the noise of --seed."""
+        asked_for(request, "diffusion", "denoiser")
+        path, steps = request.checkpoint, request.sample_steps
+        if steps is not None and not 1 <= steps:
             raise UserError("--sample-steps must be at least 1")
-        if args.sampler is not None and args.sampler not in ddpm.SAMPLERS:
+        if request.sampler is not None and request.sampler not in ddpm.SAMPLERS:
             raise UserError(f"--sampler must be one of {', '.join(ddpm.SAMPLERS)} (got "
-                            f"{args.sampler!r})")
-
-    @classmethod
-    def test_checkpoint(cls, args, state, config, device, batch_size, weights):
-        """test.py on a diffusion checkpoint: --samples, --fid-samples (what can fail, the
-        feature extractor and the data, is tried before anything is written).
-
-        Returns:
-            ``(report, (network, input shapes, described, names))``: the JSON report,
-            and what --export writes (the CPU U-Net: images and timesteps in, noise out;
-            ``described(config)``, the ONNX names).
-        """
-        path = args.checkpoint
-        unet = load_denoiser(state, config, path, weights)
-        seed = config["seed"] if args.seed is None else args.seed
-        kind = args.sampler or config["sampler"]
-        steps = args.sample_steps or config["sample_steps"]
+                            f"{request.sampler!r})")
+        steps = steps or config["sample_steps"]
         if steps is not None and steps > config["diffusion_steps"]:
             raise UserError(f"--sample-steps {steps}: {path!r} has "
                             f"{config['diffusion_steps']} timesteps")
-        features = real = None
-        if args.fid_samples:
-            features = gan_metrics.build_features(args.fid_features).to(device)
-            real = real_images(config, args.fid_samples, batch_size, args.num_workers)
-        schedule = ddpm.Schedule(config["noise_schedule"], config["diffusion_steps"])
-        sampler = ddpm.Sampler(copy.deepcopy(unet).to(device), schedule, kind, steps, seed)
-        which = "the moving average of the U-Net" if weights == "ema" else "the U-Net"
-        say(f"checkpoint {path} (epoch {state.get('epoch', '?')}, step "
-            f"{state.get('step', '?')}, {which}): ddpm on {config['dataset']}, "
-            f"{config['diffusion_steps']} {config['noise_schedule']} timesteps, images "
-            f"{config['in_channels']}x{config['image_size']}x{config['image_size']}; "
-            f"{kind} sampling in {sampler.steps} steps")
-        report = {"checkpoint": path, "task": cls.name, "weights": weights, "seed": seed,
-                  "sampler": kind, "sample_steps": sampler.steps}
-        if args.samples:
-            names = write_samples(sampler, torch.arange(args.samples), args.out, batch_size)
-            report["samples"] = {"count": len(names), "dir": args.out}
-            say(f"wrote {len(names)} samples to {args.out} ({os.path.basename(names[0])} to "
-                f"{os.path.basename(names[-1])}; noise of seed {seed})")
-        if features is not None:
-            fake = gan_metrics.generate(sampler, torch.arange(args.fid_samples), batch_size)
-            scores = gan_metrics.measure(features, real, fake, seed, batch_size)
-            report.update(fid_samples=args.fid_samples, fid_features=args.fid_features,
-                          **scores)
-            s = "" if args.fid_features is None else "_classifier"
-            say(f"fid{s} {scores[f'fid{s}']:.4f}  kid{s} {scores[f'kid{s}']:.6f} (std "
-                f"{scores[f'kid_std{s}']:.6f}): {args.fid_samples} sampled images (seed "
-                f"{seed}) against the first {args.fid_samples} validation images of "
-                f"{config['dataset']}")
+        n, config = checked_fid(request, config, val_set)
+        config.update(sampler=request.sampler or config["sampler"], sample_steps=steps,
+                      batch_size=request.batch_size, ema_decay=0)  # samples what it is given
+        task = cls(config, val_set or _Shape(config), val_set, n)
+        task.request, task.dataset = request, config["dataset"]
+        return task
+
+    def report(self, result, key, path):
+        """The sampler, and the figures asked for: FID and KID of --fid-samples images."""
+        scores = {k: v for k, v in result.items() if k.startswith(("fid", "kid"))}
+        extra = dict(fid_samples=self.fid_samples, fid_features=self.request.fid_features,
+                     **scores) if scores else {}
+        steps = self.sample_steps or (ddpm.DDIM_STEPS if self.sampler == "ddim"
+                                      else self.steps)
+        return {key: path, "task": self.name, "seed": self.seed, "sampler": self.sampler,
+                "sample_steps": steps, **extra}
+
+    def format_report(self, report, title):
+        line = fid_line(report, f"sampled images (seed {self.seed})", self.dataset)
+        return "\n".join([f"{title}; {report['sampler']} sampling in "
+                          f"{report['sample_steps']} steps"] + ([line] if line else []))
+
+    def outputs(self, net, result, val_set, report):
+        """--samples: the images of indices 0 on, from the noise of --seed, as PNGs."""
+        request = self.request
+        if not request.samples:
+            return
+        sampler = self.sampler_of(copy.deepcopy(net).to(request.device))
+        names = write_samples(sampler, torch.arange(request.samples), request.out,
+                              request.batch_size)
+        report["samples"] = {"count": len(names), "dir": request.out}
+        say(f"wrote {len(names)} samples to {request.out} ({os.path.basename(names[0])} to "
+            f"{os.path.basename(names[-1])}; noise of seed {self.seed})")
+
+    @staticmethod
+    def exported(net, config, val_set):
+        """The CPU U-Net: images and timesteps in, noise out."""
         side, channels = config["image_size"], config["in_channels"]
-        return report, (unet, [(channels, side, side), ()], described(config), EXPORT_NAMES)
+        return net, [(channels, side, side), ()], described(config), EXPORT_NAMES
 
 
 class DiffusionEvaluation(Evaluation):
@@ -421,19 +422,11 @@ class DiffusionEvaluation(Evaluation):
 
 # ------------------------------------------------------------- test.py's denoiser
 
-def load_denoiser(state, config, path, weights):
-    """A fresh U-Net (ddpm.build) holding the checkpoint's ``model`` (``"raw"``) or
-    ``ema`` (``"ema"``): CPU, float32, eval mode. (A checkpoint of before the U-Net was a
-    task's one network, ``networks["denoiser"]``, is read as one: ``checkpoint.upgrade``.)"""
-    checkpoint.require(state, path, ("model",), "a diffusion model's U-Net is in it")
-    try:
-        unet = ddpm.build(config, config["in_channels"])
-    except ValueError as e:
-        raise UserError(f"{path!r}: {e}") from None
-    tensors = checkpoint.unwrap_state_dict(state["ema" if weights == "ema" else "model"])
-    checkpoint.check_compatible(unet, tensors, path)
-    unet.load_state_dict(tensors)
-    return unet.eval()
+class _Shape:
+    """A dataset's shape without its images (test.py's --samples alone reads no data)."""
+
+    def __init__(self, config):
+        self.in_channels, self.transform = config["in_channels"], None
 
 
 def described(config):

@@ -12,7 +12,7 @@ import torch
 
 import dcgan
 import ops
-from machinery import checkpoint, engine, runtime
+from machinery import engine, runtime
 from machinery.runtime import say
 from ops import UserError
 from reporting import gan_metrics
@@ -20,12 +20,16 @@ from tasks import Evaluation, Phase, Task, check_own_network_and_data, refuse
 from tasks._generative import (
     FID_SAMPLES,
     GAN_DATASETS,
+    IMAGE_FLAGS,
     NATIVE_SIDE,
+    asked_for,
+    checked_fid,
     fewer_fid_samples,
+    fid_line,
     fid_samples,
+    fid_sets,
     first_images,
     generated_scores,
-    real_images,
     real_share,
     sample_grid,
     write_samples,
@@ -132,7 +136,6 @@ class GAN(Task):
               "fid_samples": ((lambda v: v is None or v == 0 or v >= 2),
                               "must be 0 (no FID) or at least 2")}
     best_depends_on = ("fid_features",)  # another classifier's FID is not comparable
-    generates = True  # test.py: --samples PNGs, --fid-samples, the generator's export
 
     @staticmethod
     def flags(g):
@@ -183,8 +186,9 @@ class GAN(Task):
     @classmethod
     def build_networks(cls, config, dataset):
         """dcgan.py's generator and discriminator, as an ``nn.ModuleDict``."""
+        channels = dataset.in_channels if dataset is not None else config["in_channels"]
         try:
-            return dcgan.networks(config, dataset.in_channels)
+            return dcgan.networks(config, channels)
         except ValueError as e:
             raise UserError(str(e)) from None
 
@@ -302,59 +306,59 @@ class GAN(Task):
 
     # ---------------------------------------------------------------------- test.py
 
-    @classmethod
-    def check_test_flags(cls, args, path):
-        """A generator has no predictions: the classifier's table and --tta make no
-        sense."""
-        if args.tta is not None:
-            raise UserError(f"--tta averages a classifier's predictions over mirrored "
-                            f"images; {path!r} is a GAN checkpoint (a generator predicts "
-                            f"nothing)")
-        if not (args.samples or args.fid_samples or args.export):
-            raise UserError(f"{path!r} is a GAN checkpoint: there is no accuracy to "
-                            f"evaluate; ask for --samples N --out DIR (PNGs), --fid-samples "
-                            f"N (FID, KID) or --export FILE (the generator)")
+    exported_is = "generator (it makes images)"
+    test_flags = IMAGE_FLAGS
+    test_reads = ("samples", "out", "fid_samples", "fid_features")
 
     @classmethod
-    def test_checkpoint(cls, args, state, config, device, batch_size, weights):
-        """test.py on a GAN checkpoint: --samples, --fid-samples. What can fail (the
-        Inception file, the data) is tried before anything is written.
+    def test_sets(cls, config, request):
+        return fid_sets(cls, config, request)
 
-        Returns:
-            ``(report, (network, input_shape, described, names))``: the JSON report, and
-            what --export writes (the CPU generator: latents in, images out), what its
-            metadata says of it (``described``) and its ONNX names.
-        """
-        path = args.checkpoint
-        generator = load_generator(state, config, path, weights)
-        seed = config["seed"] if args.seed is None else args.seed
-        latents = features = real = None
-        if args.samples:
-            latents = sample_latents(args.samples, config["latent_dim"], seed)
-        if args.fid_samples:
-            features = gan_metrics.build_features(args.fid_features).to(device)
-            real = real_images(config, args.fid_samples, batch_size, args.num_workers)
-        which = "the moving average of the generator" if weights == "ema" \
-            else "the generator"
-        say(f"checkpoint {path} (epoch {state.get('epoch', '?')}, step "
-            f"{state.get('step', '?')}, {which}): {config['network']} on "
-            f"{config['dataset']}, latents of {config['latent_dim']}, images "
-            f"{config['in_channels']}x{config['image_size']}x{config['image_size']}")
-        report = {"checkpoint": path, "task": cls.name, "weights": weights, "seed": seed}
-        on_device = copy.deepcopy(generator).to(device)
-        if args.samples:
-            names = write_samples(on_device, latents, args.out, batch_size)
-            report["samples"] = {"count": len(names), "dir": args.out}
-            say(f"wrote {len(names)} samples to {args.out} ({os.path.basename(names[0])} to "
-                f"{os.path.basename(names[-1])}; latents of seed {seed})")
-        if features is not None:
-            scores = gan_metrics.generator_scores(on_device, real, features, args.fid_samples,
-                                                  seed, batch_size)
-            report.update(fid_samples=args.fid_samples, fid_features=args.fid_features,
-                          **scores)
-            say(_scores_line(scores, args.fid_samples, config, args, seed))
-        return report, (generator, (config["latent_dim"],), described(config),
-                        EXPORT_NAMES)
+    @classmethod
+    def tested(cls, config, val_set, request):
+        """The GAN for test.py: FID and KID (its own validation) on ``--fid-samples``
+        images of the latents and subsets of ``--seed``; --samples' latents made (and
+        their memory checked) before anything is written."""
+        asked_for(request, "GAN", "generator")
+        n, config = checked_fid(request, config, val_set)
+        task = cls(config, val_set or _Shape(config), n, len(val_set) if val_set else 0)
+        task.request, task.dataset = request, config["dataset"]
+        task.latents_asked = sample_latents(request.samples, config["latent_dim"],
+                                            request.seed) if request.samples else None
+        return task
+
+    def report(self, result, key, path):
+        """The figures asked for: FID and KID of --fid-samples images (none without)."""
+        scores = {k: v for k, v in result.items() if k.startswith(("fid", "kid"))}
+        extra = dict(fid_samples=self.fid_samples, fid_features=self.request.fid_features,
+                     **scores) if scores else {}
+        return {key: path, "task": self.name, "seed": self.seed, **extra}
+
+    def format_report(self, report, title):
+        what = (f"generated images (latents of seed {self.seed})")
+        line = fid_line(report, what, self.dataset)
+        if line is not None:
+            line += (f", on the penultimate features of the classifier "
+                     f"{report['fid_features']} (not Inception: comparable only with the "
+                     f"same checkpoint)" if report["fid_features"] else
+                     ", on Inception-v3's pool features")
+        return "\n".join([title] + ([line] if line else []))
+
+    def outputs(self, net, result, val_set, report):
+        """--samples: the generator's images of the latents of --seed as PNGs."""
+        if self.latents_asked is None:
+            return
+        request = self.request
+        generator = copy.deepcopy(net["generator"]).to(request.device)
+        names = write_samples(generator, self.latents_asked, request.out, request.batch_size)
+        report["samples"] = {"count": len(names), "dir": request.out}
+        say(f"wrote {len(names)} samples to {request.out} ({os.path.basename(names[0])} to "
+            f"{os.path.basename(names[-1])}; latents of seed {self.seed})")
+
+    @staticmethod
+    def exported(net, config, val_set):
+        """The CPU generator: latents in, images out."""
+        return net["generator"], (config["latent_dim"],), described(config), EXPORT_NAMES
 
 
 class GANEvaluation(Evaluation):
@@ -429,18 +433,6 @@ def described(config):
             f"(x + 1) * 127.5, rounded, gives 0..255 pixels")
 
 
-def load_generator(state, config, path, weights):
-    """A fresh generator (dcgan.build) holding the checkpoint's ``networks["generator"]``
-    (``"raw"``) or ``ema["generator"]`` (``"ema"``): CPU, float32, eval mode."""
-    checkpoint.require(state, path, ("networks",), "a GAN's generator is in it")
-    generator, _ = dcgan.build(config, config["in_channels"])
-    held = state["ema" if weights == "ema" else "networks"]["generator"]
-    tensors = checkpoint.unwrap_state_dict(held)
-    checkpoint.check_compatible(generator, tensors, path)
-    generator.load_state_dict(tensors)
-    return generator.eval()
-
-
 def sample_latents(n, latent_dim, seed):
     """dcgan.fixed_latents for --samples, refused in one line where they alone would take
     more than half the memory available (a mistyped N)."""
@@ -451,16 +443,13 @@ def sample_latents(n, latent_dim, seed):
     return dcgan.fixed_latents(n, latent_dim, seed)
 
 
-def _scores_line(scores, n, config, args, seed):
-    if args.fid_features:
-        what = (f"on the penultimate features of the classifier {args.fid_features} (not "
-                f"Inception: comparable only with the same checkpoint)")
-    else:
-        what = "on Inception-v3's pool features"
-    s = "" if args.fid_features is None else "_classifier"
-    return (f"fid{s} {scores[f'fid{s}']:.4f}  kid{s} {scores[f'kid{s}']:.6f} (std "
-            f"{scores[f'kid_std{s}']:.6f}): {n} generated images (latents of seed {seed}) "
-            f"against the first {n} validation images of {config['dataset']}, {what}")
+class _Shape:
+    """A dataset's shape without its images: what a generator's networks and transform
+    need when test.py reads no data (``--samples`` alone)."""
+
+    def __init__(self, config):
+        self.in_channels = config["in_channels"]
+        self.transform = None
 
 
 TASK = GAN

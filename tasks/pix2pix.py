@@ -8,7 +8,6 @@ for export).
 """
 
 import contextlib
-import copy
 import os
 import sys
 from pathlib import Path
@@ -19,12 +18,12 @@ import torch
 import losses
 import ops
 import pix2pix
-from machinery import checkpoint, engine, files, runtime
+from machinery import engine, files
 from machinery.runtime import say
 from ops import UserError
-from pipeline import data, device_data, pair_data
+from pipeline import device_data, pair_data
 from tasks import Evaluation, Phase, Task, check_own_network_and_data, refuse
-from tasks._generative import encode_png, refuse_replacing
+from tasks._generative import IMAGE_FLAGS, encode_png, refuse_replacing
 
 # The paper's recipe (Adam 2e-4, betas (0.5, 0.999)), a constant rate; the paper's jitter
 # (resize 286, crop 256, flip) is pair_data's augmentation, kept on by default.
@@ -85,7 +84,6 @@ class Pix2Pix(Task):
         ("pix2pix_width", lambda v: type(v) is int and v >= 1, "an integer of at least 1",
          True),
     )
-    generates = True  # test.py: the figures, --samples PNGs, the generator's export
 
     @staticmethod
     def flags(g):
@@ -259,8 +257,10 @@ class Pix2Pix(Task):
         generator = model["generator"] if isinstance(model, torch.nn.ModuleDict) else model
         return engine.bare(generator)(x)
 
+    keep = 0  # test.py --samples: the first outputs kept as images
+
     def evaluation(self, device, model=None):
-        return Pix2PixEvaluation(device, self.examples)
+        return Pix2PixEvaluation(device, self.examples, self.keep)
 
     @staticmethod
     def images(result, names, title):
@@ -268,63 +268,51 @@ class Pix2Pix(Task):
         inputs, outputs, targets = result["examples"]
         return [("pictures", pix2pix.triptych(inputs, outputs, targets))]
 
-    @staticmethod
-    def inference_network(net):
-        return net["generator"] if isinstance(net, torch.nn.ModuleDict) else net
-
     # ---------------------------------------------------------------------- test.py
 
-    @classmethod
-    def check_test_flags(cls, args, path):
-        """The generator's figures are PSNR, SSIM and L1: --tta and FID make no sense."""
-        if args.tta is not None:
-            raise UserError(f"--tta averages a classifier's predictions over mirrored "
-                            f"images; {path!r} is a pix2pix checkpoint")
-        if args.fid_samples:
-            raise UserError(f"--fid-samples measures a GAN's FID; {path!r} is a pix2pix "
-                            f"checkpoint: test.py reports its PSNR, SSIM and L1 on the "
-                            f"validation pairs")
+    exported_is = "generator (it makes images)"
+    test_flags = IMAGE_FLAGS
+    test_reads = ("samples", "out")
 
     @classmethod
-    def test_checkpoint(cls, args, state, config, device, batch_size, weights):
-        """test.py on a pix2pix checkpoint: PSNR, SSIM and L1 of the generator on the
-        validation pairs, as training measured them, and with --samples N the first N
-        outputs as PNGs in --out.
-
-        Returns:
-            ``(report, (network, input_shape, described, names))``: the JSON report, and
-            what --export writes: the CPU generator (images in, images out), what its
-            metadata says of it (``export.generator_metadata``'s ``described``) and its
-            ONNX input and output names.
-        """
-        path = args.checkpoint
-        generator = load_generator(state, config, path, weights)
-        _, val_set = pair_data.build_datasets(dict(config, augment=False))
-        if args.samples and args.samples > len(val_set):
-            raise UserError(f"--samples {args.samples}: the validation set has "
+    def tested(cls, config, val_set, request):
+        """The task for test.py: PSNR, SSIM and L1 on the validation pairs (its own
+        validation), keeping the first --samples outputs; a file of theirs in --out that
+        test.py did not write is refused before the generator runs."""
+        task = super().tested(config, val_set, request)
+        if request.samples and request.samples > len(val_set):
+            raise UserError(f"--samples {request.samples}: the validation set has "
                             f"{len(val_set)} pairs")
-        if args.samples:  # before the generator runs
-            refuse_replacing(args.out, output_names(val_set, args.samples))
-        which = "the moving average of the generator" if weights == "ema" \
-            else "the generator"
+        if request.samples:
+            refuse_replacing(request.out, output_names(val_set, request.samples))
+        task.keep = request.samples or 0
+        return task
+
+    def report(self, result, key, path):
+        return {key: path, "task": self.name,
+                **{k: result[k] for k in ("psnr", "ssim", "l1", "count")}}
+
+    @staticmethod
+    def format_report(report, title):
+        return (f"{title}\npsnr {report['psnr']:.4f}  ssim {report['ssim']:.4f}  l1 "
+                f"{report['l1']:.4f} ({report['count']} validation pairs)")
+
+    def outputs(self, net, result, val_set, report):
+        """--samples: the first validation pairs' generated images as PNGs."""
+        request = self.request
+        if not request.samples:
+            return
+        names = write_outputs(result["outputs"], val_set, request.out)
+        report["samples"] = {"count": len(names), "dir": request.out}
+        say(f"wrote {len(names)} outputs to {request.out} ({names[0]} to {names[-1]}: the "
+            f"first validation pairs' generated images)")
+
+    @staticmethod
+    def exported(net, config, val_set):
+        """The CPU generator: images in, images out."""
         side = config["image_size"]
-        say(f"checkpoint {path} (epoch {state.get('epoch', '?')}, step "
-            f"{state.get('step', '?')}, {which}): pix2pix on {config['dataset']}, "
-            f"{config['in_channels']}x{side}x{side} -> {config['out_channels']}x{side}x{side}")
-        on_device = copy.deepcopy(generator).to(device)
-        result, outputs = measure(on_device, val_set, config, device, batch_size,
-                                  args.num_workers, args.samples or 0)
-        report = {"checkpoint": path, "task": cls.name, "weights": weights,
-                  **{k: result[k] for k in ("psnr", "ssim", "l1", "count")}}
-        say(f"psnr {result['psnr']:.4f}  ssim {result['ssim']:.4f}  l1 {result['l1']:.4f} "
-            f"({result['count']} validation pairs)")
-        if args.samples:
-            names = write_outputs(outputs, val_set, args.out)
-            report["samples"] = {"count": len(names), "dir": args.out}
-            say(f"wrote {len(names)} outputs to {args.out} ({names[0]} to {names[-1]}: the "
-                f"first validation pairs' generated images)")
-        return report, (generator, (config["in_channels"], side, side), described(config),
-                        ("inputs", "outputs"))
+        return (net["generator"], (config["in_channels"], side, side), described(config),
+                ("inputs", "outputs"))
 
 
 @contextlib.contextmanager
@@ -361,9 +349,9 @@ class Pix2PixEvaluation(Evaluation):
         examples: how many of the first pairs to keep for the picture.
     """
 
-    def __init__(self, device, examples=4):
+    def __init__(self, device, examples=4, keep=0):
         super().__init__()
-        self.want, self.kept = examples, None
+        self.want, self.kept, self.keep, self.outputs = examples, None, keep, []
         # here, not at the top: torchmetrics is imported at a validation (tasks.Evaluation)
         from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
 
@@ -385,6 +373,9 @@ class Pix2PixEvaluation(Evaluation):
         if self.kept is None and x is not None:
             n = self.want
             self.kept = (x[:n].detach().float().cpu(), out[:n].cpu(), y[:n].cpu())
+        have = sum(len(o) for o in self.outputs)
+        if have < self.keep:  # (test.py --samples, one process)
+            self.outputs.append(pix2pix.to_uint8(out[:self.keep - have]).cpu())
 
     def compute(self):
         """``psnr`` (dB), ``ssim``, ``l1``, ``count`` (pairs) and ``examples``."""
@@ -392,22 +383,11 @@ class Pix2PixEvaluation(Evaluation):
         return {"psnr": float(self.psnr.compute()), "ssim": float(self.ssim.compute()),
                 "l1": float(self.l1_sum) / max(int(self.elements), 1),
                 "count": int(self.pairs),
-                "examples": self.kept if self.kept is not None else (empty, empty, empty)}
+                "examples": self.kept if self.kept is not None else (empty, empty, empty),
+                **({"outputs": torch.cat(self.outputs)} if self.outputs else {})}
 
 
 # ------------------------------------------------------------- test.py's generator
-
-def load_generator(state, config, path, weights):
-    """A fresh generator (pix2pix.build) holding the checkpoint's ``networks["generator"]``
-    (``"raw"``) or ``ema["generator"]`` (``"ema"``): CPU, float32, eval mode."""
-    checkpoint.require(state, path, ("networks",), "pix2pix's generator is in it")
-    generator, _ = pix2pix.build(config, config["in_channels"], config["out_channels"])
-    held = state["ema" if weights == "ema" else "networks"]["generator"]
-    tensors = checkpoint.unwrap_state_dict(held)
-    checkpoint.check_compatible(generator, tensors, path)
-    generator.load_state_dict(tensors)
-    return generator.eval()
-
 
 def described(config):
     """What an exported generator's metadata says (``export.generator_metadata``): the
@@ -418,30 +398,6 @@ def described(config):
             f"inputs: float32 (batch, {c_in}, {side}, {side}) in [-1, 1] (pixels / 127.5 - 1)",
             f"outputs: float32 (batch, {c_out}, {side}, {side}) in [-1, 1]; (x + 1) * 127.5, "
             f"rounded, gives 0..255 pixels")
-
-
-@torch.no_grad()
-def measure(generator, val_set, config, device, batch_size, num_workers, keep=0):
-    """The generator's figures on ``val_set`` as training's validation measures them (eval
-    mode, the run's autocast), and its first ``keep`` outputs as uint8 (on the CPU)."""
-    loader = data.build_loader(val_set, batch_size=batch_size, num_workers=num_workers,
-                               sampler=range(len(val_set)))
-    evaluation = Pix2PixEvaluation(device, Pix2Pix.examples)
-    dtype = runtime.amp_dtype(config["amp"], device)
-    kept = []
-    try:
-        for x, y in loader:
-            x, y = x.to(device), y.to(device)
-            with torch.autocast(device.type, dtype=dtype) if dtype else \
-                    contextlib.nullcontext():
-                out = generator(x)
-            evaluation.update(out, y, x)
-            if sum(len(k) for k in kept) < keep:
-                kept.append(pix2pix.to_uint8(out).cpu())
-    finally:
-        data.shutdown_loader(loader)
-    outputs = torch.cat(kept)[:keep] if kept else None
-    return evaluation.compute(), outputs
 
 
 def output_names(val_set, n):

@@ -262,8 +262,10 @@ class Segmentation(Task):
 
 
     @staticmethod
-    def inference_network(net):
-        return inference_network(net)
+    def exported(net, config, val_set):
+        """The logits of a network that returns a dict (torchvision's)."""
+        return (inference_network(net), (val_set.in_channels, val_set.image_size,
+                                         val_set.image_size), None, None)
 
     def report(self, result, key, path):
         """Loss, mIoU, pixel accuracy, each class's IoU (None: a class absent from the set

@@ -113,9 +113,8 @@ def test_checkpoints_hold_the_unet_its_optimizer_and_average_as_one_network(trai
     read = checkpoint.load_checkpoint(str(tmp_path / "old.pt"))
     assert_states_equal({k: read[k] for k in ("model", "optimizer", "ema", "format")},
                         {k: state[k] for k in ("model", "optimizer", "ema", "format")})
-    from tasks import diffusion
-    for weights in ("raw", "ema"):
-        got = diffusion.load_denoiser(read, config, "old.pt", weights).state_dict()
+    for weights in ("raw", "ema"):  # test.py's one loader of every task's checkpoints
+        got = load_test_py().load_network(read, config, None, "old.pt", weights).state_dict()
         assert_states_equal(got, state["ema" if weights == "ema" else "model"])
 
 

@@ -89,6 +89,24 @@ def test_a_gan_logs_what_users_look_at(trained):
     assert image.width > 8 * 32 and image.height > 8 * 32  # 64 samples, 8 by 8
 
 
+def test_test_py_measures_the_fid_its_run_logged(trained, features, tmp_path):
+    """Issue 59: test.py's FID of a GAN checkpoint is the task's own validation run on it
+    (one FID path): for the last checkpoint's generator and its moving average, the very
+    figures the run logged for them."""
+    logged = read_metrics(trained)[-1]
+    for weights, suffix in (("raw", ""), ("ema", "_ema")):
+        report = tmp_path / f"{weights}.json"
+        assert load_test_py().main([
+            "--checkpoint", str(trained / "checkpoints" / "last.pt"), "--weights", weights,
+            "--fid-samples", "8", "--fid-features", features, "--json", str(report),
+            "--device", "cpu", "--num-workers", "0"]) == 0
+        got = json.loads(report.read_text())
+        assert (got["weights"], got["fid_samples"]) == (weights, 8)
+        for figure in ("fid_classifier", "kid_classifier", "kid_std_classifier"):
+            assert got[figure] == logged[f"val_{figure}{suffix}"], (weights, figure)
+    assert logged["val_fid_classifier"] != logged["val_fid_classifier_ema"]  # told apart
+
+
 def test_checkpoints_hold_each_network_and_optimizer_by_name(trained):
     state = final_state(trained)
     assert state["format"] == 3 and "model" not in state and "optimizer" not in state
