@@ -564,6 +564,27 @@ def build_optimizer(net, config, device, network_lr=None):
     return optimizer
 
 
+def unfreeze_point(config):
+    """The position ``(epoch index, samples into it)`` at which --unfreeze-at unfreezes,
+    or None."""
+    return (config["unfreeze_at"] - 1, 0) if config["unfreeze_at"] else None
+
+
+def unfrozen_at_resume(config, state):
+    """Whether --unfreeze-at happened before the point ``state`` resumes from."""
+    point = unfreeze_point(config)
+    return point is not None and (state.epoch, state.epoch_samples) > point
+
+
+def unfreeze_into(net, optimizer, config):
+    """Unfreezes the frozen parameters and adds them to the optimizer as a new group."""
+    names = unfreeze(net, config["freeze"])
+    params = dict(net.named_parameters())
+    optimizer.add_param_group({"params": [params[n] for n in names]})
+    set_hyperparameters(optimizer, config)
+    return names
+
+
 def set_hyperparameters(optimizer, config):
     """Puts the config's hyper-parameters into every param group (also after a resume:
     the config may override the checkpoint's). A second group holds the parameters

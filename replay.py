@@ -32,7 +32,7 @@ import warnings
 import torch
 
 from config import check_config, merge_resumed_config, with_defaults
-from machinery import checkpoint, engine, files, runtime
+from machinery import checkpoint, engine, files, hardware, runtime
 from ops import Interrupted, RunFailed, UserError
 from pipeline import data
 from reporting import runlog
@@ -305,10 +305,10 @@ def run(config, explicit, stop, build_training, unfreeze_point, unfreeze):
         config["run_dir"] = run_dir
         with runlog.RunDirectory(run_dir, is_main=True):
             procs = runtime.setup_processes(config, stop.pending)
-            runtime.set_memory_options(config, procs.device)
+            hardware.set_memory_options(config, procs.device)
             # cuDNN's timed choice can differ from one replay to the next: its default
             # algorithms instead, the same each time
-            runtime.seed_everything(config["seed"], 0, config["deterministic"], procs.device,
+            hardware.seed_everything(config["seed"], 0, config["deterministic"], procs.device,
                                     benchmark=False)
             start = f"{resume_path} (step {saved['step']})" if saved else "the initial weights"
             together = f" ({record['world_size']} processes' batches together on one " \

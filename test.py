@@ -64,11 +64,12 @@ from export import (  # noqa: F401
     size_text,  # (test.py's names: bench/export.py)
     weights_bytes,
 )
-from machinery import checkpoint, engine, files, runtime
+from machinery import checkpoint, engine, files, hardware, runtime
 from machinery.runtime import say, shown
 from ops import UserError
 from pipeline import data
-from tasks import _report as seam  # what test.py asks of every task
+from tasks import _testpy as seam  # what test.py asks of every task
+from tasks._report import Request
 
 EXIT_USER_ERROR, EXIT_FAILED = 2, 1
 
@@ -209,50 +210,6 @@ def _check_model_args(args):
         export.check_onnx_installed("--model .onnx")
 
 
-def check_output(flag, path, checkpoint_path):
-    """Rejects an output that could not be written, before any slow work.
-
-    The nearest existing directory above ``path`` must take a new file
-    (``files.probe_writable``).
-
-    Args:
-        flag: ``--json`` or ``--export``, for the message.
-        path: the output file; its directory may not exist yet.
-        checkpoint_path: the checkpoint (or --model file), which an output must not
-            replace.
-    """
-    if path.endswith(("/", os.sep)) or os.path.isdir(path):
-        raise UserError(f"{flag} {path!r} is a directory; name a file (in it)")
-    if os.path.exists(path):
-        if not os.path.isfile(path):
-            raise UserError(f"{flag} {path!r} exists and is not a regular file")
-        if os.path.isfile(checkpoint_path) and os.path.samefile(path, checkpoint_path):
-            raise UserError(f"{flag} {path!r} is the checkpoint being evaluated; name "
-                            f"another file")
-    _check_writable(flag, path, os.path.dirname(os.path.abspath(path)))
-
-
-def _check_writable(flag, path, directory):
-    """The nearest existing directory at or above ``directory`` takes a new file."""
-    existing = directory
-    while not os.path.exists(existing):  # created when written
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise UserError(f"{flag} {path!r}: {existing!r} is a file, not a directory")
-    try:
-        files.probe_writable(existing)
-    except OSError as e:
-        raise UserError(f"{flag} {path!r}: cannot write in {existing!r} "
-                        f"({e.strerror or e})") from None
-
-
-def check_output_dir(flag, path):
-    """Rejects an output directory (--out) that is a file or could not be written in."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise UserError(f"{flag} {path!r} exists and is not a directory; name a directory")
-    _check_writable(flag, path, os.path.abspath(path))
-
-
 def check_outputs(args):
     """check_output for --json, --export, the int8 file and the files the tasks' own flags
     name, check_output_dir for the directories they name; all of them different."""
@@ -261,12 +218,12 @@ def check_outputs(args):
     if args.quantize:
         outputs.append((f"--quantize {args.quantize}", export.int8_path(args.export)))
     for flag, path in outputs:
-        check_output(flag, path, args.checkpoint or args.model)
+        files.check_output(flag, path, args.checkpoint or args.model)
     for flag, path, directory in seam.test_outputs(args):  # the tasks' own
         if directory:
-            check_output_dir(flag, path)
+            files.check_output_dir(flag, path)
         else:
-            check_output(flag, path, args.checkpoint or args.model)
+            files.check_output(flag, path, args.checkpoint or args.model)
         outputs.append((flag, path))
     for i, (flag, path) in enumerate(outputs):
         for other_flag, other in outputs[i + 1:]:
@@ -349,8 +306,8 @@ _CONFIG_NEEDS = (  # key, check, what it must be, whether the key may be absent
     ("seed", lambda v: type(v) is int, "an integer", False),
     ("image_size", _int_at_least(1), "an integer of at least 1", True),
     ("in_channels", _int_at_least(1), "an integer of at least 1", True),
-    ("amp", lambda v: isinstance(v, str) and v in runtime.AMP_DTYPES,
-     f"one of {', '.join(runtime.AMP_DTYPES)}", True),
+    ("amp", lambda v: isinstance(v, str) and v in hardware.AMP_DTYPES,
+     f"one of {', '.join(hardware.AMP_DTYPES)}", True),
 )
 _SYNTHETIC_NEEDS = (
     ("synthetic_size", _int_at_least(1), "an integer of at least 1", False),
@@ -442,7 +399,7 @@ def evaluate_checkpoint(net, val_set, config, device, batch_size, num_workers, t
     memory_format = torch.channels_last if config["channels_last"] \
         else torch.contiguous_format
     model = copy.deepcopy(net).to(device, memory_format=memory_format)
-    dtype = runtime.amp_dtype(config["amp"], device, remedy="evaluate with --device cpu")
+    dtype = hardware.amp_dtype(config["amp"], device, remedy="evaluate with --device cpu")
     loop = engine.LoopSettings(device=device, amp_dtype=dtype, memory_format=memory_format,
                                show_progress=False)
     loader = data.build_loader(val_set, batch_size=batch_size, num_workers=num_workers,
@@ -676,7 +633,7 @@ def evaluate_and_export(args):
         raise UserError(f"--tta averages a classifier's predictions over mirrored images; "
                         f"{args.checkpoint!r} is a {config['task']} checkpoint")
     seam.refuse_test_flags(args, kind, args.checkpoint)  # the flags of other tasks
-    request = seam.Request(
+    request = Request(
         checkpoint=args.checkpoint, weights=choose_weights(state, args.weights,
                                                            args.checkpoint),
         seed=config["seed"] if args.seed is None else args.seed, device=device,

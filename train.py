@@ -17,12 +17,12 @@ sight. Everything else is one hop away:
     validation                                               machinery/engine.py evaluate
     the optimizer and its hyper-parameters                   ops.build_optimizer
     a flag: its definition, default and checks               config.py
-    checkpoint writes                                        machinery/checkpoint.py Saver
-    the resume point, and restoring it                       train / restore below
+    checkpoint writes; restoring one                         machinery/saving.py Saver, restore
+    the resume point                                         train below
     every metric's name, the epoch record and its line       reporting/metrics.py
     TensorBoard, metrics.jsonl, config.yaml, summary.txt     reporting/runlog.py
     MLflow (--mlflow)                                        reporting/tracking.py
-    processes, devices, AMP dtype, seeds, signals            machinery/runtime.py
+    processes, devices, signals; AMP dtype, FLOPs, seeds     machinery/runtime.py; hardware.py
     torchrun's restarts: joining a round, the job's lock     machinery/elastic.py
     datasets, the seeded sampler, per-sample loaders         pipeline/data.py
     data held and augmented on the device                    pipeline/device_data.py
@@ -50,9 +50,9 @@ import ops
 import replay
 import tasks
 from config import check_config, merge_resumed_config, parse_config, with_defaults
-from machinery import checkpoint, engine, ledger, meters, runtime, verify_resume, watchdog
-from machinery.checkpoint import Kind
+from machinery import checkpoint, engine, hardware, ledger, meters, runtime, saving, watchdog
 from machinery.preflight import run as run_preflight
+from machinery.verify_resume import run as run_verify_resume
 from ops import Interrupted, RunFailed, UserError
 from pipeline import data, device_data, presets, recipes
 from reporting import lr_finder, metrics, profiling, runlog, tracking
@@ -96,8 +96,8 @@ def main(argv=None):
         runtime.say(f"error: {data.worker_death(e) or (e.strerror or e)}{where}", file=sys.stderr)
         return EXIT_FAILED
     except (MemoryError, RuntimeError) as e:
-        if runtime.cublas_config_error(e) is not None:  # --deterministic after a gemm
-            runtime.say(f"error: {runtime.cublas_config_error(e)}", file=sys.stderr)
+        if hardware.cublas_config_error(e) is not None:  # --deterministic after a gemm
+            runtime.say(f"error: {hardware.cublas_config_error(e)}", file=sys.stderr)
             return EXIT_USER_ERROR
         if data.worker_death(e) is not None:  # a worker killed (the OOM killer?): one line
             runtime.say(f"error: {data.worker_death(e)}", file=sys.stderr)
@@ -122,12 +122,12 @@ def train(argv, stop):
     """The run: config, its directory (locked), then ``fit``; returns the exit code."""
     config, explicit = parse_config(argv)
     if config["replay"]:  # a recorded non-finite step, replayed in a scratch directory
-        return replay.run(config, explicit, stop, build_training, unfreeze_point, unfreeze)
+        return replay.run(config, explicit, stop, build_training, ops.unfreeze_point, unfreeze)
     check_config(config)
     lr_finder.check_config(config)  # --find-lr with --resume
     if config["verify_resume"]:  # this command line stopped, resumed and compared
-        return verify_resume.run(config, argv, __file__, stop=stop)
-    resume_path, saved = checkpoint.resume_file(config["resume"])  # before any write
+        return run_verify_resume(config, argv, __file__, stop=stop)
+    resume_path, saved = saving.resume_file(config["resume"])  # before any write
     run_dir = runlog.choose_run_dir(config, resume_path, saved)
     checkpoint.refuse_newer(run_dir)  # a newer version's checkpoints: one error, not written
     with runlog.RunDirectory(run_dir, is_main=runtime.process_rank() == 0) as directory:
@@ -162,7 +162,7 @@ class Training:
     loop: engine.LoopSettings
     state: engine.TrainState
     meter: meters.LossMeter
-    saver: checkpoint.Saver
+    saver: saving.Saver
     run_log: runlog.RunLog
     val_loader: torch.utils.data.DataLoader
     datasets: tuple               # (train, val)
@@ -182,10 +182,10 @@ def fit(config, argv, resume_path, saved, directory, stop):
     log = runtime.main_print
     watchdog.enable_flight_recorder(config)  # before the process group starts
     procs = runtime.setup_processes(config, stop.pending)
-    runtime.set_memory_options(config, procs.device)  # before the first allocation
+    hardware.set_memory_options(config, procs.device)  # before the first allocation
     if procs.world_size > 1:
         runtime.check_same_resume_point(saved, procs)
-    runtime.seed_everything(config["seed"], procs.rank, config["deterministic"], procs.device)
+    hardware.seed_everything(config["seed"], procs.rank, config["deterministic"], procs.device)
     directory.record(config, argv, resuming=saved is not None)
     if resume_path:
         log(f"resuming from {resume_path} (epoch {saved['epoch']}, step {saved['step']})")
@@ -197,7 +197,7 @@ def fit(config, argv, resume_path, saved, directory, stop):
     except (MemoryError, RuntimeError) as e:  # set-up: the snapshot, and what to try
         if ops.memory_error(e) is None:
             raise
-        raise RunFailed(runtime.set_up_out_of_memory(e, config, directory.path,
+        raise RunFailed(hardware.set_up_out_of_memory(e, config, directory.path,
                                                     procs.device)) from None
     try:
         if config["find_lr"]:  # the LR range test instead of training: no checkpoint
@@ -224,7 +224,7 @@ def fit(config, argv, resume_path, saved, directory, stop):
             ended, final = run_epochs(training, train_loader, stop)
     except ops.OutOfMemory as e:  # one line: where, the batch, what to try
         training.run_log.failed()
-        snapshot = runtime.dump_memory_snapshot(directory.path, procs.device) \
+        snapshot = hardware.dump_memory_snapshot(directory.path, procs.device) \
             if config["memory_snapshot"] else None
         raise RunFailed(ops.out_of_memory_message(
             e, config, training.net, training.saver.last_saved, snapshot)) from None
@@ -288,9 +288,9 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
             "device, where a thread in front would only move their kernels into the step's "
             "timing")
         prefetch = 0
-    dtype = runtime.amp_dtype(config["amp"], procs.device)  # None: full precision
+    dtype = hardware.amp_dtype(config["amp"], procs.device)  # None: full precision
     loop = engine.build_loop(config, procs, sampler, dtype, prefetch)
-    flops, peak = runtime.count_flops(task.counted(net), task.example(train_set), config,
+    flops, peak = hardware.count_flops(task.counted(net), task.example(train_set), config,
                                       procs, loop.amp_dtype)  # the RNG untouched
     presets.network_notes(config, log, flops=flops)  # a CIFAR network on photos: its cost
 
@@ -298,15 +298,15 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
                 **device_data.path_record(train_loader, procs.device)}  # (or path: CUDA)
     state = engine.TrainState()  # (its best figure -inf: any first validation's is the best)
     if saved is not None:  # weights, EMA, optimizer, scaler, position, RNG of the saved step
-        restore(saved, resume_path, net, ema, optimizer, loop.scaler, state, config, procs,
+        saving.restore(saved, resume_path, net, ema, optimizer, loop.scaler, state, config, procs,
                 task)
         warn = functools.partial(runtime.main_print, file=sys.stderr)
-        checkpoint.check_same_data(saved, resume_path, identity, warn)
+        saving.check_same_data(saved, resume_path, identity, warn)
         device_data.check_same_path(saved, resume_path, identity, warn)  # CUDA
-        checkpoint.check_same_threads(saved, resume_path, procs.device, warn)
-        if unfrozen_at_resume(config, state):  # wrapped again: DDP must see them
+        saving.check_same_threads(saved, resume_path, procs.device, warn)
+        if ops.unfrozen_at_resume(config, state):  # wrapped again: DDP must see them
             model = wrap_model(net, config, procs.device, procs.world_size)
-            flops, peak = runtime.count_flops(task.counted(net), task.example(train_set),
+            flops, peak = hardware.count_flops(task.counted(net), task.example(train_set),
                                               config, procs, loop.amp_dtype)
     engine.set_lr(optimizer, loop.lr_factor(state.step))
     tracker = tracking.open_tracker(config, run_dir, saved, procs.is_main)  # --mlflow
@@ -314,7 +314,7 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
     run_log.summary(net, task.summarised(net, train_set), procs.device)
     if state.step == 0:
         run_log.first_batch(train_set, sampler)
-    saver = checkpoint.Saver(run_dir, config, net, optimizer, loop.scaler, state, procs,
+    saver = saving.Saver(run_dir, config, net, optimizer, loop.scaler, state, procs,
                              last_saved=resume_path, ema=ema, data=identity,
                              averaged=task.averaged_name)
     saver.mlflow_run_id = tracking.run_id(tracker, saved)  # a resume continues that run
@@ -346,9 +346,9 @@ def run_epochs(training, train_loader, stop):
         if state.early_stop_due(config["early_stop_patience"]):  # a resumed run that had
             return Ended.EARLY_STOP, final                       # stopped early
         if stop.agreed(training.procs):  # a signal between steps (set-up, validation)
-            save(training, Kind.STOP)
+            save(training, saving.Kind.STOP)
             return Ended.SIGNAL, final
-        if (epoch, state.epoch_samples) == unfreeze_point(config):
+        if (epoch, state.epoch_samples) == ops.unfreeze_point(config):
             names = unfreeze(training)
             runtime.main_print(f"epoch {epoch + 1}: unfroze {len(names)} parameter tensors")
         ended = run_epoch(training, train_loader, epoch, stop)
@@ -364,7 +364,7 @@ def run_epochs(training, train_loader, stop):
     if ended is Ended.MAX_STEPS and state.epoch_samples:  # stopped inside an epoch: saved,
         record = {**summary(training, state.epoch + state.epoch_samples / sampler.size),
                   "final": True}  # then its final validation (a record too), as at an
-        save(training, Kind.STOP)  # epoch's end: a signal ends that validation, a kill
+        save(training, saving.Kind.STOP)  # epoch's end: a signal ends that validation, a kill
         training.saver.wait()      # there loses no step
         try:
             with stop.interruptible("during the final validation", training.procs.world_size):
@@ -415,10 +415,10 @@ def run_epoch(training, train_loader, epoch, stop):
                 show(training, bar)  # at most twice a second (no collectives: one process)
             epoch_done = state.epoch_samples >= sampler.size  # finish_epoch saves then
             if ended is Ended.SIGNAL:
-                save(training, Kind.STOP)
+                save(training, saving.Kind.STOP)
             elif config["ckpt_every_steps"] and step % config["ckpt_every_steps"] == 0 \
                     and not epoch_done:
-                save(training, Kind.STEP)
+                save(training, saving.Kind.STEP)
             if ended is not Ended.ALL_EPOCHS:
                 break
         training.watchdog.pause()  # validation and the epoch's save are not timed
@@ -530,7 +530,7 @@ def finish_epoch(training, stop):
     due = (state.epoch + 1) % config["eval_every"] == 0 or state.epoch + 1 == config["epochs"]
     times = training.loop.timer.totals()  # the epoch's steps alone, not the save below
     if due:  # (a long validation, an FID: a signal or a kill there costs no step)
-        save(training, Kind.STOP)
+        save(training, saving.Kind.STOP)
         training.saver.wait()  # written, before the validation
     state.epoch += 1
     record, best = summary(training, state.epoch, times), False
@@ -547,7 +547,7 @@ def finish_epoch(training, stop):
     state.grad_norm_sum, state.grad_norm_count, state.grad_clipped = 0.0, 0, 0
     state.figures = {}
     training.run_log.epoch(record)
-    save(training, Kind.EPOCH, best)
+    save(training, saving.Kind.EPOCH, best)
     runtime.main_print(metrics.epoch_line(record, config, training.task, training.on_device))
     return metrics.final_figures(training.task, record)
 
@@ -610,7 +610,7 @@ def wrap_model(net, config, device, world_size, broadcast_buffers=True):
     if world_size > 1:
         model = runtime.distributed(net, device, broadcast_buffers)  # buckets settled
     elif config["gpus"] and len(runtime.gpu_ids(config["gpus"])) > 1:
-        replica = engine.Autocast(net, device.type, runtime.amp_dtype(config["amp"], device))
+        replica = engine.Autocast(net, device.type, hardware.amp_dtype(config["amp"], device))
         model = torch.nn.DataParallel(replica, device_ids=runtime.gpu_ids(config["gpus"]))
     if config["compile"]:
         model = torch.compile(model)
@@ -619,78 +619,18 @@ def wrap_model(net, config, device, world_size, broadcast_buffers=True):
 
 # ------------------------------------------------------------------------ optimiser
 
-def unfreeze_point(config):
-    """The position ``(epoch index, samples into it)`` at which --unfreeze-at unfreezes,
-    or None."""
-    return (config["unfreeze_at"] - 1, 0) if config["unfreeze_at"] else None
-
-
-def unfrozen_at_resume(config, state):
-    """Whether --unfreeze-at happened before the point ``state`` resumes from."""
-    point = unfreeze_point(config)
-    return point is not None and (state.epoch, state.epoch_samples) > point
-
-
 def unfreeze(training):
     """--unfreeze-at: the frozen parameters join the optimizer, the model is wrapped
     again (a DDP built before would not synchronise them) and a step's FLOPs are counted
     again; returns their names."""
-    names = unfreeze_into(training.net, training.optimizer, training.config)
+    names = ops.unfreeze_into(training.net, training.optimizer, training.config)
     training.model = wrap_model(training.net, training.config, training.procs.device,
                                 training.procs.world_size)
-    training.flops_per_sample, training.peak_tflops = runtime.count_flops(  # their backward too
+    training.flops_per_sample, training.peak_tflops = hardware.count_flops(  # their backward too
         training.net, training.task.example(training.datasets[0]), training.config,
         training.procs, training.loop.amp_dtype)
     engine.set_lr(training.optimizer, training.loop.lr_factor(training.state.step))
     return names
-
-
-def unfreeze_into(net, optimizer, config):
-    """Unfreezes the frozen parameters and adds them to the optimizer as a new group."""
-    names = ops.unfreeze(net, config["freeze"])
-    params = dict(net.named_parameters())
-    optimizer.add_param_group({"params": [params[n] for n in names]})
-    ops.set_hyperparameters(optimizer, config)
-    return names
-
-
-# ---------------------------------------------------------------------- resume
-
-def restore(saved, path, net, ema, optimizer, scaler, state, config, procs, task):
-    """Loads a checkpoint's state into the freshly built objects (a model of several
-    networks and its optimizers: by name). ``task``: what the EMA averages
-    (``task.averaged``) and under which name (``task.averaged_name``)."""
-    for module, weights in checkpoint.saved_networks(saved, net):  # by name, for several
-        checkpoint.check_compatible(module, weights, path)
-        module.load_state_dict(weights)
-    if ema is not None and "ema" in saved:
-        ema.load_state_dict(checkpoint.saved_ema(saved, task.averaged_name), path)
-    elif ema is not None:  # EMA turned on for a run that had none: start from the weights
-        ema.load_state_dict(task.averaged(net).state_dict(), path)
-        runtime.main_print(f"note: {path!r} has no moving average; it starts from the "
-                           f"restored weights")
-    state.load_state_dict(saved["progress"])
-    changed = [k for k in task.best_depends_on if saved["config"].get(k) != config.get(k)]
-    if changed:  # another --fid-features: its FID is no other's
-        state.forget_best()
-        runtime.main_print(f"note: --{changed[0].replace('_', '-')} changed since {path!r}: "
-                           f"its {task.best} cannot be compared with the checkpoint's best; "
-                           f"best.pt starts afresh")
-    if procs.rank != 0:  # the epoch's partial loss sums are global; count them once
-        state.loss_sum, state.loss_count = 0.0, 0
-    if unfrozen_at_resume(config, state):
-        unfreeze_into(net, optimizer, config)  # it happened before the save
-    try:
-        optimizer.load_state_dict(checkpoint.saved_optimizers(saved))
-    except (ValueError, KeyError) as e:
-        raise UserError(f"the optimizer state in {path!r} does not fit "
-                        f"(--optimizer or --freeze changed?): {e}") from None
-    ops.set_hyperparameters(optimizer, config)  # the config's, maybe overridden, not the saved
-    ops.place_fused_steps(optimizer)  # fused now, maybe not when saved
-    if saved.get("scaler"):
-        scaler.load_state_dict(saved["scaler"])
-    rngs = saved.get("rng_per_rank") or [saved["rng"]]
-    checkpoint.set_rng_state(rngs[procs.rank] if len(rngs) == procs.world_size else rngs[0])
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@
     python bench/checkpoint.py --device cuda       # step timed at batch 128 on the GPU
     python bench/checkpoint.py --dir /scratch/x    # where your runs write checkpoints
 
-The state is shaped like checkpoint.Saver's for one process: model (unwrapped state_dict),
+The state is shaped like saving.Saver's for one process: model (unwrapped state_dict),
 SGD state with its momentum buffers populated by real training steps, GradScaler, the
-scheduler step, epoch/step/progress, RNG states from checkpoint.rng_state(), and the
+scheduler step, epoch/step/progress, RNG states from saving.rng_state(), and the
 resolved config as a plain dict (train.py's defaults). A save is what Saver.save does at
 an epoch end with --keep-last 2: build the state, checkpoint.save_checkpoint to last.pt
 with a hard-linked epoch-NNNN.pt (temporary file, fsync, rename, directory fsync), then
@@ -46,7 +46,7 @@ sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != HERE
 import torch  # noqa: E402
 
 from losses import build_criterion  # noqa: E402
-from machinery import checkpoint  # noqa: E402
+from machinery import checkpoint, saving  # noqa: E402
 from networks import build_network  # noqa: E402
 
 # train.py's defaults (the resolved config is saved in every checkpoint).
@@ -83,9 +83,9 @@ def parse_args(argv=None):
 
 
 def build_state(net, optimizer, scaler, progress):
-    """The dict checkpoint.Saver.save writes (one process)."""
-    return checkpoint.training_state(net, optimizer, scaler, dict(progress),
-                                     [checkpoint.rng_state()], CONFIG)
+    """The dict saving.Saver.save writes (one process)."""
+    return saving.training_state(net, optimizer, scaler, dict(progress),
+                                     [saving.rng_state()], CONFIG)
 
 
 def tensor_mib(obj):
@@ -121,7 +121,7 @@ def time_steps(net, optimizer, criterion, args, device):
 def main(argv=None):
     args = parse_args(argv)
     device, name = setup_device(args)
-    print(f"# checkpoint: {args.network}, SGD momentum, state shaped like checkpoint.Saver's, "
+    print(f"# checkpoint: {args.network}, SGD momentum, state shaped like saving.Saver's, "
           f"{args.repeats} saves and loads; training step at batch {args.batch_size}, "
           f"median of {args.steps}")
     print(f"# {device} ({name}), torch {torch.__version__}, python "
@@ -181,7 +181,7 @@ def main(argv=None):
             t1 = time.perf_counter()
             net.load_state_dict(checkpoint.unwrap_state_dict(loaded["model"]))
             optimizer.load_state_dict(loaded["optimizer"])
-            checkpoint.set_rng_state(loaded["rng"])
+            saving.set_rng_state(loaded["rng"])
             sync(device)
             t2 = time.perf_counter()
             load_t.append(t1 - t0)

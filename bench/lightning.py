@@ -42,7 +42,7 @@ from common import setup_device, sync  # (puts the repository on the path)
 
 import ops  # noqa: E402
 import train  # noqa: E402
-from machinery import runtime  # noqa: E402
+from machinery import hardware, runtime  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -109,8 +109,8 @@ def build(args, run_dir):
     config, _ = train.parse_config(train_flags(args, run_dir))
     train.check_config(config)
     procs = runtime.setup_processes(config)
-    runtime.set_memory_options(config, procs.device)
-    runtime.seed_everything(config["seed"], 0, False, procs.device)  # cuDNN benchmark too
+    hardware.set_memory_options(config, procs.device)
+    hardware.seed_everything(config["seed"], 0, False, procs.device)  # cuDNN benchmark too
     os.makedirs(os.path.join(run_dir, "checkpoints"))
     with contextlib.redirect_stdout(io.StringIO()):  # the summary and the set-up lines
         training, loader = train.build_training(config, procs, run_dir)

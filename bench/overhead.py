@@ -55,10 +55,7 @@ import torch  # noqa: E402
 from common import setup_device, sync  # noqa: E402  (puts the repository on the path)
 
 import train  # noqa: E402
-from machinery import (
-    runtime,  # noqa: E402
-    watchdog,  # noqa: E402
-)
+from machinery import hardware, runtime, watchdog  # noqa: E402
 from pipeline import data  # noqa: E402
 from reporting import runlog  # noqa: E402
 
@@ -134,7 +131,7 @@ class EngineLoop:
         config, _ = train.parse_config(train_flags(args, prefetch, size, epochs, run_dir))
         train.check_config(config)
         procs = runtime.Processes(0, 1, torch.device(args.device))
-        runtime.seed_everything(args.seed, 0, False, procs.device)  # one initialisation
+        hardware.seed_everything(args.seed, 0, False, procs.device)  # one initialisation
         os.makedirs(os.path.join(run_dir, "checkpoints"))
         with contextlib.redirect_stdout(io.StringIO()):  # the torchinfo summary
             self.training, self.loader = train.build_training(

@@ -36,11 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 from common import setup_device, sync, train_defaults  # noqa: E402  (the repository's path)
 
 import ops  # noqa: E402
-from machinery import (  # noqa: E402
-    engine,
-    meters,
-    runtime,
-)
+from machinery import engine, hardware, meters  # noqa: E402
 from networks import build_network  # noqa: E402
 from ops import UserError  # noqa: E402
 
@@ -78,11 +74,11 @@ def parse_args(argv=None):
 
 
 def amp_problem(device, amp):
-    """Why train.py's ``--amp`` cannot run ``amp`` on ``device`` (``runtime.amp_dtype``'s
+    """Why train.py's ``--amp`` cannot run ``amp`` on ``device`` (``hardware.amp_dtype``'s
     check: bf16 on a GPU of compute capability 8.0 or more, autocast that works), or
     None."""
     try:
-        runtime.amp_dtype(AMP_FLAG[amp], device, remedy="not measured")
+        hardware.amp_dtype(AMP_FLAG[amp], device, remedy="not measured")
     except UserError as e:
         return str(e)
     return None

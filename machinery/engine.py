@@ -226,7 +226,7 @@ def build_loop(config, procs, sampler, dtype, prefetch=0):
         config: the run's (batch sizes, epochs, --max-steps, schedule, clip, memory format).
         procs: ``runtime.Processes`` (device, world size, the main process).
         sampler: the training ``EpochBatchSampler`` (batches an epoch).
-        dtype: the autocast dtype (``runtime.amp_dtype``), None for full precision.
+        dtype: the autocast dtype (``hardware.amp_dtype``), None for full precision.
         prefetch: the BackgroundGenerator's depth (0: none).
     """
     device = procs.device

@@ -14,6 +14,8 @@ import os
 import shutil
 import tempfile
 
+from ops import UserError
+
 
 class OutputError(Exception):
     """Writing an output failed mid-run (a full disk, say); exit code 1, old file intact."""
@@ -179,3 +181,47 @@ def atomic_write(path, write_fn, mode="w", also=(), prefix=".tmp-"):
     for name in sorted(directories):
         fsync_dir(name)
     return path
+
+
+def check_output(flag, path, checkpoint_path):
+    """Rejects an output that could not be written, before any slow work.
+
+    The nearest existing directory above ``path`` must take a new file
+    (``probe_writable``). (test.py's outputs: --json, --export, the tasks' own.)
+
+    Args:
+        flag: ``--json`` or ``--export``, for the message.
+        path: the output file; its directory may not exist yet.
+        checkpoint_path: the checkpoint (or --model file), which an output must not
+            replace.
+    """
+    if path.endswith(("/", os.sep)) or os.path.isdir(path):
+        raise UserError(f"{flag} {path!r} is a directory; name a file (in it)")
+    if os.path.exists(path):
+        if not os.path.isfile(path):
+            raise UserError(f"{flag} {path!r} exists and is not a regular file")
+        if os.path.isfile(checkpoint_path) and os.path.samefile(path, checkpoint_path):
+            raise UserError(f"{flag} {path!r} is the checkpoint being evaluated; name "
+                            f"another file")
+    _check_writable(flag, path, os.path.dirname(os.path.abspath(path)))
+
+
+def _check_writable(flag, path, directory):
+    """The nearest existing directory at or above ``directory`` takes a new file."""
+    existing = directory
+    while not os.path.exists(existing):  # created when written
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UserError(f"{flag} {path!r}: {existing!r} is a file, not a directory")
+    try:
+        probe_writable(existing)
+    except OSError as e:
+        raise UserError(f"{flag} {path!r}: cannot write in {existing!r} "
+                        f"({e.strerror or e})") from None
+
+
+def check_output_dir(flag, path):
+    """Rejects an output directory (--out) that is a file or could not be written in."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"{flag} {path!r} exists and is not a directory; name a directory")
+    _check_writable(flag, path, os.path.abspath(path))

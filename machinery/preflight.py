@@ -47,7 +47,7 @@ import tempfile
 import time
 
 import ops
-from machinery import checkpoint, engine, files, runtime, verify_resume
+from machinery import checkpoint, engine, files, runtime, saving, verify_resume
 from ops import Interrupted, RunFailed, TooFewImages, UserError
 
 
@@ -108,7 +108,7 @@ class Snapshot:
         self.state = copy.deepcopy(vars(training.state))  # step, position, sums, best
         self.counters = copy.deepcopy(vars(loop.counters))
         self.saver = (saver.dir, saver.last_saved)
-        self.rng = checkpoint.rng_state()  # python, numpy, torch CPU and CUDA
+        self.rng = saving.rng_state()  # python, numpy, torch CPU and CUDA
 
     def put_back(self):
         training, net = self.training, self.training.net
@@ -129,7 +129,7 @@ class Snapshot:
         vars(training.loop.counters).update(copy.deepcopy(self.counters))
         training.loop.timer.reset()
         training.saver.dir, training.saver.last_saved = self.saver
-        checkpoint.set_rng_state(self.rng)
+        saving.set_rng_state(self.rng)
 
 
 def run(training, train_loader, build_loaders, close, tta, stop=None):
@@ -277,11 +277,11 @@ def check_checkpoint(training):
     saver = training.saver
     with stage(name, training), tempfile.TemporaryDirectory(prefix="preflight-") as tmp:
         saver.dir = tmp
-        expected = checkpoint.to_cpu(checkpoint.training_state(
+        expected = checkpoint.to_cpu(saving.training_state(
             saver.net, saver.optimizer, saver.scaler, training.state.state_dict(),
-            [checkpoint.rng_state()] * training.procs.world_size, saver.config, saver.ema,
+            [saving.rng_state()] * training.procs.world_size, saver.config, saver.ema,
             saver.data, saver.averaged))
-        saver.save(checkpoint.Kind.STOP)
+        saver.save(saving.Kind.STOP)
         saver.wait()
         if training.procs.is_main:
             read = checkpoint.load_checkpoint(os.path.join(tmp, "last.pt"))

@@ -8,7 +8,7 @@ process writes the Python stacks of all its threads (``faulthandler``) to
 ``RUN_DIR/hang-rank<N>.txt`` and the collectives' flight recorder to
 ``RUN_DIR/hang-flight-recorder/rank_<N>``, prints one ``error:`` line, and exits with
 ``EXIT_HUNG``. The checkpoints are untouched: they are written atomically, and the
-temporary file of a write cut short is removed by the next run's ``checkpoint.Saver``.
+temporary file of a write cut short is removed by the next run's ``saving.Saver``.
 
 Per step the loop calls ``Watchdog.step``: one ``time.monotonic()`` appended to a bounded
 deque, no device sync. (Re-arming ``faulthandler.dump_traceback_later`` after each step was

@@ -21,7 +21,7 @@ import torch
 from torchvision import datasets as tv_datasets
 from torchvision.transforms import v2
 
-from machinery import runtime
+from machinery import hardware, runtime
 from machinery.runtime import say
 from ops import UserError, sum_over_processes
 from pipeline import data, decoded_cache, presets, sample_transforms
@@ -424,7 +424,7 @@ def memory_decision(config, device, need, what, loader):
     if device.type != "cuda":
         if mode == "on":
             return True, f"data path: on {device}: {what} in memory; {how}"
-        free = runtime.available_memory()
+        free = hardware.available_memory()
         share = need / max(free, 1)
         if share > DEVICE_SHARE:
             return False, f"{loader} ({what} would take {share:.0%} of the {_mib(free)} " \

@@ -78,6 +78,7 @@ from machinery import engine
 from ops import UserError
 from pipeline import data, device_data
 from tasks._report import Report  # test.py's part of the seam (Request, TestFlags, ...)
+from tasks._report import built as built  # (train.py and test.py: tasks.built)
 
 
 class TaskNames(tuple):
@@ -475,19 +476,6 @@ def _default(cls, name):
     read where it is defined, a class method being a new object at every look-up."""
     owner = next((c for c in cls.__mro__ if name in vars(c)), None)
     return owner in (Task, CommandLine, Report)
-
-
-def built(task_class, config, train_set, val_set=None):
-    """``task_class.build(config, train_set, val_set)``, checked to be the task.
-
-    Raises:
-        UserError: ``build`` returned something else (None: a missing ``return``).
-    """
-    task = task_class.build(config, train_set, val_set)
-    if not isinstance(task, task_class):
-        raise UserError(f"--task {task_class.name}: {task_class.__name__}.build returned "
-                        f"{type(task).__name__}, not the task: return cls(...)")
-    return task
 
 
 def check_parts(cls, label):

@@ -12,7 +12,7 @@ import torch
 
 import dcgan
 import ops
-from machinery import engine, runtime
+from machinery import engine, hardware
 from machinery.runtime import say
 from ops import UserError
 from reporting import gan_metrics
@@ -436,7 +436,7 @@ def described(config):
 def sample_latents(n, latent_dim, seed):
     """dcgan.fixed_latents for --samples, refused in one line where they alone would take
     more than half the memory available (a mistyped N)."""
-    need, free = n * latent_dim * 4, runtime.available_memory()
+    need, free = n * latent_dim * 4, hardware.available_memory()
     if free and need > free // 2:
         raise UserError(f"--samples {n}: the latents alone need {need / 2**30:.1f} GiB, more "
                         f"than half the {free / 2**30:.1f} GiB of memory available")

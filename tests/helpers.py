@@ -589,7 +589,7 @@ def write_gan_checkpoint(path, ema=False, **config_overrides):
         The dict saved (its generators' weights are what test.py must load).
     """
     import dcgan
-    from machinery import checkpoint
+    from machinery import checkpoint, saving
 
     config = gan_config(**config_overrides)
     with torch.random.fork_rng(devices=[]):
@@ -599,7 +599,7 @@ def write_gan_checkpoint(path, ema=False, **config_overrides):
     _trained_a_little(generator, 1)
     networks = {"generator": generator, "discriminator": discriminator}
     progress = {"epoch": 1, "step": 5}
-    rng = checkpoint.rng_state()
+    rng = saving.rng_state()
     state = {"format": checkpoint.FORMAT_VERSION, "version": checkpoint.PROJECT_VERSION,
              "threads": torch.get_num_threads(), "epoch": 1, "step": 5,
              "progress": progress, "rng": rng, "rng_per_rank": [rng], "scaler": {},

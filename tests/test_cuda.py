@@ -12,7 +12,7 @@ from helpers import assert_states_equal, final_state, read_metrics, tiny_args
 
 import networks
 import train
-from machinery import engine
+from machinery import engine, saving
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
@@ -116,12 +116,12 @@ def test_mfu_reported_on_a_known_gpu(tmp_path):
 
 def test_amp_bf16_follows_the_gpus_native_support():
     device = torch.device("cuda", 0)
-    native = train.runtime.native_bf16(torch.cuda.get_device_capability(device))
+    native = train.hardware.native_bf16(torch.cuda.get_device_capability(device))
     if native:
-        assert train.runtime.amp_dtype("bf16", device) == torch.bfloat16
+        assert train.hardware.amp_dtype("bf16", device) == torch.bfloat16
     else:
         with pytest.raises(train.UserError, match="no native bfloat16"):
-            train.runtime.amp_dtype("bf16", device)
+            train.hardware.amp_dtype("bf16", device)
 
 
 @two_gpus
@@ -197,7 +197,7 @@ def test_gpu_memory_fraction_is_set_for_the_process(tmp_path):
     from helpers import ROOT
 
     code = ("import sys, torch; from machinery import runtime; "
-            "runtime.set_memory_options({'gpu_memory_fraction': "
+            "hardware.set_memory_options({'gpu_memory_fraction': "
             "0.25, 'memory_snapshot': False}, torch.device('cuda', 0)); "
             "print(torch.cuda.get_per_process_memory_fraction(0))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
@@ -217,13 +217,13 @@ def test_adam_trained_on_the_cpu_resumes_fused_on_cuda(tmp_path, monkeypatch):
     # the fused AdamW on CUDA needs them on the parameters' device.
     flags = ("--optimizer", "adamw", "--lr", "0.001")
     assert train.main(cuda_args(tmp_path, *flags, "--epochs", "1", device="cpu")) == 0
-    real_restore, seen = train.restore, []
+    real_restore, seen = saving.restore, []
 
     def restore(saved, path, net, ema, optimizer, *args):
         real_restore(saved, path, net, ema, optimizer, *args)
         seen.extend((s["step"], p) for p, s in optimizer.state.items())
 
-    monkeypatch.setattr(train, "restore", restore)
+    monkeypatch.setattr(saving, "restore", restore)
     assert train.main(cuda_args(tmp_path, *flags, "--resume", "auto")) == 0
     assert seen and all(step.device == p.device and step.dtype == torch.float32
                         for step, p in seen)

@@ -16,7 +16,7 @@ from torch.autograd import DeviceType
 import ops
 import train
 from config import with_defaults
-from machinery import checkpoint, elastic, meters, runtime, watchdog
+from machinery import checkpoint, elastic, hardware, meters, runtime, watchdog
 from networks import build_network
 from pipeline import data, device_data
 from reporting import lr_finder, metrics, profiling, runlog
@@ -64,7 +64,7 @@ def test_the_group_unfreezing_adds_gets_zero_momentum_buffers():
     frozen = ops.freeze(net, config["freeze"])
     optimizer = ops.build_optimizer(net, config, torch.device("cpu"))
     assert optimizer.defaults["fused"]
-    names = train.unfreeze_into(net, optimizer, config)
+    names = ops.unfreeze_into(net, optimizer, config)
     assert names and sorted(names) == sorted(frozen)
     params = dict(net.named_parameters())
     for name in names:  # a skipped first step after the unfreezing leaves them as they are
@@ -242,8 +242,8 @@ def test_mfu_peak_with_amp_none_follows_the_tf32_switch_of_each_flop_kind(
     torch.backends.cuda.matmul.allow_tf32 = matmul_tf32
     try:
         cuda = torch.device("cuda", 0)
-        assert runtime.peak_tflops(cuda, None, 2, share) == pytest.approx(2 * peak)
-        assert runtime.peak_tflops(cuda, torch.bfloat16, 1, share) == 756.5  # tensor cores
+        assert hardware.peak_tflops(cuda, None, 2, share) == pytest.approx(2 * peak)
+        assert hardware.peak_tflops(cuda, torch.bfloat16, 1, share) == 756.5  # tensor cores
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
 
@@ -344,7 +344,7 @@ def test_out_of_memory_in_the_lr_range_test(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(lr_finder, "sweep", sweep)
     monkeypatch.setattr(runlog.RunLog, "failed",
                         lambda self: events.append("failed") or real_failed(self))
-    monkeypatch.setattr(runtime, "dump_memory_snapshot",  # (None on the CPU: no CUDA history)
+    monkeypatch.setattr(hardware, "dump_memory_snapshot",  # (None on the CPU: no CUDA history)
                         lambda run_dir, device: events.append("snapshot") or "snap.pickle")
     assert train.main(tiny_args(tmp_path, "--find-lr", "--memory-snapshot")) == 1
     errors = _error_lines(capsys)
@@ -362,7 +362,7 @@ def test_out_of_memory_at_set_up_says_what_to_try_on_each_path(tmp_path, monkeyp
     module = device_data if broken == "source_tensors" else ops
     monkeypatch.setattr(module, broken, _no_memory)
     snapshots = []
-    monkeypatch.setattr(runtime, "dump_memory_snapshot",
+    monkeypatch.setattr(hardware, "dump_memory_snapshot",
                         lambda run_dir, device: snapshots.append(1) or "snap.pickle")
     assert train.main(tiny_args(tmp_path, "--data-on-device", path, "--memory-snapshot")) == 1
     errors = _error_lines(capsys)
@@ -411,10 +411,10 @@ def test_the_memory_fraction_caps_every_gpu_of_gpus(monkeypatch):
                         lambda fraction, device: capped.append((fraction, device)))
     cuda = torch.device("cuda", 1)
     config = {"gpu_memory_fraction": 0.3, "memory_snapshot": False, "gpus": "1,3"}
-    runtime.set_memory_options(config, cuda)
+    hardware.set_memory_options(config, cuda)
     assert capped == [(0.3, 1), (0.3, 3)]
     capped.clear()
-    runtime.set_memory_options({**config, "gpus": None}, cuda)
+    hardware.set_memory_options({**config, "gpus": None}, cuda)
     assert capped == [(0.3, cuda)]
 
 

@@ -24,7 +24,7 @@ from helpers import (
 
 import train
 from machinery import checkpoint, meters
-from machinery.checkpoint import Kind
+from machinery.saving import Kind
 from reporting import runlog
 
 

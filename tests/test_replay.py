@@ -13,7 +13,7 @@ from torch import nn
 import networks
 import replay
 import train
-from machinery import runtime
+from machinery import hardware
 from pipeline import data
 
 MARK = 100.0  # synthetic pixels are about N(0, 1): only the marked sample reaches this
@@ -153,8 +153,8 @@ def test_the_record_names_the_micro_batch_of_a_step(tmp_path, capsys, monkeypatc
     capsys.readouterr()
     # As on CUDA, where training times cuDNN's algorithms (benchmark): the replay does not,
     # or another algorithm each replay could make it "not reproduced"
-    real_seed, real_replay_to, seen = runtime.seed_everything, replay.replay_to, []
-    monkeypatch.setattr(runtime, "seed_everything", lambda seed, rank, deterministic, device,
+    real_seed, real_replay_to, seen = hardware.seed_everything, replay.replay_to, []
+    monkeypatch.setattr(hardware, "seed_everything", lambda seed, rank, deterministic, device,
                         **kw: real_seed(seed, rank, deterministic, torch.device("cuda"), **kw))
     monkeypatch.setattr(replay, "replay_to", lambda *a: seen.append(
         torch.backends.cudnn.benchmark) or real_replay_to(*a))

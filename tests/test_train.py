@@ -25,7 +25,7 @@ from helpers import (
 
 import train
 from config import build_parser, check_config, parse_config
-from machinery import engine, meters
+from machinery import engine, hardware, meters
 from pipeline import data
 from reporting import runlog
 from tasks.classification import Classification
@@ -494,8 +494,8 @@ def test_mfu_divides_by_the_peak_of_every_gpu_at_the_precision_used(monkeypatch,
                                                                       devices, peak):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", tf32)
-    assert train.runtime.peak_tflops(torch.device("cuda", 0), amp, devices) == pytest.approx(peak)
-    assert train.runtime.peak_tflops(torch.device("cpu"), amp, devices) is None
+    assert hardware.peak_tflops(torch.device("cuda", 0), amp, devices) == pytest.approx(peak)
+    assert hardware.peak_tflops(torch.device("cpu"), amp, devices) is None
     record = train.metrics.epoch_record(1, 10, 5.0, 10, 0.1, (1.0, 3.0, 4.0), 4000,
                                         flops_per_sample=10**11, peak_tflops=peak)
     assert record["tflops"] == pytest.approx(100.0)   # 1000 samples/s x 0.1 TFLOP
@@ -506,9 +506,9 @@ def test_gpu_count_is_the_processes_or_the_dataparallel_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     procs = train.runtime.Processes(0, 1, torch.device("cuda", 0))
-    assert train.runtime.gpu_count({"gpus": None}, procs) == 1
-    assert train.runtime.gpu_count({"gpus": "0,2,3"}, procs) == 3
-    assert train.runtime.gpu_count({"gpus": None}, procs._replace(world_size=8)) == 8
+    assert hardware.gpu_count({"gpus": None}, procs) == 1
+    assert hardware.gpu_count({"gpus": "0,2,3"}, procs) == 3
+    assert hardware.gpu_count({"gpus": None}, procs._replace(world_size=8)) == 8
 
 
 class _Readbacks(torch.overrides.TorchFunctionMode):
@@ -621,17 +621,17 @@ def test_the_epochs_time_is_its_steps_not_the_save_before_its_validation(tmp_pat
     """The checkpoint written before a validation (round 5's F7) is not the epoch's
     training time: samples_per_sec and epoch_time count the steps alone. The clock jumps
     100 s inside every save; the epoch's time stays below it."""
-    from machinery import checkpoint, engine
+    from machinery import engine, saving
 
     offset = [0.0]
     clock = engine.time.perf_counter
     monkeypatch.setattr(engine.time, "perf_counter", lambda: clock() + offset[0])
-    save = checkpoint.Saver.save
+    save = saving.Saver.save
 
     def slow_save(self, *args, **kwargs):
         offset[0] += 100.0
         return save(self, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint.Saver, "save", slow_save)
+    monkeypatch.setattr(saving.Saver, "save", slow_save)
     assert train.main(tiny_args(tmp_path, epochs=2)) == 0
     assert all(r["epoch_time"] < 100 for r in read_metrics(tmp_path)), read_metrics(tmp_path)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import FORMAT_1, ROOT
 
-from machinery import checkpoint
+from machinery import checkpoint, saving
 
 
 def small_state(step=1, **extra):
@@ -332,18 +332,18 @@ def saved_rng():
     advance_and_draw()
     random.gauss(0, 1)  # an odd number of Gaussians: each library caches the next one
     np.random.randn(1)
-    return checkpoint.rng_state()
+    return saving.rng_state()
 
 
 def test_rng_state_round_trip_restores_every_generator(tmp_path):
     state = saved_rng()
     first = advance_and_draw()
-    checkpoint.set_rng_state(state)
+    saving.set_rng_state(state)
     assert advance_and_draw() == first
     path = checkpoint.save_checkpoint({"rng": state}, tmp_path / "rng.pt")
     loaded = checkpoint.load_checkpoint(path)["rng"]  # weights_only
     advance_and_draw()
-    checkpoint.set_rng_state(loaded)
+    saving.set_rng_state(loaded)
     assert advance_and_draw() == first
 
 
@@ -354,7 +354,7 @@ def test_rng_round_trip_fails_without_each_restore(monkeypatch, generator, modul
     state = saved_rng()
     first = advance_and_draw()
     monkeypatch.setattr(module, name, lambda *args: None)
-    checkpoint.set_rng_state(state)
+    saving.set_rng_state(state)
     again = advance_and_draw()
     assert [a == b for a, b in zip(first, again)] == [i != generator for i in range(3)]
 

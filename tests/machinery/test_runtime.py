@@ -4,7 +4,7 @@ machine: the CUDA queries are stood in for)."""
 import pytest
 import torch
 
-from machinery import runtime
+from machinery import hardware, runtime
 from ops import UserError
 
 
@@ -57,7 +57,7 @@ def test_more_processes_than_gpus_is_one_error_line(four_gpus, monkeypatch):
     ((7, 0), False), ((7, 5), False), ((8, 0), True), ((8, 6), True), ((9, 0), True),
     ((12, 0), True)])
 def test_bfloat16_counts_only_where_the_gpu_computes_it(capability, native):
-    assert runtime.native_bf16(capability) is native  # V100 7.0 and T4 7.5 emulate it
+    assert hardware.native_bf16(capability) is native  # V100 7.0 and T4 7.5 emulate it
 
 
 def test_amp_bf16_asks_the_training_gpu_not_the_current_one(four_gpus, monkeypatch):
@@ -70,7 +70,7 @@ def test_amp_bf16_asks_the_training_gpu_not_the_current_one(four_gpus, monkeypat
     monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
     with pytest.raises(UserError, match="--amp bf16: Tesla V100 has no native bfloat16"):
-        runtime.amp_dtype("bf16", torch.device("cuda", 0))
+        hardware.amp_dtype("bf16", torch.device("cuda", 0))
     assert asked == [torch.device("cuda", 0)]
-    assert runtime.amp_dtype("fp16", torch.device("cuda", 0)) == torch.float16  # not asked
+    assert hardware.amp_dtype("fp16", torch.device("cuda", 0)) == torch.float16  # not asked
     assert asked == [torch.device("cuda", 0)]

@@ -48,7 +48,7 @@ import time
 import networks
 from machinery import engine
 original_forward, original_evaluate = networks.MLP.forward, engine.evaluate
-original_save = checkpoint.Saver.save
+original_save = saving.Saver.save
 first = [True]
 def slow_first_forward(self, x):
     if first[0]:
@@ -63,7 +63,7 @@ def slow_save(*args, **kwargs):
     return original_save(*args, **kwargs)
 networks.MLP.forward = slow_first_forward
 engine.evaluate = slow_evaluate
-checkpoint.Saver.save = slow_save
+saving.Saver.save = slow_save
 """
 
 

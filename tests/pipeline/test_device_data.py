@@ -551,11 +551,11 @@ def test_train_resumes_exactly_on_the_device_path(tmp_path):
 def test_auto_holds_small_sets_in_memory_on_the_cpu_and_says_why(tmp_path, capsys,
                                                                  monkeypatch):
     import train
-    from machinery import runtime
+    from machinery import hardware
 
     assert train.main(tiny_args(tmp_path / "a", "--data-on-device", "auto")) == 0
     assert "data path: in memory (cpu)" in capsys.readouterr().out
-    monkeypatch.setattr(runtime, "available_memory", lambda: 1000)  # it would not fit
+    monkeypatch.setattr(hardware, "available_memory", lambda: 1000)  # it would not fit
     assert train.main(tiny_args(tmp_path / "b", "--data-on-device", "auto")) == 0
     out = capsys.readouterr().out
     assert "data path: per-sample DataLoader" in out and "of memory available" in out

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from config import with_defaults
-from machinery import runtime
+from machinery import hardware
 from machinery.runtime import say
 from ops import UserError
 from pipeline import data, device_data, sample_transforms
@@ -421,7 +421,7 @@ def test_the_device_decision_counts_images_and_masks(monkeypatch):
     use, why = seg.device_decision(config(data_on_device="auto"), train, val, "cpu")
     assert use and why.startswith("data path: in memory (cpu): synthetic images and masks")
     assert not seg.device_decision(config(data_on_device="off"), train, val, "cpu")[0]
-    monkeypatch.setattr(runtime, "available_memory", lambda: need * 3)  # 33% > 25%
+    monkeypatch.setattr(hardware, "available_memory", lambda: need * 3)  # 33% > 25%
     use, why = seg.device_decision(config(data_on_device="auto"), train, val, "cpu")
     assert not use and "would take 33%" in why and "auto allows 25%" in why
     assert seg.device_decision(config(data_on_device="on"), train, val, "cpu")[0]
