@@ -299,6 +299,27 @@ def test_export_is_one_line_where_torch_export_cannot_take_the_detector(trained,
     assert not (tmp_path / "d.pt2").exists()
 
 
+def test_test_py_refuses_a_traced_export_and_keeps_a_users_png(trained, tmp_path, capsys):
+    """--export .ts (a traced detector keeps the boxes of the image it was traced on) is
+    one line; --samples never replaces a file in --out that test.py did not write: one
+    line before the evaluation, the user's file as it was."""
+    checkpoint = str(trained / "checkpoints" / "last.pt")
+    assert load_test_py().main(["--checkpoint", checkpoint, "--export",
+                                str(tmp_path / "d.ts")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --export .ts: a traced detector keeps the number of "
+                              "boxes") and not (tmp_path / "d.ts").exists()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "000001.png").write_bytes(b"a user's picture")
+    assert load_test_py().main(["--checkpoint", checkpoint, "--samples", "2", "--out",
+                                str(out), "--num-workers", "0"]) == 2
+    captured = capsys.readouterr()
+    assert "test.py did not write (000001.png)" in captured.err and "mAP" not in captured.out
+    assert (out / "000001.png").read_bytes() == b"a user's picture"
+    assert sorted(os.listdir(out)) == ["000001.png"]
+
+
 def test_sigterm_mid_epoch_then_resume_equals_the_run_that_never_stopped(tmp_path):
     flags = ("--ema-decay", "0.9", "--batch-size", "2", "--num-workers", "2")  # (workers:
     #                              their augmentation must not follow from their own RNG)

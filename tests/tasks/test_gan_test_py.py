@@ -113,6 +113,16 @@ def test_samples_are_the_moving_averages_images_of_the_fixed_latents(tmp_path, t
     assert f"wrote 5 samples to {out} (000000.png to 000004.png; latents of seed 3)" in printed
 
 
+def test_samples_alone_read_no_data(tmp_path, test_py):
+    """A generator's --samples come from its weights and seed alone: a checkpoint whose
+    MNIST is not on this machine still writes them (only --fid-samples reads the data)."""
+    ckpt, out = tmp_path / "gan.pt", tmp_path / "samples"
+    state = write_gan_checkpoint(ckpt, dataset="mnist", data_dir=str(tmp_path / "gone"))
+    assert _run(test_py, "--checkpoint", ckpt, "--samples", 2, "--out", out) == 0
+    assert torch.equal(_pngs(out)[1], _expected(state, "raw", 2, seed=3))
+    assert not (tmp_path / "gone").exists()
+
+
 def test_weights_raw_and_seed_choose_the_generator_and_its_latents(tmp_path, test_py):
     ckpt, out = tmp_path / "gan.pt", tmp_path / "samples"
     state = write_gan_checkpoint(ckpt, ema=True)
