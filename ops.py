@@ -9,6 +9,7 @@ import fnmatch
 import math
 import re
 import signal
+import sys
 
 import torch
 import torch.nn as nn
@@ -219,6 +220,63 @@ def count_parameters(module):
 
 
 POLY_POWER = 0.9  # --scheduler poly: the power of torchvision's segmentation reference
+
+
+_SAID = set()  # the warnings said once a process (checked_loss, checked_batch)
+
+
+def _once(key, message):
+    if key not in _SAID:
+        _SAID.add(key)
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+            print(message, file=sys.stderr, flush=True)
+
+
+def _kind(value):
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    name = type(value).__name__
+    return "None" if value is None else f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def checked_loss(loss, what="loss"):
+    """A task's ``loss`` (or ``phase_loss``'s) as the loop takes it: a 0-d float tensor
+    with a gradient. A tensor that no parameter computed (a leaf: the network is not in
+    it) trains nothing: said once; anything else is a user's mistake (round 7's F4, F11).
+
+    Raises:
+        UserError: one line naming what it returned.
+    """
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
+        raise UserError(f"the task's {what} returned {_kind(loss)}, not the micro-batch's "
+                        f"mean loss (a 0-d float tensor: reduce it with .mean())")
+    if not loss.requires_grad:
+        raise UserError(f"the task's {what} returned a tensor without a gradient (computed "
+                        f"under torch.no_grad(), detached, or from no parameter): nothing "
+                        f"would train")
+    if loss.grad_fn is None:
+        _once("leaf", f"warning: the task's {what} is a tensor of its own "
+                      f"(requires_grad=True, no graph): no parameter of the network gets a "
+                      f"gradient from it, so nothing trains")
+    return loss
+
+
+def checked_batch(got, n):
+    """A task's ``prepare`` result: ``(inputs, targets)``; fewer samples than the batch's
+    ``n`` (a slice) are said once: the ledger and the loss weights count ``n``.
+
+    Raises:
+        UserError: not a pair.
+    """
+    if not (isinstance(got, (tuple, list)) and len(got) == 2):
+        raise UserError(f"the task's prepare returned {_kind(got)}, not (inputs, targets)")
+    if hasattr(got[0], "__len__") and len(got[0]) != n:
+        _once("prepare", f"warning: the task's prepare returned {len(got[0])} samples of "
+                         f"the batch's {n}: each step trains those, while the sample ledger "
+                         f"and the loss's weight count {n}")
+    return got
 
 
 def lr_factor(step, total_steps, schedule="cosine", warmup_steps=0):

@@ -531,6 +531,10 @@ def exported_config(args, metadata, shape, outputs):
     stored = export.stored_value(metadata, "training_config", path, {})
     if not isinstance(stored, dict):
         raise UserError(f"--model {path!r}: its training_config is not a JSON object")
+    if args.task is not None and stored.get("task") not in (None, args.task):  # its file
+        say(f"note: {path} was exported by a run of --task {stored['task']}; it is "  # is
+            f"evaluated with --task {args.task}, as asked")  # never imported from there
+        stored = dict(stored, task=args.task)
     exported_is = tasks.of(stored).exported_is
     if exported_is is not None:  # not a network of predictions on the validation split
         raise UserError(f"--model {path!r} is a {stored.get('task')} {exported_is}: test.py "
@@ -592,7 +596,7 @@ def main(argv=None):
         The exit code: 0 when done, 2 for a user error (one ``error:`` line), 1 when the
         exported artifact's outputs differ from the eager network's, quantization failed,
         or an output could not be written (one ``error:`` line; a file that was there is
-        left as it was).
+        left as it was), 128 + the signal's number for SIGINT or SIGTERM (one line).
     """
     try:
         args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
@@ -600,13 +604,18 @@ def main(argv=None):
         say(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
     try:
-        return evaluate_and_export(args)
+        with runtime.signals_raise():  # SIGTERM too: Ctrl-C's one line, 128 + its number
+            return evaluate_and_export(args)
     except UserError as e:  # checkpoint.CheckpointError included
         say(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     except (OutputError, QuantizationError) as e:
         say(f"error: {e}", file=sys.stderr)
         return EXIT_FAILED
+    except runtime.Stopped as e:  # every file test.py writes is written whole, or not at all
+        say(f"{e.name}: test.py stopped; what it wrote is whole, the rest not written",
+            file=sys.stderr)
+        return 128 + e.signum
 
 
 def evaluate_and_export(args):

@@ -341,8 +341,10 @@ def run_epochs(training, train_loader, stop):
         ``(ended, final)``: an ``Ended`` value and the last validation figures.
     """
     config, state, sampler = training.config, training.state, train_loader.batch_sampler
-    final, ended = {}, Ended.ALL_EPOCHS
-    for epoch in range(state.epoch, config["epochs"]):
+    # Resumed at its --max-steps: no step more, at most the final validation a signal cut.
+    at_limit = bool(config["max_steps"]) and state.step >= config["max_steps"]
+    final, ended = {}, Ended.MAX_STEPS if at_limit else Ended.ALL_EPOCHS
+    for epoch in range(state.epoch, state.epoch if at_limit else config["epochs"]):
         if state.early_stop_due(config["early_stop_patience"]):  # a resumed run that had
             return Ended.EARLY_STOP, final                       # stopped early
         if stop.agreed(training.procs):  # a signal between steps (set-up, validation)
@@ -364,8 +366,9 @@ def run_epochs(training, train_loader, stop):
     if ended is Ended.MAX_STEPS and state.epoch_samples:  # stopped inside an epoch: saved,
         record = {**summary(training, state.epoch + state.epoch_samples / sampler.size),
                   "final": True}  # then its final validation (a record too), as at an
-        save(training, saving.Kind.STOP)  # epoch's end: a signal ends that validation, a kill
-        training.saver.wait()      # there loses no step
+        if not at_limit:  # (a resumed run at its limit took no step: nothing new to save)
+            save(training, saving.Kind.STOP)  # epoch's end: a signal ends that validation,
+            training.saver.wait()             # a kill there loses no step
         try:
             with stop.interruptible("during the final validation", training.procs.world_size):
                 record.update(validate(training))

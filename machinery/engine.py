@@ -323,7 +323,7 @@ def steps(model, loader, optimizer, task, loop, state, bar):
             where = _where(sampler, plan, starts, state.epoch, first, accum, k,
                            sampler.seed, first_batch + k)
             x, y = task.to_device(batch, device, loop.memory_format)
-            x, y = prepare(x, y, where)  # (MixUp, CutMix: before the step's clock)
+            x, y = ops.checked_batch(prepare(x, y, where), len(x))  # (MixUp, CutMix)
             timer.start_compute()
             if phases is not None:  # the step's micro-batches, trained phase by phase
                 held.append((x, y, local_n, where))
@@ -379,7 +379,7 @@ def _micro_batch(model, optimizer, loss_of, loop, x, y, where, weight, last, doi
     no_sync = loop.world_size > 1 and not last
     with model.no_sync() if no_sync else contextlib.nullcontext():
         with loop.autocast():
-            loss = loss_of(model, x, y, where)
+            loss = ops.checked_loss(loss_of(model, x, y, where))
         doing.now("the backward pass")
         loop.scaler.scale(loss * weight if weight != 1.0 else loss).backward()
     loop.counters.add_loss(loss, where.count)
@@ -554,6 +554,7 @@ def _phase_steps(model, optimizer, task, loop, held, networks=None):
                     with loop.autocast():
                         loss, figures = task.phase_loss(phase.network, model, plain, x, y,
                                                         where, kept[i])
+                        ops.checked_loss(loss, "phase_loss")
                     weight = local_n * world / total
                     scaler.scale(loss * weight if weight != 1.0 else loss).backward()
                 part = loss.detach().float()
@@ -675,6 +676,11 @@ def evaluate(model, loader, loop, task, tta=False):
     model.eval()
     device = loop.device
     evaluation = task.evaluation(device, model)  # a tasks.Evaluation (torchmetrics)
+    if not (callable(getattr(evaluation, "update", None)) and
+            callable(getattr(evaluation, "compute", None))):  # (a dict has an update)
+        raise UserError(f"the task's evaluation returned a {type(evaluation).__name__}, not "
+                        f"a tasks.Evaluation (update(outputs, targets, inputs) per batch, "
+                        f"compute() the figures)")
     for batch in loader:
         x, y = task.to_device(batch, device, loop.memory_format)
         evaluation.update(_forward_or_out_of_memory(task, model, x, loop, tta), y, x)

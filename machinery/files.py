@@ -21,10 +21,16 @@ class OutputError(Exception):
     """Writing an output failed mid-run (a full disk, say); exit code 1, old file intact."""
 
 
-def output_failed(flag, path, error):
-    """The ``OutputError`` of a failed write of ``flag``'s ``path`` (an ``OSError``)."""
+def output_failed(flag, path, error, written=()):
+    """The ``OutputError`` of a failed write of ``flag``'s ``path`` (an ``OSError``);
+    ``written``: the files of the same output written whole before it (--out's PNGs)."""
     kept = ("the previous file there is unchanged" if os.path.isfile(path)
             else "nothing was written")
+    if written:
+        names = [os.path.basename(str(w)) for w in written]
+        kept = (f"{'it is unchanged' if os.path.isfile(path) else 'it was not written'}; "
+                f"the {len(names)} file(s) before it were written whole ({names[0]}"
+                f"{' to ' + names[-1] if len(names) > 1 else ''})")
     return OutputError(f"{flag} {path!r}: writing failed ({error.strerror or error}); {kept}")
 
 

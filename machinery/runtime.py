@@ -516,6 +516,33 @@ class StopRequest:
             signal.signal(signum, handler)
 
 
+class Stopped(BaseException):
+    """SIGINT or SIGTERM in a script with nothing to save (test.py): ``signals_raise``."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.name = int(signum), signal.Signals(signum).name
+
+
+@contextlib.contextmanager
+def signals_raise():
+    """SIGINT and SIGTERM raise ``Stopped`` inside the block (the main thread's handlers,
+    put back after), so a script ends in one line and 128 + the number, not a traceback."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stopped(signum, frame):
+        raise Stopped(signum)
+
+    before = {s: signal.signal(s, stopped) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
 def slurm_requeue():
     """Under SLURM (``SLURM_JOB_ID`` set), ``scontrol requeue`` of this job (of an array's
     task: ``<SLURM_ARRAY_JOB_ID>_<SLURM_ARRAY_TASK_ID>``), once; the line to print, or

@@ -106,12 +106,25 @@ def best_key(task, ema=False):
     return f"val_{task.best}_ema" if ema else f"val_{task.best}"
 
 
+LOSS_LIKE = ("loss", "error", "mse", "mae", "rmse", "nll", "fid", "kid", "perplexity")
+
+
+def lower_is_better(task):
+    """Whether a lower ``task.best`` is better: the task's ``lower_is_better``, or where it
+    says none (None), from the figure's name: a loss, an error or a distance (``loss``,
+    ``val_mse``, ``fid_classifier``) is lower-is-better, any other figure higher."""
+    if task.lower_is_better is not None:
+        return bool(task.lower_is_better)
+    parts = str(task.best).lower().replace("-", "_").split("_")
+    return any(part in LOSS_LIKE for part in parts)
+
+
 def best_metric(task, figures):
     """The value of ``best_key`` in a validation's figures, as a number that is higher
     when better (best.pt and --early-stop-* compare it so): a figure where lower is
     better (a GAN's FID) negated, NaN then never the best."""
     value = figures[best_key(task, f"val_{task.best}_ema" in figures)]
-    if task.lower_is_better:
+    if lower_is_better(task):
         return -math.inf if value != value else -value
     return value
 
@@ -131,7 +144,7 @@ def epoch_figures(figures, device, world_size=1):
 
 def shown_best(task, value):
     """``best_metric``'s number as the figure it came from (an FID again)."""
-    return -value if task.lower_is_better else value
+    return -value if lower_is_better(task) else value
 
 
 def task_scalars(figures):

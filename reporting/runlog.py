@@ -393,6 +393,8 @@ class RunLog:
         self.writer = SummaryWriter(run_dir, purge_step=step + 1 if step > 0 else None)
         kept = read_metrics(self.path, epoch) if os.path.exists(self.path) else []
         files.atomic_write(self.path, lambda f: f.writelines(kept))
+        last = json.loads(kept[-1]) if kept else {}  # a --max-steps run's final record at
+        self.final_at = last.get("step") if last.get("final") is True else None  # its end
 
     def scalars(self, values, step):
         if self.enabled:
@@ -432,8 +434,14 @@ class RunLog:
                             f"with --resume auto once there is room") from None
 
     def epoch(self, record):
-        """Appends one finished epoch to metrics.jsonl (flushed and fsynced)."""
+        """Appends one finished epoch to metrics.jsonl (flushed and fsynced). A final
+        record at the step of the one the file ends with (a run resumed at its --max-steps
+        validates again) replaces it: each validation appears once."""
         if self.enabled:
+            if record.get("final") is True and record.get("step") == self.final_at:
+                kept = read_metrics(self.path, math.inf)[:-1]
+                files.atomic_write(self.path, lambda f: f.writelines(kept))
+            self.final_at = None
             self.scalars(metrics.perf_scalars(record), record["step"])
             with self._failing("metrics.jsonl"), open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")

@@ -75,8 +75,10 @@ import torch
 
 import networks
 from machinery import engine
+from machinery.runtime import main_print
 from ops import UserError
 from pipeline import data, device_data
+from reporting import metrics
 from tasks._report import Report  # test.py's part of the seam (Request, TestFlags, ...)
 from tasks._report import built as built  # (train.py and test.py: tasks.built)
 
@@ -300,7 +302,9 @@ class Task(CommandLine, Report):
     name = None               # --task's value, recorded in every checkpoint's config
     figures = ("loss",)       # validation figures: val_<figure>, val/<figure>
     best = "loss"             # the figure best.pt and --early-stop-* follow ...
-    lower_is_better = False   # ... higher is better unless this (a loss, an FID)
+    lower_is_better = None    # ... True: the lowest (a loss, an FID); False: the highest;
+    #                           None: from its name (metrics.lower_is_better: a loss,
+    #                           an error, a distance lower; said at load for a user's task)
     phases = None             # a task of several networks: its ``Phase``s, in order
     averaged_name = None      # ... and the network --ema-decay averages (by name, in the
     #                           checkpoint's ``ema``); None: the whole model, as ``ema``
@@ -571,6 +575,11 @@ def _load_user_task(name):
     if found.name != name:
         found.name = name  # recorded in its checkpoints: a resume and test.py find it again
     check_parts(found, name)
+    if found.lower_is_better is None and found.best is not None:  # from its name: said
+        lowest = metrics.lower_is_better(found)
+        main_print(f"note: --task {name}: best.pt follows the {'lowest' if lowest else 'highest'}"
+                   f" {found.best!r} (from its name); set lower_is_better in {found.__name__} "
+                   f"to say which is better")
     return found
 
 

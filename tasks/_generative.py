@@ -287,7 +287,8 @@ def write_samples(generator, latents, out_dir, batch_size):
                 if _write_png(image, names[-1]):
                     replaced.append(os.path.basename(names[-1]))
     except OSError as e:
-        raise files.output_failed("--out", names[-1] if names else out_dir, e) from None
+        raise files.output_failed("--out", names[-1] if names else out_dir, e,
+                                  names[:-1]) from None
     if replaced:  # a file of that name held another image (a user's, another seed's)
         say(f"warning: {len(replaced)} file(s) in {out_dir} held other images and were "
             f"replaced ({replaced[0]}{' ...' if len(replaced) > 1 else ''})", file=sys.stderr)

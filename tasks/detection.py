@@ -529,7 +529,7 @@ def write_samples(found, val_set, classes, out_dir, names):
             files.atomic_write(path, lambda f, png=png: f.write(png), "wb")
             written.append(path)
     except OSError as e:
-        raise files.output_failed("--out", path, e) from None
+        raise files.output_failed("--out", path, e, written) from None
     return written
 
 

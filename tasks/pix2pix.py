@@ -433,7 +433,9 @@ def write_outputs(outputs, val_set, out_dir):
                         replaced.append(name)
             files.atomic_write(path, lambda f, png=png: f.write(png), "wb")
     except OSError as e:
-        raise files.output_failed("--out", path, e) from None
+        raise files.output_failed("--out", path, e,
+                                  names[:names.index(os.path.basename(path))]
+                                  if path != out_dir else ()) from None
     if replaced:  # a file of that name held another image (a user's, another checkpoint's)
         say(f"warning: {len(replaced)} file(s) in {out_dir} held other images and were "
             f"replaced ({replaced[0]}{' ...' if len(replaced) > 1 else ''})", file=sys.stderr)

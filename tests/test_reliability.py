@@ -559,6 +559,16 @@ def test_a_max_steps_stop_saves_before_its_final_validation_and_a_signal_ends_it
     assert (code, saved) == (128 + signal.SIGTERM, [3])
     assert time.monotonic() - started < 15  # not the validation's 20 s
     assert ckpt(tmp_path)["progress"]["epoch_samples"] == 3 * 16
+    # Round 7's F1: the command it prints (--resume auto, the same flags) takes no step: the
+    # final validation the signal cut, once; and again, the same (each start no step more).
+    monkeypatch.setattr(train, "validate", validate)
+    saved_state = ckpt(tmp_path)
+    for _ in range(2):
+        assert train.main(tiny_args(tmp_path, "--max-steps", "3", "--resume", "auto",
+                                    epochs=2)) == 0
+        assert_states_equal(ckpt(tmp_path), saved_state)  # not even saved again
+        records = read_metrics(tmp_path)
+        assert [(r["step"], r.get("final")) for r in records] == [(3, True)]
 
 
 def test_an_epoch_resumed_at_its_validation_reports_no_speed(tmp_path, monkeypatch, capsys):

@@ -5,6 +5,7 @@ import errno
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
 
@@ -518,3 +519,26 @@ def test_the_flags_defaults_fill_a_stored_config_in_one_place():
     assert filled["amp"] == "none" and filled["data_on_device"] == "auto"
     assert filled["num_workers"] == 2 and filled["tta"] == "none"
     assert with_defaults({"dataset": "synthetic"})["network"] == "simple_cnn"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_the_evaluation_is_one_line_and_128_plus_its_number(
+        mlp_run, tmp_path, monkeypatch, capsys, signum):
+    """Round 7's F12: Ctrl-C (or a SIGTERM) while test.py evaluates ends it in one line,
+    exit 130 (143), not a traceback; nothing half-written (--json not written)."""
+    test_py = load_test_py()
+    evaluate = test_py.evaluate_checkpoint
+
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signum)
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(test_py, "evaluate_checkpoint", interrupted)
+    code = test_py.main(["--checkpoint", _ckpt(mlp_run), "--num-workers", "0", "--json",
+                         str(tmp_path / "r.json")])
+    err = capsys.readouterr().err
+    assert code == 128 + signum and "Traceback" not in err
+    assert err.strip().splitlines() == [f"{signal.Signals(signum).name}: test.py stopped; "
+                                        f"what it wrote is whole, the rest not written"]
+    assert not (tmp_path / "r.json").exists()
+    assert signal.getsignal(signal.SIGINT) is not None  # its handlers put back

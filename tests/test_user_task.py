@@ -113,6 +113,40 @@ def test_best_pt_and_early_stop_follow_a_higher_is_better_figure_below_minus_1(t
         (record["val_r2"], 0)
 
 
+PLAIN = '''
+
+LOSSES = iter([3.0, 1.0, 2.0])  # the three validations' losses
+
+
+class PlainEvaluation(RegressionEvaluation):
+    def compute(self):
+        return {**super().compute(), "loss": next(LOSSES)}
+
+
+class Plain(Regression):
+    lower_is_better = None  # the base's: not said
+
+    def evaluation(self, device, model=None):
+        return PlainEvaluation(device)
+'''
+
+
+def test_a_task_that_names_no_direction_follows_the_lowest_loss_and_says_so(tmp_path,
+                                                                           capsys):
+    """Design review 7: a task that leaves ``lower_is_better`` unset (the base's None) is
+    not given best.pt at its highest validation loss: the direction comes from the figure's
+    name (a loss: the lowest), said once at load."""
+    code = re.findall(r"```python\n(.*?)```", readme_section(), re.S)[0]
+    (tmp_path / "plain.py").write_text(code + PLAIN)
+    assert train.main(["--task", f"{tmp_path / 'plain.py'}:Plain",
+                       *tiny_args(tmp_path / "run", epochs=3), "--optimizer", "adam",
+                       "--lr", "1e-3"]) == 0
+    assert capsys.readouterr().out.count("best.pt follows the lowest 'loss' (from its name)") \
+        == 1
+    best = torch.load(tmp_path / "run" / "checkpoints" / "best.pt", weights_only=True)
+    assert best["epoch"] == 2  # the loss of 1.0, not the first's 3.0
+
+
 NO_BEST_OR_A_WORD = '''
 
 class NoBest(Regression):
@@ -156,6 +190,88 @@ def test_figures_lacking_the_best_or_not_numbers_are_one_line_in_preflight_and_r
         assert len(lines) == 1 and lines[0].startswith(said + expected), lines
         assert "stages ok" not in out.out and "Traceback" not in out.err
     assert (run / "checkpoints" / "last.pt").exists()  # saved before its validation
+
+
+MISTAKES = '''
+
+class LossVector(Regression):
+    def loss(self, model, x, y):
+        return F.mse_loss(model(x).squeeze(1).float(), y.float(), reduction="none")
+
+
+class LossInt(Regression):
+    def loss(self, model, x, y):
+        return 1
+
+
+class LossNone(Regression):
+    def loss(self, model, x, y):
+        return None
+
+
+class LossDict(Regression):
+    def loss(self, model, x, y):
+        return {"loss": super().loss(model, x, y)}
+
+
+class LossNoGrad(Regression):
+    def loss(self, model, x, y):
+        with torch.no_grad():
+            return super().loss(model, x, y)
+
+
+class PrepareNone(Regression):
+    def prepare(self, x, y, where):
+        return None
+
+
+class EvalDict(Regression):
+    def evaluation(self, device, model=None):
+        return {"loss": 0.0}
+
+
+class LossDetached(Regression):
+    def loss(self, model, x, y):
+        return torch.tensor(1.0, requires_grad=True)
+
+
+class PrepareHalf(Regression):
+    def prepare(self, x, y, where):
+        return x[:len(x) // 2], y[:len(y) // 2]
+'''
+
+
+@pytest.mark.parametrize("name, said", [
+    ("LossVector", "error: the task's loss returned a torch.float32 tensor of shape (16,), "
+                   "not the micro-batch's mean loss"),
+    ("LossInt", "error: the task's loss returned an int, not the micro-batch's mean loss"),
+    ("LossNone", "error: the task's loss returned None, not"),
+    ("LossDict", "error: the task's loss returned a dict, not"),
+    ("LossNoGrad", "error: the task's loss returned a tensor without a gradient"),
+    ("PrepareNone", "error: the task's prepare returned None, not (inputs, targets)"),
+    ("EvalDict", "error: the task's evaluation returned a dict, not a tasks.Evaluation"),
+    ("LossDetached", "warning: the task's loss is a tensor of its own"),
+    ("PrepareHalf", "warning: the task's prepare returned 8 samples of the batch's 16"),
+])
+def test_a_user_tasks_loss_prepare_or_evaluation_of_the_wrong_kind_is_one_line(
+        tmp_path, capsys, name, said):
+    """Round 7's F4 and F11: a loss that is no 0-d tensor with a gradient, a prepare that
+    returns no pair, an evaluation that is a dict: one error line, exit 2 (in --preflight
+    too), not a traceback; a loss no parameter computed, or a prepare that drops samples,
+    trains: one warning, once."""
+    code = re.findall(r"```python\n(.*?)```", readme_section(), re.S)[0]
+    (tmp_path / "mistakes.py").write_text(code + MISTAKES)
+    error = said.startswith("error: ")
+    for extra in (["--preflight"], []) if error else ([],):
+        run = tmp_path / f"run{len(extra)}"
+        code = train.main(["--task", f"{tmp_path / 'mistakes.py'}:{name}",
+                           *tiny_args(run), "--synthetic-size", "32", *extra])
+        out = capsys.readouterr()
+        assert code == (2 if error else 0), (extra, out.err[-2000:])
+        assert "Traceback" not in out.err + out.out
+        kind, words = said.split(": ", 1)  # (--preflight: "error: preflight: the ...: ")
+        lines = [line for line in out.err.splitlines() if line.startswith(kind + ": ")]
+        assert len(lines) == 1 and words in lines[0], (extra, lines)
 
 
 RESUMED = ("model", "optimizer", "scaler", "rng", "progress")
@@ -220,6 +336,22 @@ def test_test_py_json_holds_the_tasks_figures(tmp_path, task_file, capsys):
     assert report["loss"] == pytest.approx(record["val_loss"], rel=1e-6)
     assert report["r2"] == pytest.approx(record["val_r2"], rel=1e-6, abs=1e-9)
     assert report["count"] == 12  # the synthetic set's validation fifth of 64
+    # Round 7's F10: its export, evaluated with --task naming the class in another file
+    # (test.py run from elsewhere): that task, said in a note, never the recorded file.
+    exported = tmp_path / "m.pt2"
+    code, _, err = main_in_process(load_test_py().main, [
+        "--checkpoint", str(tmp_path / "run" / "checkpoints" / "last.pt"), "--export",
+        str(exported), "--task", task_file], capsys)
+    assert code == 0, err
+    moved = tmp_path / "elsewhere.py"
+    moved.write_text(open(task_file.split(":")[0]).read())
+    code, out, err = main_in_process(load_test_py().main, [
+        "--model", str(exported), "--task", f"{moved}:Regression", "--json", str(out_m := (
+            tmp_path / "m.json"))], capsys)
+    assert code == 0, err
+    assert f"was exported by a run of --task {task_file}; it is evaluated with --task " \
+           f"{moved}:Regression" in out
+    assert json.loads(out_m.read_text())["loss"] == pytest.approx(report["loss"], rel=1e-5)
 
 
 DENOISER = '''

@@ -200,9 +200,12 @@ def test_a_full_disk_is_one_line_and_leaves_whole_pngs(test_py, mount_tmpfs, tmp
     write_gan_checkpoint(ckpt)
     out = mount_tmpfs("size=48k") / "samples"  # a dozen 4 KiB blocks
     assert _run(test_py, "--checkpoint", ckpt, "--samples", 40, "--out", out) == 1
-    _one_error_line(capsys, "--out", "writing failed", "No space left on device")
+    line = _one_error_line(capsys, "--out", "writing failed", "No space left on device")
     names, pixels, _ = _pngs(out)  # every file there opens: whole
     assert 0 < len(names) < 40 and not any(n.startswith(".tmp-") for n in names)
+    # round 7's F13: the line says what was written, not "nothing"
+    assert f"the {len(names)} file(s) before it were written whole (000000.png" in line
+    assert "nothing was written" not in line
 
 
 # ------------------------------------------------------------------------- FID, KID
