@@ -428,3 +428,27 @@ def test_dataparallel_on_two_gpus_trains_like_one_gpu(tmp_path, train_main):
     resumed = tmp_path / "resumed"  # a DataParallel checkpoint in a plain one-GPU run
     assert train_main(tiny_args(resumed, *args, "--device", "cuda:0", "--resume",
                                 ckpt(two, "last.pt"), size=55, batch=32, epochs=4)) == 0
+
+
+SIGTERM_IN_THE_FINAL_VALIDATION = """
+import signal
+real_validate = train.validate
+def validate(training):  # rank 1 alone gets a SIGTERM as the --max-steps validation starts
+    if os.environ["RANK"] == "1" and training.state.step == 3:  # (epoch 1's was at step 2)
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real_validate(training)
+train.validate = validate
+"""
+
+
+def test_a_signal_in_the_max_steps_final_validation_under_torchrun_ends_it_together(
+        tmp_path):
+    """Review 7's S7-21: under DDP the --max-steps final validation is not cut by a signal
+    to one process (the others would wait in its collectives): it runs to its end on both,
+    and the run ends as one (its steps saved, its final record written)."""
+    run_dir = tmp_path / "run"
+    script = write_launcher(tmp_path / "launch.py", SIGTERM_IN_THE_FINAL_VALIDATION)
+    out = torchrun(tiny_args(run_dir, "--max-steps", "3", epochs=2), script=script)
+    assert "--max-steps 3 reached at step 3" in out and "Traceback" not in out
+    assert final_state(run_dir)["step"] == 3
+    assert [(r["step"], r.get("final")) for r in read_metrics(run_dir)][-1] == (3, True)

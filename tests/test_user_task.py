@@ -167,12 +167,23 @@ class AWord(Regression):
 class AWordEvaluation(RegressionEvaluation):
     def compute(self):
         return {**super().compute(), "loss": "low"}
+
+
+class ABool(Regression):
+    def evaluation(self, device, model=None):
+        return ABoolEvaluation(device)
+
+
+class ABoolEvaluation(RegressionEvaluation):
+    def compute(self):
+        return {**super().compute(), "loss": True}
 '''
 
 
 @pytest.mark.parametrize("name, expected", [
     ("NoBest", "the task's figures lack 'loss' (its best figure; it returned r2, count)"),
     ("AWord", "the task's figure 'loss' is 'low' (a str), not a number: "),
+    ("ABool", "the task's figure 'loss' is True (a bool), not a number: "),  # (bool: an int)
 ])
 def test_figures_lacking_the_best_or_not_numbers_are_one_line_in_preflight_and_run(
         tmp_path, capsys, name, expected):
@@ -274,6 +285,38 @@ def test_a_user_tasks_loss_prepare_or_evaluation_of_the_wrong_kind_is_one_line(
         assert len(lines) == 1 and words in lines[0], (extra, lines)
 
 
+OLDER_PREPARE = '''
+
+import os
+
+
+class OlderPrepare(Regression):
+    """A task written before the Where: prepare(x, y, epoch, batch) records its batches."""
+
+    def prepare(self, x, y, epoch, batch):
+        with open(os.environ["BATCHES_SEEN"], "a") as f:
+            f.write(f"{epoch} {batch}\\n")
+        return x, y
+'''
+
+
+def test_a_task_of_before_the_where_trains_and_resumes_with_its_batches_counted(
+        tmp_path, monkeypatch):
+    """Review 7's survivors S7-13 and S7-12: ``prepare(self, x, y, epoch, batch)`` (the
+    seam's older form) is accepted at load, and after a mid-epoch SIGTERM and --resume
+    auto its ``batch`` goes on from where the epoch was (MixUp's draws depend on it), not
+    from 0 again."""
+    code = re.findall(r"```python\n(.*?)```", readme_section(), re.S)[0]
+    (tmp_path / "older.py").write_text(code + OLDER_PREPARE)
+    seen = tmp_path / "batches.txt"
+    monkeypatch.setenv("BATCHES_SEEN", str(seen))
+    argv = ["--task", f"{tmp_path / 'older.py'}:OlderPrepare", *tiny_args(tmp_path / "run")]
+    with stop_at_step(2):
+        assert train.main(argv) == 128 + signal.SIGTERM
+    assert train.main([*argv, "--resume", "auto"]) == 0
+    assert seen.read_text().split("\n")[:-1] == ["0 0", "0 1", "0 2", "0 3"]
+
+
 RESUMED = ("model", "optimizer", "scaler", "rng", "progress")
 
 
@@ -336,6 +379,12 @@ def test_test_py_json_holds_the_tasks_figures(tmp_path, task_file, capsys):
     assert report["loss"] == pytest.approx(record["val_loss"], rel=1e-6)
     assert report["r2"] == pytest.approx(record["val_r2"], rel=1e-6, abs=1e-9)
     assert report["count"] == 12  # the synthetic set's validation fifth of 64
+    moved = tmp_path / "elsewhere.py"  # (the file moved, or test.py run from elsewhere)
+    moved.write_text(open(task_file.split(":")[0]).read())
+    code, _, err = main_in_process(load_test_py().main, [  # S7-24: --task replaces the
+        "--checkpoint", str(tmp_path / "run" / "checkpoints" / "last.pt"), "--task",  # run's
+        f"{moved}:Regression", "--json", str(out)], capsys)  # recorded task file
+    assert code == 0 and json.loads(out.read_text())["loss"] == report["loss"], err
     # Round 7's F10: its export, evaluated with --task naming the class in another file
     # (test.py run from elsewhere): that task, said in a note, never the recorded file.
     exported = tmp_path / "m.pt2"
@@ -343,8 +392,6 @@ def test_test_py_json_holds_the_tasks_figures(tmp_path, task_file, capsys):
         "--checkpoint", str(tmp_path / "run" / "checkpoints" / "last.pt"), "--export",
         str(exported), "--task", task_file], capsys)
     assert code == 0, err
-    moved = tmp_path / "elsewhere.py"
-    moved.write_text(open(task_file.split(":")[0]).read())
     code, out, err = main_in_process(load_test_py().main, [
         "--model", str(exported), "--task", f"{moved}:Regression", "--json", str(out_m := (
             tmp_path / "m.json"))], capsys)

@@ -148,6 +148,14 @@ def test_a_ledger_cut_short_by_a_failed_write_does_not_blame_the_data(tmp_path):
     assert not ok and lines[0].startswith(
         f"error: the sample ledger {tmp_path / 'samples' / 'rank1.jsonl'} lacks the header "
         f"of the start at step 0 (2 processes)"), lines
+    # a resume's header lost in one file (its other start's header there): named too
+    write(tmp_path, 0, [header(world=2), *steps([2]), *steps([0], first=2, seen=2)])
+    write(tmp_path, 1, [header(rank=1, world=2), *steps([1]),
+                        header(1, 0, 2, rank=1, world=2), *steps([3], first=2, seen=2)])
+    ok, lines = ledger.check(tmp_path)
+    assert not ok and lines[0].startswith(
+        f"error: the sample ledger {tmp_path / 'samples' / 'rank0.jsonl'} lacks the header "
+        f"of the start at step 1 (2 processes)"), lines
 
 
 def args(run_dir, *extra, epochs=2):

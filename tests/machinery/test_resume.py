@@ -419,3 +419,18 @@ def test_a_resume_onto_a_changed_training_set_says_so_and_continues(tmp_path, ca
     assert len(changed) == 1 and "(18 samples then, 17 now)" in changed[0], err
     assert changed[0].endswith("continuing") and final_state(run)["epoch"] == 3
     assert final_state(run)["data"]["train"]["size"] == 17
+
+
+def test_an_older_checkpoint_saved_before_any_validation_has_no_best_yet():
+    """Review 7's S7-27: a checkpoint of before the rename (``best_val_acc``) saved before
+    its first validation (``best_epoch`` 0) has no best: -inf, not an accuracy's floor of
+    -1, so a task whose figure is below -1 (an R2, a negated FID) still gets its best.pt;
+    one that had validated keeps its figure."""
+    from machinery import engine
+
+    state = engine.TrainState()
+    state.load_state_dict({"epoch": 0, "step": 3, "best_val_acc": -1.0, "best_epoch": 0})
+    assert state.best == -float("inf") and state.early_stop_best == -float("inf")
+    state = engine.TrainState()
+    state.load_state_dict({"epoch": 2, "step": 8, "best_val_acc": 0.625, "best_epoch": 2})
+    assert state.best == 0.625

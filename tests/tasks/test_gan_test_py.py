@@ -185,7 +185,11 @@ def test_a_users_files_in_out_are_refused_before_anything_is_written(tmp_path, t
     ckpt, out = tmp_path / "gan.pt", tmp_path / "samples"
     write_gan_checkpoint(ckpt)
     out.mkdir()
-    Image.new("RGB", (9, 9), "red").save(out / "000000.png")
+    from PIL import PngImagePlugin
+
+    tagged = PngImagePlugin.PngInfo()  # S7-23: another tool's Software chunk is not ours
+    tagged.add_text("Software", "matplotlib version3.9.0, https://matplotlib.org/")
+    Image.new("RGB", (9, 9), "red").save(out / "000000.png", pnginfo=tagged)
     (out / "000001.png").write_text("my notes")
     before = snapshot(out)
     assert _run(test_py, "--checkpoint", ckpt, "--samples", 3, "--out", out) == 2

@@ -205,14 +205,26 @@ def _generated_scores_worker(rank, world_size, port, out_dir, n):
     torch.set_num_threads(1)  # a forked OpenMP pool (the test process's, used) can hang
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size)
+    from reporting import gan_metrics
+
+    seeds, measure = [], gan_metrics.measure  # S7-17: KID's subsets of the run's seed
+
+    def spy(features, real, fake, seed="not given", *args, **kwargs):
+        seeds.append(seed)
+        return measure(features, real, fake, 0 if seed == "not given" else seed, *args,
+                       **kwargs)
+
+    gan_metrics.measure = spy
     try:
         task, fake, real = _generation(n)
         made = []
         scores = _generative.generated_scores(
             task, lambda indices: (made.append(indices.tolist()), fake[indices])[1],
             real if rank == 0 else None, batch_size=2)
-        torch.save({"made": made, "scores": scores}, os.path.join(out_dir, f"{rank}.pt"))
+        torch.save({"made": made, "scores": scores, "seeds": seeds},
+                   os.path.join(out_dir, f"{rank}.pt"))
     finally:
+        gan_metrics.measure = measure
         dist.destroy_process_group()
 
 
@@ -236,3 +248,4 @@ def test_the_generated_images_are_split_over_the_processes_by_index(tmp_path, n,
     alone = _generative.generated_scores(task, lambda indices: fake[indices], real, 2)
     assert got[0]["scores"] == pytest.approx(alone, rel=1e-4)
     assert got[1]["scores"] is None and got[2]["scores"] is None
+    assert [g["seeds"] for g in got] == [[task.seed], [], []]  # process 0 measures, seeded
