@@ -340,8 +340,10 @@ def test_a_run_stopped_inside_an_epoch_records_its_final_validation(tmp_path, ca
     assert f"val_acc {last['val_acc']:.4f}" in line[0]
     tags = events(tmp_path).Scalars("val/acc")
     assert [(e.step, round(e.value, 6)) for e in tags][-1] == (7, round(last["val_acc"], 6))
-    # resumed, the record stays (no "damaged line" warning) and the epochs follow it
-    assert train.main(tiny_args(tmp_path, "--resume", "auto", epochs=2)) == 0
+    # resumed past its limit (--max-steps 0; with its --max-steps 7 kept it takes no step:
+    # round 7's F1), the record stays (no "damaged line" warning) and the epochs follow it
+    assert train.main(tiny_args(tmp_path, "--resume", "auto", "--max-steps", "0",
+                                epochs=2)) == 0
     assert "damaged" not in capsys.readouterr().err
     assert [r["epoch"] for r in read_metrics(tmp_path)] == [1, 1.75, 2]
 
