@@ -46,6 +46,8 @@ import os
 import tempfile
 import time
 
+import torch
+
 import ops
 from machinery import checkpoint, engine, files, runtime, saving, verify_resume
 from ops import Interrupted, RunFailed, TooFewImages, UserError
@@ -191,6 +193,16 @@ def run(training, train_loader, build_loaders, close, tta, stop=None):
                        f"{time.perf_counter() - start:.1f} s ("
                        + ", ".join(f"{name} {t:.2f} s" for name, t in took.items())
                        + "); everything put back")
+    config = training.config
+    norms = [m for m in training.net.modules()  # (frozen ones are kept in eval mode)
+             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
+    if norms and (config["virtual_batch_size"] or config["batch_size"]) > config["batch_size"]:
+        runtime.main_print(f"preflight: note: the network has BatchNorm ({len(norms)} "
+                           f"layers): each of the --batch-size {config['batch_size']} "
+                           f"micro-batches normalises with its own statistics, so "
+                           f"accumulating to --virtual-batch-size "
+                           f"{config['virtual_batch_size']} is close to, not exactly, one "
+                           f"batch of {config['virtual_batch_size']}")
     return list(took)
 
 

@@ -243,6 +243,7 @@ def test_preflight_alone_exits_0_and_leaves_no_checkpoint(tmp_path, capsys):
     out = said(capsys)
     assert "preflight: 5 stages ok" in out and "everything put back" in out
     assert "training mlp" not in out  # no training
+    assert "BatchNorm" not in out  # an mlp: accumulation is exactly the large batch
     assert os.listdir(run_dir / "checkpoints") == []
     assert read_metrics(run_dir) == []
     assert "train/loss" not in events(run_dir).Tags()["scalars"]
@@ -401,3 +402,12 @@ def test_the_readme_section_runs_as_written(tmp_path, monkeypatch, capsys):
     assert "last.pt" in os.listdir(tmp_path / "runs" / "checked" / "checkpoints")
     assert torch.load(tmp_path / "runs" / "checked" / "checkpoints" / "last.pt",
                       weights_only=True)["epoch"] == 2
+
+
+def test_preflight_says_batchnorm_makes_accumulation_close_not_exact(tmp_path, capsys):
+    """Design review 7: accumulation equals one large batch only without BatchNorm;
+    --preflight says so where a run has both (simple_cnn, 2 micro-batches of 16)."""
+    assert train.main(tiny_args(tmp_path / "run", "--network", "simple_cnn",
+                                "--virtual-batch-size", "32", "--preflight")) == 0
+    notes = [line for line in said(capsys).splitlines() if "BatchNorm" in line]
+    assert len(notes) == 1 and "is close to, not exactly, one batch of 32" in notes[0]
