@@ -81,12 +81,16 @@ def settle_buckets(model):
             total = total + p.sum() * 0
         return total
 
-    model.module.forward = zero_chain  # for this one call (an attribute of the instance)
+    own = model.module.__dict__.get("forward")  # an instance's own (torch.compile's
+    model.module.forward = zero_chain  # OptimizedModule, a wrapper): put back after
     try:
         with torch.enable_grad():  # (an input: DDP with device_ids indexes the inputs)
             model(params[0].new_zeros(())).backward()
     finally:
-        del model.module.forward
+        if own is None:
+            del model.module.forward
+        else:
+            model.module.forward = own  # (CUDA review 7's N-L2)
     for p in params:
         p.grad = None
 

@@ -198,7 +198,11 @@ class Detection(Task):
                               (config["data_on_device"] == "on", "--data-on-device on",
                                "has no detection path: each image's boxes and scale jitter "
                                "are per-sample work for DataLoader workers (use off or "
-                               "auto)")):
+                               "auto)"),
+                              (config["compile"], "--compile", "meets a detector's "
+                               "data-dependent shapes (NMS, top-k, per-image loops): graph "
+                               "breaks and recompiles, minutes for no gain (CUDA review 7's "
+                               "N-L4)")):
             if on:
                 raise UserError(f"{flag} {why}: not for --task detection")
         if config["image_size"] < 32:

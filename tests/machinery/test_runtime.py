@@ -74,3 +74,24 @@ def test_amp_bf16_asks_the_training_gpu_not_the_current_one(four_gpus, monkeypat
     assert asked == [torch.device("cuda", 0)]
     assert hardware.amp_dtype("fp16", torch.device("cuda", 0)) == torch.float16  # not asked
     assert asked == [torch.device("cuda", 0)]
+
+
+def test_settling_the_buckets_keeps_a_networks_own_forward(tmp_path):
+    """CUDA review 7's N-L2: DDP's buckets are settled by replacing the network's forward
+    for one call; a forward the instance had of its own (torch.compile's OptimizedModule,
+    a wrapper a user's task returns) is put back, not deleted."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        net = torch.nn.Linear(3, 2)
+        plain = net.forward
+        net.forward = lambda x: plain(x) * 2  # the instance's own
+        model = runtime.distributed(net, torch.device("cpu"))
+        x = torch.ones(4, 3)
+        assert "forward" in vars(net)
+        torch.testing.assert_close(model(x), plain(x) * 2)
+        assert all(p.grad is None for p in net.parameters())
+    finally:
+        dist.destroy_process_group()

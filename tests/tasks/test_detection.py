@@ -438,6 +438,7 @@ def test_a_missing_json_through_train_py_is_one_error_line(tmp_path, coco, capsy
     (("--mixup-alpha", "0.2"), "--mixup-alpha mixes two images"),
     (("--dataset", "cifar10"), "--dataset cifar10 has no boxes"),
     (("--pretrained", "torchvision:backbone"), "use --pretrained torchvision (the COCO "),
+    (("--compile",), "--compile meets a detector's data-dependent shapes"),
 ])
 def test_what_makes_no_sense_for_boxes_is_one_line(tmp_path, capsys, flags, words):
     assert train.main(det_args(tmp_path, *flags)) == 2
