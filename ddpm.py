@@ -103,9 +103,27 @@ class Attention(nn.Module):
 
     def forward(self, x):
         n, c, h, w = x.shape
-        qkv = self.qkv(self.norm(x)).reshape(n, 3, 1, c, h * w).transpose(3, 4)
+        qkv = self.qkv(self.norm(x))
+        if qkv.is_cuda:  # the fused kernels (flash, memory-efficient) on any memory format
+            return x + self.proj(rows_attention(qkv))
+        qkv = qkv.reshape(n, 3, 1, c, h * w).transpose(3, 4)
         out = F.scaled_dot_product_attention(*qkv.unbind(1))  # (N, 1 head, HW, C): ONNX's
         return x + self.proj(out[:, 0].transpose(1, 2).reshape(n, c, h, w))  # 4-d form
+
+
+def rows_attention(qkv):
+    """``Attention``'s softmax(q k^T / sqrt(C)) v of ``qkv`` ``(N, 3C, H, W)``, with q, k and
+    v taken from an NHWC copy: each position's channels contiguous (``stride(-1) == 1``),
+    which torch's fused SDPA kernels need (on an NCHW view every call takes the math path,
+    which upcasts and keeps (HW)^2 scores: CUDA review 7's N-L1). The result comes back in
+    ``qkv``'s memory format, so the projection's gradient has its parameter's strides."""
+    n, c3, h, w = qkv.shape
+    rows = qkv.permute(0, 2, 3, 1).reshape(n, 1, h * w, c3).contiguous()  # (N, 1, HW, 3C)
+    out = F.scaled_dot_product_attention(*rows.chunk(3, dim=-1))  # (N, 1, HW, C)
+    out = out[:, 0].transpose(1, 2).reshape(n, c3 // 3, h, w)
+    last = qkv.is_contiguous(memory_format=torch.channels_last) and not qkv.is_contiguous()
+    return out.contiguous(memory_format=torch.channels_last if last else
+                          torch.contiguous_format)
 
 
 class UNet(nn.Module):

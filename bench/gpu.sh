@@ -2,7 +2,10 @@
 # The GPU checks as prepared runs, each sized for one borrowed GPU: a budget of 300 s of
 # work on one H100/H200-class GPU, so that one 15-minute loan (a minute or two of it to
 # start the machine) holds the run and a second try of it: call it with timeout_s=350
-# (120 + 2 x 350 = 820 s of the 900). From the repository:
+# (120 + 2 x 350 = 820 s of the 900) while the machine is still warm. A loan gives a
+# machine back after 30 s idle, and reading the first call's output takes longer: a
+# second call then starts a fresh machine (another 60-120 s), leaving about 310 s; make
+# it GPU_SH_BUDGET=260 with timeout_s=300 (CUDA review 7's N-L5). From the repository:
 #
 #   bash bench/gpu.sh                 # the slot profile, the goal figures first:
 #     1. imports: which of the project's packages this Python has (and which wheels to

@@ -524,3 +524,22 @@ def test_fid_generation_holds_one_batch_of_images_on_the_gpu():
     found = _generative.made_features(features, make, torch.arange(1024), 64)
     assert found.shape == (1024, 3) and found.device.type == "cpu"
     assert torch.cuda.max_memory_allocated() - start < 40 * 2**20
+
+
+def test_ddpm_attention_runs_on_a_fused_kernel_in_nchw():
+    """CUDA review 7's N-L1: with the math path off, DDPM's attention runs (flash or
+    memory-efficient) on NCHW activations under bf16, and agrees with the math path."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import ddpm
+
+    torch.manual_seed(0)
+    block = ddpm.Attention(64).cuda()
+    torch.nn.init.normal_(block.proj.weight, std=0.1)
+    x = torch.randn(4, 64, 16, 16, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+            fused = block(x)
+        with sdpa_kernel([SDPBackend.MATH]):
+            math = block(x)
+    torch.testing.assert_close(fused.float(), math.float(), rtol=2e-2, atol=2e-2)

@@ -80,6 +80,27 @@ def test_the_attention_is_ddpms_own_normalised_scaled_and_projected():
     assert isinstance(block.norm, torch.nn.GroupNorm)
 
 
+def test_the_cuda_attention_takes_each_positions_channels_in_a_row(monkeypatch):
+    """CUDA review 7's N-L1: on CUDA the attention's q, k and v come from an NHWC copy
+    (each position's channels contiguous, what the fused SDPA kernels need), the same
+    attention as the NCHW path (checked here on the CPU), its output in the input's
+    memory format."""
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 48, 4, 4)
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(ddpm.F, "scaled_dot_product_attention",
+                        lambda q, k, v: (seen.extend([q.stride(-1), k.stride(-1),
+                                                      v.stride(-1)]), sdpa(q, k, v))[1])
+    got = ddpm.rows_attention(qkv)
+    assert seen == [1, 1, 1] and got.is_contiguous()
+    q, k, v = qkv.flatten(2).chunk(3, dim=1)  # each (N, C, HW)
+    weights = torch.softmax(q.transpose(1, 2) @ k / 16 ** 0.5, dim=-1)
+    torch.testing.assert_close(got, (v @ weights.transpose(1, 2)).view(2, 16, 4, 4))
+    last = ddpm.rows_attention(qkv.contiguous(memory_format=torch.channels_last))
+    assert last.is_contiguous(memory_format=torch.channels_last)
+
+
 def test_an_image_does_not_depend_on_its_batch():
     """The U-Net computes each image on its own (GroupNorm): one batch of 4 equals the
     4 images one by one (up to the rounding of kernels chosen by batch size)."""
