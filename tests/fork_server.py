@@ -242,6 +242,7 @@ class _Server:
 
 
 _server = None
+WAIT_BOUND = 1200  # seconds: the longest a wait without a timeout of its own waits
 
 
 def _the_server(root):
@@ -281,6 +282,7 @@ class ForkedProcess:
                 stdio.append((os.devnull, os.O_RDONLY if fd == 0 else os.O_WRONLY))
             else:
                 raise ValueError(f"fork_server: unsupported stdio {spec!r}")
+        self._server = server
         self.pid = server.fork({
             "argv": [str(a) for a in args[1:]], "cwd": str(cwd or os.getcwd()),
             "env": dict(os.environ if env is None else env), "session": start_new_session,
@@ -299,9 +301,19 @@ class ForkedProcess:
         return self.returncode
 
     def wait(self, timeout=None):
-        deadline = None if timeout is None else time.monotonic() + timeout
+        """The child's exit code. Every wait has a bound (``WAIT_BOUND`` when none is
+        given), and a server that died is an error at once, its child killed: no test
+        waits on a status file nobody will write (design review 7)."""
+        timeout = WAIT_BOUND if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
+            if not self._server.alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signal.SIGKILL)  # (an orphan now: it would run on)
+                if self.poll() is None:
+                    raise RuntimeError(f"the fork server died; its child {self.pid} "
+                                       f"({' '.join(self.args[1:3])} ...) was killed")
+            if time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(self.args, timeout)
             time.sleep(0.01)
         return self.returncode
