@@ -336,7 +336,8 @@ def per_trial_sampler(name, options, seed, grid=None):
             self.of(trial).before_trial(study, trial)
 
         def after_trial(self, study, trial, state, values):
-            self.of(trial).after_trial(study, trial, state, values)
+            if name != "grid":  # (a grid's stops an optimize loop there is none of: the
+                self.of(trial).after_trial(study, trial, state, values)  # sweep counts)
 
         def reseed_rng(self):
             """Nothing: each trial's sampler is seeded from its number."""

@@ -274,11 +274,13 @@ def test_a_sweep_leaves_best_yaml_plots_hparams_and_ordinary_run_directories(uni
 @pytest.mark.slow
 def test_a_sweep_killed_at_random_moments_ends_as_the_uninterrupted_one(uninterrupted):
     sweep_dir = str(uninterrupted["root"] / "killed")
-    rng, kills = random.Random(5), []
-    for _ in range(6):
-        proc = fork_popen(sweep_command(uninterrupted["recipe"], sweep_dir,
-                                        uninterrupted["client"]), env=_child_env(),
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rng, kills, logs = random.Random(5), [], []
+    for attempt in range(5):
+        logs.append(uninterrupted["root"] / f"killed-{attempt}.log")
+        with open(logs[-1], "w") as log:
+            proc = fork_popen(sweep_command(uninterrupted["recipe"], sweep_dir,
+                                            uninterrupted["client"]), env=_child_env(),
+                              stdout=log, stderr=subprocess.STDOUT)
         time.sleep(rng.uniform(2.0, 12.0))
         if proc.poll() is not None:
             break
@@ -294,11 +296,39 @@ def test_a_sweep_killed_at_random_moments_ends_as_the_uninterrupted_one(uninterr
         wait_for_no_trial_process(sweep_dir)
     rc, out = run_sweep(uninterrupted["recipe"], sweep_dir, uninterrupted["client"])
     assert rc == 0, out[-5000:]
-    assert kills  # (the sweep did not end before the first kill)
+    said = out + "".join(path.read_text() for path in logs)
+    assert "taking up trial" in said and "resuming from" in said, kills  # not from scratch
     assert the_study(sweep_dir) == the_study(uninterrupted["dir"]), kills
     for number in range(6):
         assert first_difference(last_checkpoint(uninterrupted["dir"], number),
                                 last_checkpoint(sweep_dir, number)) is None, (number, kills)
+
+
+@pytest.mark.slow
+def test_a_failing_trial_is_failed_and_the_sweep_goes_on(tmp_path):
+    """Plain train.py trials on a grid: the trial whose loss is not finite ends with
+    train.py's error line, recorded as FAIL; the other completes; best.yaml is its."""
+    section = {"trials": 5, "sampler": "grid", "pruner": "none", "seed": 0,
+               "objective": "loss", "space": {"lr": {"choice": [0.01, 1.0e+30]}}}
+    recipe = write_recipe(tmp_path / "grid.yaml", {**BASE, "epochs": 1, "max_nonfinite": 1},
+                          section)
+    sweep_dir = str(tmp_path / "grid")
+    proc = fork_popen([sys.executable, os.path.join(ROOT, "sweep.py"), recipe, "--sweep-dir",
+                       sweep_dir, "--python", python_client(tmp_path / "python")],
+                      env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                      text=True)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    study = the_study(sweep_dir)  # the grid's two points, once each
+    assert sorted((t[2]["lr"], t[1]) for t in study) == [(0.01, "COMPLETE"), (1e30, "FAIL")]
+    storage = f"sqlite:///{os.path.join(sweep_dir, 'study.db')}"
+    failed = next(t for t in optuna.load_study(study_name="grid", storage=storage)
+                  .get_trials() if t.state.name == "FAIL")
+    assert failed.user_attrs["error"].startswith("error: the loss was not finite")
+    with open(os.path.join(sweep_dir, "best.yaml")) as f:
+        assert yaml.safe_load(f)["lr"] == 0.01
+    assert "plots: param_importances skipped: it needs 2 completed trials, the study has 1" \
+        in out
 
 
 def _is_torchrun(pid):
