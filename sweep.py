@@ -510,12 +510,12 @@ class Sweep:
         storage = study._storage
         frozen = storage.get_trial(trial._trial_id)
         codes = exit_codes(tail) if self.nproc > 1 else [rc]
-        finished = rc == 0 or (codes and set(codes) <= {sweep_trial.EXIT_PRUNED})
         pruned_at = frozen.system_attrs.get(sweep_trial.PRUNED_ATTR)
-        if finished and pruned_at is not None:
+        ended = outcome(rc, codes, pruned_at, self.signum)
+        if ended == "pruned":
             study.tell(trial.number, state=optuna.trial.TrialState.PRUNED)
             print(f"sweep: trial {trial.number} pruned at step {pruned_at}", flush=True)
-        elif finished:
+        elif ended == "complete":
             value = final_value(run_dir, self.objective)
             if value is None or value != value:
                 storage.set_trial_user_attr(trial._trial_id, "error",
@@ -527,8 +527,7 @@ class Sweep:
                 study.tell(trial.number, value)
                 print(f"sweep: trial {trial.number} done: {self.objective} {value:.4g}",
                       flush=True)
-        elif self.signum is None and codes and set(codes) <= {1, 2, -signal.SIGTERM} \
-                and {1, 2} & set(codes):  # train.py's own error line: a failed trial
+        elif ended == "failed":  # train.py's own error line: a loss not finite, a flag
             error = last_error(tail)
             storage.set_trial_user_attr(trial._trial_id, "error", error)
             study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
@@ -590,6 +589,20 @@ def _pass_on(stream, tail):
             sys.stdout.buffer.write(line)
             sys.stdout.flush()
     stream.close()
+
+
+def outcome(rc, codes, pruned_at, signum=None):
+    """How a trial's process ended: ``"pruned"`` (it stopped where the pruner said, at
+    ``pruned_at``), ``"complete"``, ``"failed"`` (train.py's own error: every process that
+    torchrun lists ended with 1 or 2, or was ended by torchrun after the first) or
+    ``"stopped"`` (killed, or a signal the driver passed on: the trial stays RUNNING and
+    resumes on the next sweep.py). ``codes``: its processes' exit codes ([rc] for one)."""
+    if rc == 0 or (codes and set(codes) <= {sweep_trial.EXIT_PRUNED}):
+        return "complete" if pruned_at is None else "pruned"
+    if signum is None and codes and set(codes) <= {1, 2, -signal.SIGTERM, 128 + signal.SIGTERM} \
+            and {1, 2} & set(codes):
+        return "failed"
+    return "stopped"
 
 
 def exit_codes(output):

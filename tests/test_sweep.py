@@ -61,7 +61,8 @@ def with_space(**space):
     (with_space(batch_size={"int": [0, 32], "step": 8}), (), "sweep.space.batch_size = 0: "),
     (with_space(batch_size={"int": [8, 40], "step": 16}),
      ("--virtual-batch-size", "32"), "sweep.space.batch_size = 40: "),
-    (with_space(optimizer={"choice": ["sgd", "adamm"]}), (), "sweep.space.optimizer = 'adamm'"),
+    (with_space(optimizer={"choice": ["sgd", "adamm", "adamw"]}), (),
+     "sweep.space.optimizer = 'adamm'"),
     (with_space(lr={"log_uniform": [0.0, 0.1]}), (), "low must be above 0"),
     (with_space(lr={"uniform": [0.1, 0.01]}), (), "low < high"),
     (with_space(lr={"normal": [0.1, 0.01]}), (), "sweep.space.lr: {'normal'"),
@@ -104,8 +105,68 @@ def test_another_sweep_in_the_same_directory_is_refused(tmp_path, capsys):
     assert "holds a study of another sweep" in line and "give another --sweep-dir" in line
 
 
-def test_the_flags_after_the_double_dash_go_into_every_trials_recipe():
+def make_sweep(tmp_path, section=None, fixed=(), recipe=None):
+    path = write_recipe(tmp_path / "r.yaml", recipe, section)
+    return sweep.Sweep(sweep.parse_args([path, "--sweep-dir", str(tmp_path / "s")]),
+                       list(fixed))
+
+
+def test_the_flags_after_the_double_dash_go_into_every_trials_recipe(tmp_path):
     assert sweep.fixed_keys(["--epochs", "5", "--amp", "bf16"]) == {"amp": "bf16", "epochs": 5}
+    made = make_sweep(tmp_path, fixed=["--epochs", "5"])
+    assert made.recipe == {**BASE, "epochs": 5}
+
+
+def test_an_int_range_is_checked_at_its_highest_point_on_the_step(tmp_path):
+    # 8, 16, 24: each divides --virtual-batch-size 48 (30, the range's end, would not)
+    made = make_sweep(tmp_path, with_space(batch_size={"int": [8, 30], "step": 8}),
+                      ["--virtual-batch-size", "48"])
+    assert made.space == {"batch_size": ("int", [8, 30], 8)}
+
+
+@pytest.mark.parametrize("rc, codes, pruned_at, signum, expected", [
+    (0, [0], None, None, "complete"),
+    (0, [0], 6, None, "pruned"),  # pruned at the last epoch's validation
+    (sweep_trial.EXIT_PRUNED, [sweep_trial.EXIT_PRUNED], 4, None, "pruned"),
+    (1, [sweep_trial.EXIT_PRUNED, sweep_trial.EXIT_PRUNED], 4, None, "pruned"),  # torchrun
+    (1, [1], None, None, "failed"),  # train.py's error line (a loss not finite)
+    (2, [2], None, None, "failed"),  # a value train.py refused
+    (1, [1, -15], None, None, "failed"),  # torchrun ended the other process
+    (1, [1, 143], None, None, "failed"),
+    (-9, [-9], None, None, "stopped"),  # killed
+    (143, [143], None, None, "stopped"),  # stopped by a signal, saved
+    (1, [-9, -15], None, None, "stopped"),  # torchrun: a process killed
+    (1, [-9, 1], None, None, "stopped"),  # the other lost its peer
+    (1, [], None, None, "stopped"),  # torchrun itself failed
+    (1, [1], None, signal.SIGTERM, "stopped"),  # the driver passed a signal on
+])
+def test_how_a_trials_process_ended(rc, codes, pruned_at, signum, expected):
+    assert sweep.outcome(rc, codes, pruned_at, signum) == expected
+
+
+def test_a_completed_trials_value_is_its_last_validations(tmp_path):
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.write('{"epoch": 1, "val_loss": 0.9}\n{"epoch": 2}\n{"epoch": 3, "val_loss": 0.4}\n'
+                '{"epoch": 4, "train_loss": 0.3}\n')
+    assert sweep.final_value(str(tmp_path), "val_loss") == 0.4
+    assert sweep.final_value(str(tmp_path / "none"), "val_loss") is None
+
+
+def test_a_running_trial_no_process_holds_is_taken_up(tmp_path, capsys):
+    made = make_sweep(tmp_path, {**SWEEP, "trials": 2})
+    study = made.open_study()
+    orphan = study.ask()  # its driver died: its lock file is free
+    with contextlib.ExitStack() as stack:
+        trial, fd = made.next_trial(study, stack)
+        assert trial.number == orphan.number and fd is not None
+        assert "taking up trial 0" in capsys.readouterr().out
+        with contextlib.ExitStack() as other:  # another driver meanwhile: trial 0 is held
+            trial, _ = made.next_trial(study, other)
+            assert trial.number == 1
+    with contextlib.ExitStack() as stack:  # both running, both free: 0 first, no third
+        assert made.next_trial(study, stack)[0].number == 0
+        assert made.next_trial(study, stack)[0].number == 1
+        assert made.next_trial(study, stack) == (None, None)
 
 
 def test_the_objective_and_its_direction_come_from_the_task():

@@ -16,7 +16,7 @@ ONE = Processes(0, 1, torch.device("cpu"))
 
 @pytest.fixture
 def study(tmp_path, monkeypatch):
-    """A study of two completed trials (val_loss 1.0 and 2.0 at steps 4 and 8) and a
+    """A study of two completed trials (val_loss 1.0 and 2.0 at step 4, a tenth at 8) and a
     running trial 2, with this process as trial 2's train.py."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     url = f"sqlite:///{tmp_path / 'study.db'}"
@@ -24,7 +24,7 @@ def study(tmp_path, monkeypatch):
     for value in (1.0, 2.0):
         trial = study.ask()
         trial.report(value, 4)
-        trial.report(value, 8)
+        trial.report(value / 10, 8)
         study.tell(trial, value)
     study.ask()
     monkeypatch.setenv(sweep_trial.ENV, json.dumps({
@@ -68,6 +68,13 @@ def test_a_bad_value_is_pruned_recorded_and_exits_pruned(study, capsys):
     assert trial_2(study).system_attrs[sweep_trial.PRUNED_ATTR] == 4
     assert sweep_trial.pruned(ONE, 4, 0) is True
     assert "stopped trial 2 at step 4" in capsys.readouterr().out
+    assert sweep_trial.exit_code() == sweep_trial.EXIT_PRUNED
+
+
+def test_a_trial_pruned_after_going_on_exits_pruned(study):
+    sweep_trial.reported(ONE, 4, {"val_loss": 1.2})  # below the median (1.5), then above
+    sweep_trial.reported(ONE, 8, {"val_loss": 1.0})  # (0.15)
+    assert [sweep_trial.pruned(ONE, 4, 0), sweep_trial.pruned(ONE, 8, 0)] == [False, True]
     assert sweep_trial.exit_code() == sweep_trial.EXIT_PRUNED
 
 

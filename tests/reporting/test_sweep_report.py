@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from config import parse_config
 from reporting import sweep_report
 
-RECIPE = {"dataset": "synthetic", "network": "mlp", "epochs": 2}
+RECIPE = {"dataset": "synthetic", "network": "mlp", "epochs": 2, "lr": 0.1}  # lr: searched
 DISTRIBUTIONS = {"lr": FloatDistribution(1e-4, 1.0, log=True),
                  "optimizer": CategoricalDistribution(["sgd", "adamw"])}
 
