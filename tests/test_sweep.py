@@ -177,6 +177,21 @@ def test_the_objective_and_its_direction_come_from_the_task():
         == ("val_acc5", "minimize")
 
 
+def test_under_torchrun_process_0_drives_with_trials_of_its_machines_processes(
+        tmp_path, monkeypatch):
+    driven = []
+    monkeypatch.setattr(sweep.Sweep, "__init__", lambda self, args, fixed: driven.append(
+        (args.nproc_per_node, fixed)))
+    monkeypatch.setattr(sweep.Sweep, "run", lambda self: 0)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "1")
+    assert sweep.main(["r.yaml", "--", "--epochs", "2"]) == 0 and driven == []  # waits
+    monkeypatch.setenv("RANK", "0")
+    assert sweep.main(["r.yaml", "--", "--epochs", "2"]) == 0
+    assert driven == [(4, ["--epochs", "2"])]
+
+
 # ------------------------------------------------------------------ the sampler
 
 def space():
