@@ -353,12 +353,13 @@ def test_a_sweep_killed_at_random_moments_ends_as_the_uninterrupted_one(uninterr
     rng, kills, logs = random.Random(5), [], []
     for attempt in range(5):
         logs.append(uninterrupted["root"] / f"killed-{attempt}.log")
-        with open(logs[-1], "w") as log:
-            proc = fork_popen(sweep_command(uninterrupted["recipe"], sweep_dir,
-                                            uninterrupted["client"]), env=_child_env(),
-                              stdout=log, stderr=subprocess.STDOUT)
+        log = open(logs[-1], "w")  # (open until the driver ends: the fork opens it by path)
+        proc = fork_popen(sweep_command(uninterrupted["recipe"], sweep_dir,
+                                        uninterrupted["client"]), env=_child_env(),
+                          stdout=log, stderr=subprocess.STDOUT)
         time.sleep(rng.uniform(2.0, 12.0))
         if proc.poll() is not None:
+            log.close()
             break
         workers = [pid for pid in trial_processes(sweep_dir)
                    if not _is_torchrun(pid)]  # train.py's processes
@@ -369,6 +370,7 @@ def test_a_sweep_killed_at_random_moments_ends_as_the_uninterrupted_one(uninterr
             kills.append("the driver")
             proc.kill()
         proc.wait(timeout=300)
+        log.close()
         wait_for_no_trial_process(sweep_dir)
     rc, out = run_sweep(uninterrupted["recipe"], sweep_dir, uninterrupted["client"])
     assert rc == 0, out[-5000:]
