@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 import layers
+import machinery.sweep_trial as sweep_trial  # sweep.py's trials: report, prune
 import ops
 import replay
 import tasks
@@ -257,7 +258,7 @@ def fit(config, argv, resume_path, saved, directory, stop):
                                     training.ema is not None))
     training.run_log.close(config, final)
     log(f"done: {directory.path}")
-    return 0
+    return sweep_trial.exit_code()  # 0; EXIT_PRUNED where sweep.py's pruner stopped it
 
 
 def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=None):
@@ -347,6 +348,8 @@ def run_epochs(training, train_loader, stop):
     for epoch in range(state.epoch, state.epoch if at_limit else config["epochs"]):
         if state.early_stop_due(config["early_stop_patience"]):  # a resumed run that had
             return Ended.EARLY_STOP, final                       # stopped early
+        if sweep_trial.pruned(training.procs, state.step, state.epoch_samples):  # sweep.py's
+            break  # pruner stopped the trial at this epoch's validation (see sweep_trial)
         if stop.agreed(training.procs):  # a signal between steps (set-up, validation)
             save(training, saving.Kind.STOP)
             return Ended.SIGNAL, final
@@ -540,7 +543,7 @@ def finish_epoch(training, stop):
     if due:
         with stop.interruptible(f"during the validation of epoch {state.epoch}",
                                 training.procs.world_size):  # (DDP: not: its collectives)
-            record.update(validate(training))
+            record.update(sweep_trial.reported(training.procs, state.step, validate(training)))
         value = None if training.task.best is None else metrics.best_metric(training.task,
                                                                            record)
         best = state.record_best(value)  # (no figure to follow: best.pt is the last)

@@ -46,11 +46,13 @@ SMALLEST = {
                     "--repeats", "1", "--samples", "16"], "+ random_erase 1"),
     "segmentation.py": (["--samples", "16", "--size", "32", "--crop-size", "24", "--epochs",
                          "1", "--batch-size", "8", "--workers", "0"], "plain     "),
+    "sweep.py": (["--trials", "2", "--epochs", "1", "--synthetic-size", "64"],
+                 "median pruning trained"),
     "train_paths.py": (["--images", "40", "--batch-size", "16", "--workers", "0", "--repeats",
                         "1"], "device path / per-sample path:"),
 }
 WRITES_INTO = {"checkpoint.py": "--dir", "export.py": "--dir", "identity.py": "--dir",
-               "segmentation.py": "--dir"}
+               "segmentation.py": "--dir", "sweep.py": "--dir"}
 # The scripts gpu.sh's smoke profile runs (at its own smallest settings): its test below
 # checks each one's figures, so they are not run a second time here.
 IN_GPU_SH_SMOKE = {"gan.py": "gan.train_py.steps_per_s", "diffusion.py":

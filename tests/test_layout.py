@@ -15,7 +15,7 @@ from helpers import ROOT
 PACKAGES = {"machinery": 1, "pipeline": 2, "reporting": 3, "tasks": 4}  # low imports none above
 BUILDING_BLOCKS = {"ops", "layers", "networks", "losses", "dcgan", "ddpm",
                    "pix2pix"}  # top level, below all
-SCRIPTS = {"train", "test"}  # imported by no module
+SCRIPTS = {"train", "test", "sweep"}  # imported by no module
 
 
 def modules():
@@ -99,9 +99,9 @@ def test_nothing_imports_the_scripts():
     assert [(n, d) for n, deps in GRAPH.items() for d in deps if d in SCRIPTS] == []
 
 
-def test_the_top_level_holds_at_most_twelve_python_files():
+def test_the_top_level_holds_at_most_thirteen_python_files():  # sweep.py the 13th
     top = [name for name in os.listdir(ROOT) if name.endswith(".py")]
-    assert len(top) <= 12, sorted(top)
+    assert len(top) <= 13, sorted(top)
 
 
 def test_train_py_stays_under_700_lines():
