@@ -52,6 +52,7 @@ import tasks
 from config import check_config, merge_resumed_config, parse_config, with_defaults
 from machinery import checkpoint, engine, ledger, meters, runtime, verify_resume, watchdog
 from machinery.checkpoint import Kind
+from machinery.param_groups import add_unfrozen, check_resume, split
 from machinery.preflight import run as run_preflight
 from ops import Interrupted, RunFailed, UserError
 from pipeline import data, device_data, presets, recipes
@@ -280,7 +281,8 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
     task = tasks.built(task_class, config, train_set, val_set)  # a batch, its loss, figures
     net, model = build_model(config, train_set, procs.device, procs.world_size, log, task,
                              resuming=saved is not None)
-    optimizer = ops.build_optimizer(net, config, procs.device, task.network_lr)  # per network
+    optimizer = ops.build_optimizer(net, config, procs.device, task.network_lr,  # per network
+                                    split)  # param groups: decay by kind, --layer-decay
     ema = recipes.build_ema(config, task.averaged(net))  # --ema-decay: None when off
     prefetch = config["prefetch"]
     if prefetch and isinstance(train_loader, device_data.DeviceLoader):
@@ -648,8 +650,7 @@ def unfreeze(training):
 def unfreeze_into(net, optimizer, config):
     """Unfreezes the frozen parameters and adds them to the optimizer as a new group."""
     names = ops.unfreeze(net, config["freeze"])
-    params = dict(net.named_parameters())
-    optimizer.add_param_group({"params": [params[n] for n in names]})
+    add_unfrozen(optimizer, net, names, config)  # split as the first ones
     ops.set_hyperparameters(optimizer, config)
     return names
 
@@ -680,6 +681,7 @@ def restore(saved, path, net, ema, optimizer, scaler, state, config, procs, task
         state.loss_sum, state.loss_count = 0.0, 0
     if unfrozen_at_resume(config, state):
         unfreeze_into(net, optimizer, config)  # it happened before the save
+    check_resume(checkpoint.saved_optimizers(saved), optimizer, path)  # the same groups
     try:
         optimizer.load_state_dict(checkpoint.saved_optimizers(saved))
     except (ValueError, KeyError) as e:

@@ -47,7 +47,7 @@ import tempfile
 import time
 
 import ops
-from machinery import checkpoint, engine, files, runtime, verify_resume
+from machinery import checkpoint, engine, files, param_groups, runtime, verify_resume
 from ops import Interrupted, RunFailed, TooFewImages, UserError
 
 
@@ -191,6 +191,7 @@ def run(training, train_loader, build_loaders, close, tta, stop=None):
                        f"{time.perf_counter() - start:.1f} s ("
                        + ", ".join(f"{name} {t:.2f} s" for name, t in took.items())
                        + "); everything put back")
+    runtime.main_print(param_groups.describe(training.optimizer, training.config))
     return list(took)
 
 
