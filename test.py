@@ -85,7 +85,8 @@ def build_parser():
                         "runs/exp1/checkpoints/best.pt")
     own = [t for t in tasks.built_in() if t.test_checkpoint is not None]  # own reports
     source.add_argument("--model", metavar="FILE", help="evaluate a file written by "
-                        "--export instead (.onnx, int8 .onnx, .pt2, .ts, .safetensors), on the CPU, "
+                        "--export instead (.onnx, int8 .onnx, .pt2, .ts, .safetensors), on the "
+                        "CPU, "
                         "without the checkpoint: the dataset, image size, classes and "
                         "normalisation stored in it at export apply (the flags below "
                         f"override them); not a --task {', '.join(t.name for t in own)} one")
