@@ -168,3 +168,52 @@ def test_photos_of_a_timm_model_are_the_same_on_both_data_paths(tmp_path):
                                                                 sampler, "cpu")
     assert_batches_equal(per_sample, list(train_loader))
     assert_batches_equal(list(data.build_loader(val_set, batch_size=4)), list(val_loader))
+
+
+def test_the_readme_timm_commands_run_as_written(tmp_path, monkeypatch, capsys):
+    """README "A timm model": fine-tune timm's resnet10t from a fake Hugging Face cache
+    (its weights made here, in the hub's layout), export, evaluate the file alone; then
+    the offline line with nothing cached, one error line naming what to place where."""
+    import re
+
+    import timm
+    from helpers import run_as_written
+    from safetensors.torch import save_file
+
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    block = re.search(r"### A timm model\n.*?```bash\n(.*?)```", readme, flags=re.DOTALL)
+    lines = block.group(1).strip().splitlines()
+    assert len(lines) == 4 and lines[3].startswith("HF_HUB_OFFLINE=1 python train.py")
+    images = photo_folder(tmp_path / "photos", per_class=4)
+    repo = tmp_path / "hf" / "hub" / "models--timm--resnet10t.c3_in1k"
+    (repo / "snapshots" / "r1").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("r1")
+    weights = timm.create_model("resnet10t", num_classes=1000).state_dict()
+    save_file(weights, str(repo / "snapshots" / "r1" / "model.safetensors"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing here tries the network
+    small = ["--epochs", "1", "--image-size", "64", "--batch-size", "4", "--num-workers", "0",
+             "--device", "cpu"]
+    outputs = []
+    for line in lines[:3]:
+        argv = [str(images) if word == "DIR" else word for word in line.split()]
+        extra = small if argv[1] == "train.py" else ["--num-workers", "0"]
+        code, out, err = run_as_written([*argv, *extra], tmp_path, monkeypatch, capsys)
+        assert code == 0, err[-2000:]
+        outputs.append(out + err)
+    assert "pretrained: loaded" in outputs[0] and "resnet10t.c3_in1k" in outputs[0]
+    assert "kept the new head (fc.weight, fc.bias)" in outputs[0]
+    assert (tmp_path / "resnet10t.safetensors").is_file()
+    accuracy = re.search(r"accuracy\s+([\d.]+)", outputs[1]).group(1)
+    assert re.search(r"accuracy\s+([\d.]+)", outputs[2]).group(1) == accuracy
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty"))
+    argv = [str(images) if word == "DIR" else word for word in lines[3].split()[1:]]
+    code, out, err = run_as_written([*argv, *small], tmp_path, monkeypatch, capsys)
+    assert code == 2
+    message = err.strip().splitlines()
+    assert len([m for m in message if m.startswith("error:")]) == 1
+    assert message[-1].startswith("error: --pretrained timm: timm/resnet10t.c3_in1k/model."
+                                  "safetensors is not in the Hugging Face cache")
+    assert str(tmp_path / "empty" / "hub" / "models--timm--resnet10t.c3_in1k" / "snapshots")\
+        in message[-1]
