@@ -281,8 +281,7 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
     task = tasks.built(task_class, config, train_set, val_set)  # a batch, its loss, figures
     net, model = build_model(config, train_set, procs.device, procs.world_size, log, task,
                              resuming=saved is not None)
-    optimizer = ops.build_optimizer(net, config, procs.device, task.network_lr,  # per network
-                                    split)  # param groups: decay by kind, --layer-decay
+    optimizer = ops.build_optimizer(net, config, procs.device, task.network_lr, split)  # groups
     ema = recipes.build_ema(config, task.averaged(net))  # --ema-decay: None when off
     prefetch = config["prefetch"]
     if prefetch and isinstance(train_loader, device_data.DeviceLoader):
