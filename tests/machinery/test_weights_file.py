@@ -12,16 +12,16 @@ import networks
 from machinery import weights_file
 from ops import UserError
 
-STORED = {"network": "timm/test_vit", "num_classes": 3, "in_channels": 3, "image_size": 32,
+STORED = {"network": "timm/test_vit", "num_classes": 4, "in_channels": 3, "image_size": 32,
           "dataset": "synthetic"}
 
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
     torch.manual_seed(0)
-    net = networks.build_network("timm/test_vit", 3, 3, 32).eval()
+    net = networks.build_network("timm/test_vit", 4, 3, 32).eval()
     path = tmp_path_factory.mktemp("w") / "model.safetensors"
-    metadata = {"training_config": json.dumps(STORED), "classes": json.dumps(["a", "b", "c"]),
+    metadata = {"training_config": json.dumps(STORED), "classes": json.dumps(list("abcd")),
                 "data_config": json.dumps({"mean": [0.5] * 3})}
     ok, worst = export.export_network(net, str(path), ".safetensors", (3, 32, 32), metadata)
     return net, path, ok, worst
@@ -35,7 +35,7 @@ def test_the_export_reads_back_to_the_same_outputs(written):
     with torch.no_grad():
         assert torch.equal(run(x), net(x))
     assert json.loads(metadata["training_config"]) == STORED
-    assert json.loads(metadata["classes"]) == ["a", "b", "c"]
+    assert json.loads(metadata["classes"]) == list("abcd")
     assert metadata["format"] == "weights" and "data_config" in metadata
 
 

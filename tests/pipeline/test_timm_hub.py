@@ -103,6 +103,28 @@ def test_a_safetensors_or_pth_file_is_a_state_dict_read_without_code(hub, tmp_pa
         presets.load_pretrained(resnet(), str(broken), print, network="timm/test_resnet")
 
 
+class Planted:
+    """Unpickled, it would write a file: what a weights file must never do."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (exec, (f"open({self.path!r}, 'w').write('ran')",))
+
+
+def test_a_hub_file_of_pickled_code_is_refused_and_never_run(tmp_path):
+    marker = tmp_path / "ran"
+    evil = tmp_path / "pytorch_model.bin"
+    torch.save({"w": torch.zeros(1), "x": Planted(str(marker))}, evil)
+    with pytest.raises(UserError, match="does not read as weights") as e:
+        timm_hub.read_weights(str(evil))
+    assert not marker.exists() and "\n" not in str(e.value)
+    good = tmp_path / "good.bin"
+    torch.save({"w": torch.ones(2)}, good)
+    assert torch.equal(timm_hub.read_weights(str(good))["w"], torch.ones(2))
+
+
 def test_other_input_channels_take_the_first_convolution_adapted(hub):
     net = resnet(channels=1)
     presets.load_pretrained(net, "timm", print, network="timm/test_resnet")
