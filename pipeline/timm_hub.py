@@ -78,8 +78,20 @@ def data_config(config):
     import timm.data
 
     pretrained = config.get("pretrained")
+    if not is_request(pretrained) and not _has_pretrained_cfg(config["network"]):
+        return timm.data.resolve_data_config({})  # (timm's defaults: ImageNet's, 224)
     cfg = pretrained_cfg(config["network"], pretrained if is_request(pretrained) else None)
     return timm.data.resolve_data_config(pretrained_cfg=cfg.to_dict())
+
+
+def _has_pretrained_cfg(network):
+    """Whether timm has a pretrained configuration for ``network`` (an architecture
+    registered without any has none: timm's defaults then)."""
+    try:
+        pretrained_cfg(network)
+    except UserError:
+        return False
+    return True
 
 
 def preset(config):
