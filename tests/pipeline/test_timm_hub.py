@@ -175,3 +175,6 @@ def test_an_unknown_timm_name_says_the_closest():
 def test_a_fixed_size_model_is_built_for_the_image_size():
     net = networks.build_network("timm/test_vit", 4, 1, 48)
     assert net(torch.zeros(2, 1, 48, 48)).shape == (2, 4)
+    vit = networks.build_network("timm/vit_tiny_patch16_224", 4, 3, 32)  # a strict size
+    assert vit.pos_embed.shape[1] == 1 + (32 // 16) ** 2  # its class token, 2x2 patches
+    assert vit(torch.zeros(1, 3, 32, 32)).shape == (1, 4)
