@@ -18,9 +18,9 @@ import yaml
 import tasks
 from machinery import runtime
 from machinery.runtime import say, shown
-from networks import NETWORKS, is_segmentation
+from networks import NETWORKS, is_segmentation, timm_architecture
 from ops import UserError
-from pipeline import presets, sample_transforms
+from pipeline import presets, sample_transforms, timm_hub
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -107,16 +107,19 @@ def _data_flags(g):
 
 def _network_flags(g):
     """The network, its starting weights and freezing."""
-    g.add_argument("--network", default=None, help="simple_cnn, resnet18, resnet9, mlp, or "
-                   "torchvision/<name>; default: resnet18, or simple_cnn for --dataset "
+    g.add_argument("--network", default=None, help="simple_cnn, resnet18, resnet9, mlp, "
+                   "torchvision/<name>, or timm/<name> (any timm model: its data "
+                   "configuration with it); default: resnet18, or simple_cnn for --dataset "
                    "synthetic (a smoke test that finishes in seconds on a CPU)")
-    g.add_argument("--pretrained", default=None, metavar="PATH|torchvision[:NAME]",
+    g.add_argument("--pretrained", default=None, metavar="PATH|torchvision[:NAME]|timm[:TAG]",
                    help="start from the weights in this file (a checkpoint of this project "
                    "or a plain state_dict), or, for --network torchvision/<name>, "
                    "torchvision's pretrained ones (DEFAULT or NAME, e.g. IMAGENET1K_V1; "
                    "downloaded once into TORCH_HOME, hash-checked; the classifier head is "
-                   "replaced, the normalisation and crop follow the weights); a path that "
-                   "exists wins (default: the network's own initialisation)")
+                   "replaced, the normalisation and crop follow the weights), or, for "
+                   "--network timm/<name>, timm's (its default tag or TAG) from the Hugging "
+                   "Face cache (HF_HOME); a .safetensors or .pth file: a state_dict; a path "
+                   "that exists wins (default: the network's own initialisation)")
     g.add_argument("--pretrained-weights", default="ema", choices=["ema", "raw"],
                    help="from a --pretrained checkpoint with a moving average (--ema-decay), "
                    "take the average (ema) or the trained weights (raw)")
@@ -146,6 +149,15 @@ def _optimisation_flags(g):
     g.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=True,
                    help="Nesterov momentum for SGD")
     g.add_argument("--weight-decay", type=float, default=5e-4, help="weight decay")
+    g.add_argument("--norm-weight-decay", type=float, default=None, metavar="X",
+                   help="weight decay of normalisation layers' parameters (default: "
+                   "--weight-decay)")
+    g.add_argument("--bias-weight-decay", type=float, default=None, metavar="X",
+                   help="weight decay of biases (default: --weight-decay)")
+    g.add_argument("--layer-decay", type=float, default=None, metavar="F",
+                   help="layer-wise learning-rate decay (timm's): each block's learning rate "
+                   "is F times the next one's, the head's 1; from the network's "
+                   "group_matcher (timm models)")
     g.add_argument("--scheduler", default="cosine",
                    choices=["none", "step", "cosine", "onecycle", "poly"],
                    help="learning-rate schedule over optimizer steps (see ops.lr_factor)")
@@ -512,6 +524,8 @@ def apply_pretrained_preset(config, explicit):
     """``--pretrained torchvision``: the image size and crop fraction the weights were
     trained with, where the user set none (their own transforms' crop and resize; a
     detector's weights have none: their task's geometry stays)."""
+    if timm_hub.is_timm(config["network"]):  # its data configuration: size, crop_pct
+        return timm_hub.apply_data_config(config, explicit, _warn)
     weights = presets.torchvision_weights(config["network"], config["pretrained"])
     if weights is None or is_segmentation(config["network"]):  # (their own geometry)
         return config
@@ -576,6 +590,9 @@ RANGES = {  # every numeric flag's allowed values
     "lr": _at_least(0),  # 0: the weights stay (a check, a BatchNorm recalibration)
     "momentum": _within(0, 1, high_open=True),
     "weight_decay": _at_least(0),
+    "norm_weight_decay": ((lambda v: v is None or v >= 0), "must not be negative"),
+    "bias_weight_decay": ((lambda v: v is None or v >= 0), "must not be negative"),
+    "layer_decay": ((lambda v: v is None or 0 < v <= 1), "must be in (0, 1]"),
     "warmup_epochs": _at_least(0),
     "grad_clip": _at_least(0),
     "label_smoothing": _within(0, 1, high_open=True),
@@ -622,8 +639,15 @@ def check_config(c):
             _check_choice(key, value, actions[key])
     if tasks.owner_of(c["network"], tasks.of(c)) is None and \
             c["network"] not in NETWORKS and not str(c["network"]).startswith("torchvision/"):
-        raise UserError(f"unknown network {c['network']!r}; choose one of: "
-                        f"{', '.join(sorted(NETWORKS))}, or torchvision/<name>")
+        if str(c["network"]).startswith("timm/"):
+            try:
+                timm_architecture(c["network"].split("/", 1)[1])
+            except ValueError as e:
+                raise UserError(f"--network {c['network']}: {e}") from None
+        else:
+            raise UserError(f"unknown network {c['network']!r}; choose one of: "
+                            f"{', '.join(sorted(NETWORKS))}, or torchvision/<name>, "
+                            f"timm/<name>")
     for key, action in actions.items():
         values = c[key] if _kind(action) is tuple else [c[key]]
         if action.type is float and c[key] is not None and \

@@ -34,13 +34,14 @@ import warnings
 
 import torch
 
-from machinery import files
+from machinery import files, weights_file
 from machinery.files import OutputError, output_failed  # noqa: F401 (export.OutputError)
 from machinery.runtime import say, shown
 from ops import UserError
-from pipeline import data, presets, sample_transforms
+from pipeline import data, presets, sample_transforms, timm_hub
 
-EXPORT_KINDS = {".pt2": "torch.export", ".ts": "frozen TorchScript", ".onnx": "ONNX"}
+EXPORT_KINDS = {".pt2": "torch.export", ".ts": "frozen TorchScript", ".onnx": "ONNX",
+                ".safetensors": weights_file.KIND}
 ONNX_PACKAGES = ("onnx", "onnxscript", "onnxruntime")
 EXPORT_BATCHES = (2, 1, 5)  # traced with the first; checked at the others (1: no specialising)
 EXPORT_RTOL, EXPORT_ATOL = 1e-4, 1e-4  # float32 graph rewrites (conv-BN folding) stay far below
@@ -173,7 +174,8 @@ def load_onnx(path):
 
 
 EXPORTERS = {".pt2": (_save_pt2, _load_pt2), ".ts": (_save_ts, _load_ts),
-             ".onnx": (_save_onnx, load_onnx)}
+             ".onnx": (_save_onnx, load_onnx),
+             ".safetensors": (weights_file.save, weights_file.load)}  # (no code when read)
 
 
 def normalisation(config):
@@ -223,7 +225,9 @@ def export_metadata(config, val_set, state, source):
                       f"indexes classes",
             "quantization": "none",
             "source": json.dumps({"checkpoint": source, "epoch": state.get("epoch"),
-                                  "step": state.get("step")})}
+                                  "step": state.get("step")}),
+            **({"data_config": json.dumps(timm_hub.data_config(config))}
+               if timm_hub.is_timm(config["network"]) else {})}
 
 
 def generator_metadata(config, state, source, weights, described):
@@ -359,7 +363,9 @@ def open_exported(path, suffix):
             with _logger_silenced("torch.export"):
                 module = _load_pt2(path, extra)
         else:
-            module = _load_ts(path, extra)
+            module = EXPORTERS[suffix][1](path, extra)  # .ts, .safetensors
+    except UserError:
+        raise
     except Exception as e:
         raise UserError(f"--model {path!r} cannot be loaded as {EXPORT_KINDS[suffix]} "
                         f"({_error_line(e)})") from None

@@ -2,8 +2,9 @@
 
 ``simple_cnn`` (the styleguide's example), ``resnet18`` (CIFAR variant), ``resnet9`` (the
 DAWNBench fast recipe's network), ``mlp``; ``torchvision/<name>`` for any torchvision
-classifier. For segmentation: ``unet`` (small, for CPU runs and tests) and
-``torchvision/<name>`` for torchvision's segmentation networks (``fcn_resnet50``,
+classifier, ``timm/<name>`` for any timm model (``timm_network``). For segmentation:
+``unet`` (small, for CPU runs and tests) and ``torchvision/<name>`` for torchvision's
+segmentation networks (``fcn_resnet50``,
 ``deeplabv3_resnet50``, ``deeplabv3_mobilenet_v3_large``, ``lraspp_mobilenet_v3_large``...),
 which return a dict ``{"out": logits, "aux": logits}`` (``"aux"`` where they have one).
 
@@ -271,6 +272,41 @@ def _torchvision_network(name, num_classes, in_channels):
     return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
 
 
+def timm_architecture(name):
+    """The timm architecture of ``--network timm/<name>`` (``name`` may carry a pretrained
+    tag: ``vit_small_patch16_224.augreg_in21k``), checked.
+
+    Raises:
+        ValueError: timm knows no such architecture; the message names its closest names.
+    """
+    import difflib
+
+    import timm
+
+    architecture = name.split(".", 1)[0]
+    if not timm.is_model(architecture):
+        close = difflib.get_close_matches(architecture, timm.list_models(), n=5, cutoff=0.6)
+        raise ValueError(f"timm has no model {architecture!r}"
+                         + (f"; the closest: {', '.join(close)}" if close else
+                            "; timm.list_models() lists them"))
+    return architecture
+
+
+def timm_network(name, num_classes, in_channels, image_size):
+    """timm's ``name`` (``timm.create_model``) with random weights, ``num_classes`` and
+    ``in_channels`` from the data set; a network whose input size is built in (a ViT's
+    position embedding) is built for ``image_size``. --pretrained loads weights after."""
+    import timm
+
+    architecture = timm_architecture(name)
+    extra = {}
+    cfg = timm.models.get_pretrained_cfg(architecture)
+    if cfg is not None and cfg.fixed_input_size:
+        extra["img_size"] = image_size
+    return timm.create_model(architecture, pretrained=False, num_classes=num_classes,
+                             in_chans=in_channels, **extra)
+
+
 def _torchvision_segmentation(name, num_classes):
     """One of torchvision's segmentation networks, random weights (its backbone's too:
     the builders' default would download ImageNet weights), with the auxiliary
@@ -328,7 +364,10 @@ def build_network(name, num_classes=10, in_channels=3, image_size=32):
     """
     if name.startswith("torchvision/"):
         return _torchvision_network(name.split("/", 1)[1], num_classes, in_channels)
+    if name.startswith("timm/"):
+        return timm_network(name.split("/", 1)[1], num_classes, in_channels, image_size)
     if name not in NETWORKS:
         raise ValueError(f"unknown network {name!r}; choose one of: "
-                         f"{', '.join(sorted(NETWORKS))}, or torchvision/<name>")
+                         f"{', '.join(sorted(NETWORKS))}, or torchvision/<name>, "
+                         f"timm/<name>")
     return NETWORKS[name](num_classes, in_channels, image_size)

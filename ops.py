@@ -596,7 +596,7 @@ def each_optimizer(optimizer, config):
             for name, o in optimizer.items()]
 
 
-def build_optimizer(net, config, device, network_lr=None):
+def build_optimizer(net, config, device, network_lr=None, groups=None):
     """The optimizer over the trainable parameters; each group keeps its ``base_lr``.
     A model of several networks (an ``nn.ModuleDict``: a GAN's) gets an ``Optimizers``,
     one optimizer per network, with its own learning rate where ``network_lr`` (the task's:
@@ -605,9 +605,10 @@ def build_optimizer(net, config, device, network_lr=None):
     On CUDA, and wherever fp16's GradScaler runs, the fused implementation: with any
     other, ``GradScaler.step`` reads whether the gradients were finite back to the host at
     every step (a device sync); a fused optimizer takes that flag on the device.
+    ``groups(net, params, config)``: the param groups (``param_groups.split``); None: one.
     """
     if isinstance(net, torch.nn.ModuleDict):
-        optimizers = Optimizers({name: build_optimizer(module, config, device)
+        optimizers = Optimizers({name: build_optimizer(module, config, device, groups=groups)
                                  for name, module in net.items()}, network_lr)
         set_hyperparameters(optimizers, config)
         return optimizers
@@ -617,7 +618,8 @@ def build_optimizer(net, config, device, network_lr=None):
     cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam,
            "adamw": torch.optim.AdamW}[config["optimizer"]]
     fused = {"fused": True} if device.type == "cuda" or config["amp"] == "fp16" else {}
-    optimizer = cls([{"params": params}], lr=config["lr"], **fused)
+    split = [{"params": params}] if groups is None else groups(net, params, config)
+    optimizer = cls(split, lr=config["lr"], **fused)
     set_hyperparameters(optimizer, config)
     return optimizer
 
@@ -634,15 +636,6 @@ def unfrozen_at_resume(config, state):
     return point is not None and (state.epoch, state.epoch_samples) > point
 
 
-def unfreeze_into(net, optimizer, config):
-    """Unfreezes the frozen parameters and adds them to the optimizer as a new group."""
-    names = unfreeze(net, config["freeze"])
-    params = dict(net.named_parameters())
-    optimizer.add_param_group({"params": [params[n] for n in names]})
-    set_hyperparameters(optimizer, config)
-    return names
-
-
 def set_hyperparameters(optimizer, config):
     """Puts the config's hyper-parameters into every param group (also after a resume:
     the config may override the checkpoint's). A second group holds the parameters
@@ -652,10 +645,14 @@ def set_hyperparameters(optimizer, config):
         for one, its_config in each_optimizer(optimizer, config):
             set_hyperparameters(one, its_config)
         return
-    for i, group in enumerate(optimizer.param_groups):
-        group["base_lr"] = config["lr"] * (config["unfreeze_lr_scale"] if i else 1.0)
+    for i, group in enumerate(optimizer.param_groups):  # (machinery/param_groups.py's keys)
+        unfrozen = group.get("unfrozen", i > 0)
+        group["base_lr"] = config["lr"] * (config["unfreeze_lr_scale"] if unfrozen else 1.0) \
+            * group.get("lr_scale", 1.0)
         group["fused"] = optimizer.defaults["fused"]  # as built here, not as saved
-        group["weight_decay"] = config["weight_decay"]
+        decay = group.get("decay", "weight_decay")  # "none": a no_weight_decay() name
+        group["weight_decay"] = 0.0 if decay == "none" else config["weight_decay"] \
+            if config.get(decay) is None else config[decay]
         if config["optimizer"] == "sgd":
             group["momentum"] = config["momentum"]
             group["nesterov"] = config["nesterov"] and config["momentum"] > 0

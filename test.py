@@ -88,7 +88,7 @@ def build_parser():
                         "runs/exp1/checkpoints/best.pt")
     own = [t for t in tasks.built_in() if t.exported_is is not None]  # their checkpoints
     source.add_argument("--model", metavar="FILE", help="evaluate a file written by "
-                        "--export instead (.onnx, int8 .onnx, .pt2, .ts), on the CPU, "
+                        "--export (.onnx, int8 .onnx, .pt2, .ts, .safetensors), on the CPU, "
                         "without the checkpoint: the dataset, image size, classes and "
                         "normalisation stored in it at export apply (the flags below "
                         f"override them); not a --task {', '.join(t.name for t in own)} one")
@@ -121,8 +121,8 @@ def build_parser():
         "dynamic batch dimension, by suffix: .pt2 (torch.export; load with "
         "torch.export.load(OUT).module()), .ts (frozen TorchScript via torch.jit.trace; "
         "TorchScript is deprecated upstream, prefer .pt2) or .onnx (input 'images', output "
-        "'logits'; evaluated through onnxruntime next to the eager network); its outputs "
-        "are checked against the eager network")
+        "'logits'; evaluated through onnxruntime next to the eager network) or .safetensors "
+        "(weights and metadata, read with no code run); checked against the eager network")
     add("--quantize", default=None, choices=list(QUANTIZE_KINDS), help="with --export "
         "OUT.onnx: also write an int8 copy next to OUT (model.onnx -> model.int8.onnx) "
         "with onnxruntime.quantization: int8 = static (QDQ, per-channel weights, "

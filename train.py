@@ -52,6 +52,7 @@ import replay
 import tasks
 from config import check_config, merge_resumed_config, parse_config, with_defaults
 from machinery import checkpoint, engine, hardware, ledger, meters, runtime, saving, watchdog
+from machinery.param_groups import split, unfreeze_into
 from machinery.preflight import run as run_preflight
 from machinery.verify_resume import run as run_verify_resume
 from ops import Interrupted, RunFailed, UserError
@@ -281,7 +282,7 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
     task = tasks.built(task_class, config, train_set, val_set)  # a batch, its loss, figures
     net, model = build_model(config, train_set, procs.device, procs.world_size, log, task,
                              resuming=saved is not None)
-    optimizer = ops.build_optimizer(net, config, procs.device, task.network_lr)  # per network
+    optimizer = ops.build_optimizer(net, config, procs.device, task.network_lr, split)  # groups
     ema = recipes.build_ema(config, task.averaged(net))  # --ema-decay: None when off
     prefetch = config["prefetch"]
     if prefetch and isinstance(train_loader, device_data.DeviceLoader):
@@ -629,7 +630,7 @@ def unfreeze(training):
     """--unfreeze-at: the frozen parameters join the optimizer, the model is wrapped
     again (a DDP built before would not synchronise them) and a step's FLOPs are counted
     again; returns their names."""
-    names = ops.unfreeze_into(training.net, training.optimizer, training.config)
+    names = unfreeze_into(training.net, training.optimizer, training.config)
     training.model = wrap_model(training.net, training.config, training.procs.device,
                                 training.procs.world_size)
     training.flops_per_sample, training.peak_tflops = hardware.count_flops(  # their backward too

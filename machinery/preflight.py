@@ -49,7 +49,7 @@ import time
 import torch
 
 import ops
-from machinery import checkpoint, engine, files, runtime, saving, verify_resume
+from machinery import checkpoint, engine, files, param_groups, runtime, saving, verify_resume
 from ops import Interrupted, RunFailed, TooFewImages, UserError
 
 
@@ -193,6 +193,7 @@ def run(training, train_loader, build_loaders, close, tta, stop=None):
                        f"{time.perf_counter() - start:.1f} s ("
                        + ", ".join(f"{name} {t:.2f} s" for name, t in took.items())
                        + "); everything put back")
+    runtime.main_print(param_groups.describe(training.optimizer, training.config))
     config = training.config
     norms = [m for m in training.net.modules()  # (frozen ones are kept in eval mode)
              if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]

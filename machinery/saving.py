@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import ops
+from machinery import param_groups
 from machinery.checkpoint import (
     FORMAT_VERSION,
     PROJECT_VERSION,
@@ -324,7 +325,8 @@ def restore(saved, path, net, ema, optimizer, scaler, state, config, procs, task
     if procs.rank != 0:  # the epoch's partial loss sums are global; count them once
         state.loss_sum, state.loss_count = 0.0, 0
     if ops.unfrozen_at_resume(config, state):
-        ops.unfreeze_into(net, optimizer, config)  # it happened before the save
+        param_groups.unfreeze_into(net, optimizer, config)  # it happened before the save
+    param_groups.check_resume(saved_optimizers(saved), optimizer, path)  # the same groups
     try:
         optimizer.load_state_dict(saved_optimizers(saved))
     except (ValueError, KeyError) as e:

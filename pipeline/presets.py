@@ -32,7 +32,7 @@ from torchvision.transforms.v2 import functional as TF
 from machinery import checkpoint
 from networks import is_segmentation
 from ops import UserError
-from pipeline import images, sample_transforms
+from pipeline import images, sample_transforms, timm_hub
 
 PHOTO_SIDE = sample_transforms.PHOTO_SIDE  # image folders at this --image-size and above
 RATIO = (3 / 4, 4 / 3)  # the random-resized crop's aspect ratios, as torchvision's
@@ -56,7 +56,7 @@ def network_notes(config, log, explicit=None, flops=None):
         log(f"network: {config['network']}, built for {config['image_size']} px photos (an "
             f"ImageNet stem); --network to choose another, --pretrained torchvision to "
             f"start from ImageNet's weights")
-    if flops is not None and not config["network"].startswith("torchvision/"):
+    if flops is not None and not config["network"].startswith(("torchvision/", "timm/")):
         size = config["image_size"]
         log(f"note: {config['network']} keeps the full resolution of its {size} px input: "
             f"{flops / 3e9:.1f} GFLOPs a forward pass per sample; torchvision/resnet18, "
@@ -346,8 +346,11 @@ def check_weights_hash(path, weights):
 
 def preset(config):
     """What the photos of a run get: ``{"mean", "std", "interpolation", "crop", "resize"}``
-    from the pretrained torchvision weights' own transforms where ``--pretrained
-    torchvision`` is used, else ImageNet's statistics (sample_transforms.STATS) and bilinear."""
+    from a timm network's data configuration (``timm_hub.preset``), from the pretrained
+    torchvision weights' own transforms where ``--pretrained torchvision`` is used, else
+    ImageNet's statistics (sample_transforms.STATS) and bilinear."""
+    if timm_hub.is_timm(config["network"]):  # the model's own data configuration
+        return timm_hub.preset(config)
     weights = torchvision_weights(config["network"], config["pretrained"]) \
         if config.get("pretrained") else None
     if weights is None:
@@ -478,6 +481,8 @@ def load_pretrained(net, path, log, which="ema", network=None, heads=None):
     if tv_weights is not None:
         state = fetch_weights(tv_weights)
         path = f"torchvision's {tv_weights}"
+    elif timm_hub.is_request(path) or str(path).endswith(".safetensors"):
+        state, path = timm_hub.pretrained_state(network, path)  # no code runs
     else:
         state = checkpoint.load_checkpoint(path)
     if "networks" in state:  # a GAN's (format 3): a generator and a discriminator
@@ -492,6 +497,8 @@ def load_pretrained(net, path, log, which="ema", network=None, heads=None):
         raise UserError(f"--pretrained {path!r} holds no weights: expected a checkpoint of "
                         f"this project or a state_dict (names mapped to tensors)")
     weights = checkpoint.unwrap_state_dict(weights)
+    if timm_hub.is_timm(network):  # its own filter: another image size, other channels
+        weights = timm_hub.fit(weights, net)
     own = net.state_dict()
     weights = {k: v for k, v in weights.items()  # (a frozen BatchNorm counts nothing)
                if k in own or not k.endswith(".num_batches_tracked")

@@ -50,6 +50,9 @@ SMALLEST = {
                  "median pruning trained"),
     "train_paths.py": (["--images", "40", "--batch-size", "16", "--workers", "0", "--repeats",
                         "1"], "device path / per-sample path:"),
+    "timm_peer.py": (["--timm-train", "no-such-file.py", "--model", "test_resnet",
+                      "--classes", "2", "--per-class", "4", "--val-per-class", "2", "--epochs",
+                      "1", "--batch-size", "4", "--repeats", "1"], "figure: train.py training"),
 }
 WRITES_INTO = {"checkpoint.py": "--dir", "export.py": "--dir", "identity.py": "--dir",
                "segmentation.py": "--dir", "sweep.py": "--dir"}
@@ -93,7 +96,8 @@ def test_gpu_script_is_valid_bash_and_names_every_bench():
     assert subprocess.run(["bash", "-n", path]).returncode == 0
     text = open(path).read()
     missing = [s for s in SMALLEST if f"bench/{s}" not in text
-               and s not in ("distributed.py", "identity.py", "preflight.py")]  # CPU checks
+               and s not in ("distributed.py", "identity.py", "preflight.py",
+                             "timm_peer.py")]  # CPU checks
     assert missing == []
     # One interpreter throughout: no command calls python or python3 by name.
     bare = [line for line in text.splitlines() if not line.lstrip().startswith("#")
