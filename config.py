@@ -20,7 +20,7 @@ from machinery import runtime
 from machinery.runtime import say, shown
 from networks import NETWORKS, is_segmentation
 from ops import UserError
-from pipeline import presets, sample_transforms
+from pipeline import presets, sample_transforms, sources
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -65,7 +65,9 @@ def _data_flags(g):
     g.add_argument("--dataset", default="cifar10", help="; ".join(
         f"--task {t.name}: one of {', '.join(t.datasets_named)}" for t in tasks.built_in()))
     g.add_argument("--data-dir", default="data", help="where data lives or is downloaded to; "
-                   "for imagefolder it holds train/ and val/ (or test/)")
+                   "for imagefolder it holds train/ and val/ (or test/); hf: a saved "
+                   "dataset, Parquet files or a cached hub name; shards: a brace pattern")
+    sources.add_flags(g)  # --train-split, --val-data-dir, ... (pipeline/sources.py)
     g.add_argument("--synthetic-size", type=int, default=512,
                    help="training samples of the synthetic set (validation: a fifth)")
     g.add_argument("--image-size", type=int, default=32,
