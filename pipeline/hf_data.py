@@ -61,11 +61,23 @@ class HFImages(EncodedImages):
         return f"{self.where} {self.fingerprint}"
 
 
+@contextlib.contextmanager
 def _offline():
-    """Hub datasets are read from the local cache only (no download behind a run's back):
-    HF_HUB_OFFLINE and HF_DATASETS_OFFLINE default to 1, unless the user set them."""
-    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
-        os.environ.setdefault(var, "1")
+    """Hub datasets are read from the local cache only, never downloaded behind a run's
+    back (a run on a node without the network would wait on retries), unless the user set
+    HF_HUB_OFFLINE=0: the ``datasets`` and ``huggingface_hub`` switches, set meanwhile."""
+    import datasets
+    import huggingface_hub
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("0", "false", "no", "off"):
+        yield
+        return
+    before = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = before
 
 
 def open_dataset(data_dir):
@@ -75,7 +87,6 @@ def open_dataset(data_dir):
         UserError: nothing there, or nothing ``datasets`` can read; the message says what
             to place where.
     """
-    _offline()
     import datasets
 
     if os.path.isdir(data_dir):
@@ -104,7 +115,8 @@ def _load(datasets, path, what):
     import huggingface_hub
 
     try:
-        with contextlib.redirect_stderr(open(os.devnull, "w")):  # its progress bars
+        with _offline(), open(os.devnull, "w") as quiet, \
+                contextlib.redirect_stderr(quiet):  # (its progress bars)
             return datasets.load_dataset(path)
     except (ConnectionError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError,
             huggingface_hub.errors.OfflineModeIsEnabled) as e:

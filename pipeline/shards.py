@@ -501,7 +501,7 @@ def splits(config, log):
                                     "val-data-dir")
     if not train_labels:
         raise UserError(f"--data-dir {config['data_dir']}: its shards hold no samples")
-    classes = [str(i) for i in range(max(train_labels + val_labels) + 1)]
+    classes = [str(i) for i in range(max(max(train_labels + val_labels) + 1, 1))]
     for labels, flag in ((train_labels, "--data-dir"), (val_labels, "--val-data-dir")):
         check_labels(labels, classes, flag)
     return make_train(classes), make_val(classes)
