@@ -505,7 +505,7 @@ def default_network(dataset, image_size=32, pretrained=None, task=tasks.TASKS[0]
         return "torchvision/resnet18"
     if dataset == "synthetic":
         return "simple_cnn"
-    if dataset == "imagefolder" and image_size >= sample_transforms.PHOTO_SIDE:
+    if dataset in sample_transforms.FOLDERS and image_size >= sample_transforms.PHOTO_SIDE:
         return "torchvision/resnet18"
     return "resnet18"
 
@@ -568,6 +568,7 @@ RANGES = {  # every numeric flag's allowed values
     "crop_min_scale": ((lambda v: 0 < v <= 1), "must be in (0, 1]"),
     "num_classes": _within(2, 100_000),
     "num_workers": _at_least(0),
+    "shuffle_buffer": _at_least(1),  # (--dataset shards, streamed)
     "prefetch": _at_least(0),
     "unfreeze_at": _at_least(0),
     "unfreeze_lr_scale": _at_least(0),

@@ -35,9 +35,10 @@ from torchvision.transforms import v2
 from machinery import files, runtime
 from machinery.runtime import say
 from ops import Interrupted, UserError
-from pipeline import decoded_cache, hf_data, presets, recipes, shards
+from pipeline import decoded_cache, hf_data, presets, recipes, shards, sources
 from pipeline.images import UnreadableImage, load_image
 from pipeline.sample_transforms import (
+    FOLDERS,
     PHOTO_SIDE,
     STATS,
     Normalise,
@@ -308,7 +309,7 @@ def _transforms(name, image_size, augment, from_pil=True, policy=((), ())):
     an AutoAugment-family policy after crop and flip, random erasing after normalising.
     """
     front = [v2.ToImage()] if from_pil else []
-    if name == "imagefolder":
+    if name in FOLDERS:  # (images of any size: an image folder, hf, shards)
         front.append(v2.Resize((image_size, image_size), antialias=True))
     back = [Normalise(*STATS[name])] if name in STATS else []  # every PIL set has STATS
     aug = []
@@ -498,7 +499,8 @@ def build_datasets(config, log=say, should_stop=None):
             return _imagefolder_splits(config, policy, log, should_stop)
     if name in ("hf", "shards"):  # pipeline/hf_data.py, pipeline/shards.py
         train, val = hf_data.splits(config) if name == "hf" else shards.splits(config, log)
-        t_train, t_eval = _transforms("imagefolder", image_size, augment, policy=policy)
+        t_train, t_eval = sources.as_photos(config, (train, val), policy) or _transforms(
+            name, image_size, augment, policy=policy)  # (photos: as a folder's, presets.py)
         return (SeededDataset(train, t_train, seed, augment, train.classes, 3, image_size),
                 SeededDataset(val, t_eval, seed, False, val.classes, 3, image_size))
     if name not in TORCHVISION_SETS:

@@ -18,6 +18,7 @@ import torch.utils.data
 
 from machinery.runtime import say
 from ops import UserError
+from pipeline import presets
 from pipeline.images import UnreadableImage, load_image
 
 
@@ -59,6 +60,8 @@ class EncodedImages(torch.utils.data.Dataset):
         where: the set, in words (for messages).
     """
 
+    decoder = None  # photos: presets.ShortSide (``as_photos``)
+
     def __init__(self, labels, classes, where):
         self.targets = [int(x) for x in labels]
         self.classes = list(classes)
@@ -76,6 +79,8 @@ class EncodedImages(torch.utils.data.Dataset):
         return f"sample {index} of {self.where}"
 
     def __getitem__(self, index):
+        if self.decoder is not None:  # a photo: (3, h, w) uint8 at its stored short side
+            return self.decoder(self, index)
         return self.read(index, load_image)
 
     def read(self, index, loader):
@@ -109,6 +114,26 @@ class EncodedImages(torch.utils.data.Dataset):
 
     def content_name(self):
         return self.where
+
+
+def as_photos(config, sets, policy):
+    """At --image-size 64 and above, ``sets`` (EncodedImages) become photos as an image
+    folder's do (presets.py): each image decoded to its stored short side by the decoded
+    cache's own decoder (``presets.ShortSide``), here per sample, then the random-resized
+    or centre crop. Returns their ``(train, eval)`` transforms then, else None.
+
+    Args:
+        config: the run's (``image_size``, ``crop_pct``, the preset's flags).
+        sets: the EncodedImages (their ``decoder`` set).
+        policy: ``recipes.policy_transforms``'s pair.
+    """
+    if config["image_size"] < presets.PHOTO_SIDE:
+        return None
+    decoder = presets.ShortSide(presets.stored_side(config["image_size"], config["crop_pct"]),
+                                presets.preset(config)["interpolation"])
+    for images in sets:
+        images.decoder = decoder
+    return presets.transforms(config, policy)
 
 
 def check_labels(labels, classes, where):

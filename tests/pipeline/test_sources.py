@@ -26,6 +26,7 @@ from helpers import (
 
 import config as config_module
 import train
+from config import with_defaults
 from machinery import ledger
 from ops import UserError
 from pipeline import data, shards, sources
@@ -61,6 +62,24 @@ def test_the_flags_and_their_defaults():
                                    "val_data_dir", "shard_cache", "shuffle_buffer")} == {
         "train_split": "train", "val_split": "", "image_column": "", "label_column": "",
         "val_data_dir": "", "shard_cache": "", "shuffle_buffer": 1000}
+
+
+def test_photos_are_an_image_folders_photos_from_every_source(written, tmp_path):
+    """At 64 px: each image decoded to its short side as the folder's decoded cache holds
+    it, then the random-resized crop (training) and the centre crop (evaluation)."""
+    def built(kind):
+        flags = dict(zip(*[iter(source_flags(written, kind)[2:])] * 2))
+        return data.build_datasets(with_defaults({
+            "dataset": source_flags(written, kind)[1], "data_dir": flags["--data-dir"],
+            "val_data_dir": flags.get("--val-data-dir", ""), "image_size": 64, "seed": 4,
+            "num_workers": 0, "cache_dir": str(tmp_path / "cache")}))
+    folder = built("folder")
+    for kind in ("saved", "shards"):
+        for ours, theirs in zip(built(kind), folder):
+            for key in ((0, 1), (7, 1), (3, 2)) if ours.random else (0, 3, 5):
+                x, y = ours[key]
+                assert x.shape == (3, 64, 64) and torch.equal(x, theirs[key][0])
+                assert y == theirs[key][1]
 
 
 # ------------------------------------------------------------------ through train.py
