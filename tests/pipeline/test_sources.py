@@ -15,6 +15,7 @@ import torch
 from helpers import (
     ROOT,
     assert_states_equal,
+    check_against_per_sample,
     ckpt,
     final_state,
     fork_run,
@@ -29,7 +30,7 @@ import train
 from config import with_defaults
 from machinery import ledger
 from ops import UserError
-from pipeline import data, shards, sources
+from pipeline import data, device_data, shards, sources
 
 
 class Listed(sources.EncodedImages):
@@ -80,6 +81,22 @@ def test_photos_are_an_image_folders_photos_from_every_source(written, tmp_path)
                 x, y = ours[key]
                 assert x.shape == (3, 64, 64) and torch.equal(x, theirs[key][0])
                 assert y == theirs[key][1]
+
+
+def test_the_device_path_makes_the_per_sample_paths_batches_and_streams_stay_per_sample(
+        written):
+    """hf and indexed shards: decoded into memory once, the device path's batches are the
+    per-sample path's, bit for bit; streamed shards (and photos) stay on the per-sample
+    path, which says why."""
+    for kind in ("saved", "shards"):
+        flags = source_flags(written, kind)
+        cfg = with_defaults({"dataset": flags[1], "data_dir": flags[3], "val_data_dir": (
+            flags[5] if len(flags) > 5 else ""), "image_size": 16, "seed": 4,
+            "num_workers": 0, "data_on_device": "on"})
+        check_against_per_sample(cfg, print)
+    streamed = shards.StreamedShards(["u"], [1], [0], ["a"], "w", 0, 1, True)
+    with pytest.raises(device_data.UnsupportedOnDevice, match="StreamedShards"):
+        device_data._source_kind(data.SeededDataset(streamed, None, 0, False, ["a"], 3, 16))
 
 
 # ------------------------------------------------------------------ through train.py
