@@ -677,3 +677,21 @@ def serve(directory, port=0):
         server.shutdown()
         server.server_close()
         thread.join()
+
+
+def cached_hub_dataset(parquet, cache, name):
+    """The hub dataset ``name`` (``user/set`` or ``set``) in the datasets cache ``cache`` as
+    ``datasets.load_dataset(name)`` online leaves it (its builder's files under
+    ``<cache>/<user>___<set>/default/0.0.0/<hash>``), made offline from the Parquet files
+    of ``write_sources``."""
+    from datasets.packaged_modules.parquet.parquet import Parquet
+
+    files = {s: os.path.join(parquet, f"{s}-00000-of-00001.parquet")
+             for s in ("train", "validation")}
+    builder = Parquet(data_files=files, dataset_name=name.split("/")[-1], hash="0123abcd",
+                      cache_dir=cache)
+    builder.download_and_prepare()
+    config_dir = os.path.dirname(os.path.dirname(builder.cache_dir))  # <set>/default-<hash>
+    target = os.path.join(cache, name.replace("/", "___"), "default")
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    os.rename(config_dir, target)

@@ -8,7 +8,7 @@ import datasets
 import numpy as np
 import pytest
 import torch
-from helpers import make_config, write_sources
+from helpers import cached_hub_dataset, make_config, write_sources
 
 from ops import UserError
 from pipeline import data, hf_data
@@ -32,19 +32,6 @@ def assert_same_samples(a, b):
     assert len(a) == len(b)
     for (x0, y0), (x1, y1) in zip(a, b):
         assert torch.equal(x0, x1) and y0 == y1
-
-
-def cached_hub_dataset(parquet, cache, name):
-    """``name`` in the datasets cache ``cache`` as ``load_dataset(name)`` online leaves it
-    (its builder's files under ``<cache>/<name>/default/0.0.0/<hash>``), made offline."""
-    from datasets.packaged_modules.parquet.parquet import Parquet
-
-    files = {s: os.path.join(parquet, f"{s}-00000-of-00001.parquet")
-             for s in ("train", "validation")}
-    builder = Parquet(data_files=files, dataset_name=name, hash="0123abcd", cache_dir=cache)
-    builder.download_and_prepare()
-    config_dir = os.path.dirname(os.path.dirname(builder.cache_dir))  # default-<hash>
-    os.rename(config_dir, os.path.join(os.path.dirname(config_dir), "default"))
 
 
 @pytest.fixture

@@ -4,9 +4,13 @@ train to the same weights; shards streamed from a real HTTP server resume bit fo
 after SIGKILLs, and keep every step's samples from 2 to 1 to 2 processes (the ledger);
 test.py evaluates on both sources."""
 
+import contextlib
 import json
 import os
 import random
+import re
+import shlex
+import shutil
 import signal
 import sys
 
@@ -15,11 +19,13 @@ import torch
 from helpers import (
     ROOT,
     assert_states_equal,
+    cached_hub_dataset,
     check_against_per_sample,
     ckpt,
     final_state,
     fork_run,
     load_test_py,
+    run_as_written,
     serve,
     torchrun,
     write_sources,
@@ -234,3 +240,46 @@ def test_the_stream_order_does_not_depend_on_the_number_of_processes():
     two = [sampler(15, 2, 3, rank=r, world_size=2, order=lambda s, e: a) for r in (0, 1)]
     merged = [k for b0, b1 in zip(*two) for k in b0 + b1]
     assert one == merged == [(i, 0) for i in a.tolist()]
+
+
+def readme_blocks():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    section = text.split("## Data where you keep it", 1)[1].split("\n## ", 1)[0]
+    return [block.splitlines() for block in re.findall(r"```bash\n(.*?)```", section, re.S)]
+
+
+@pytest.mark.slow
+def test_the_readme_section_runs_as_written(written, tmp_path, monkeypatch, capsys):
+    """From a fresh directory: the hub dataset in the cache (put there as its download
+    leaves it), local shards, and the same shards served by a real HTTP server on the
+    README's port; each trained, resumed and evaluated, the served run's ledger checked."""
+    import datasets
+
+    cache = str(tmp_path / "hf-cache")
+    cached_hub_dataset(written["parquet"], cache, "AI-Lab-Makerere/beans")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    shutil.copytree(written["shards"], tmp_path / "shards")
+    fast = ["--num-workers", "0", "--device", "cpu"]  # (appended: a small CPU)
+    outputs, blocks = [], readme_blocks()
+    assert len(blocks) == 3
+    with contextlib.ExitStack() as stack:
+        for line in (line for block in blocks for line in block):
+            argv = shlex.split(line.split("  #")[0])
+            if argv[:2] == ["python", "-c"]:  # the download: done above, offline
+                continue
+            if argv[:3] == ["python", "-m", "http.server"]:
+                stack.enter_context(serve(tmp_path / argv[argv.index("--directory") + 1],
+                                          port=int(argv[3])))
+                continue
+            extra = fast if argv[1] == "train.py" else ["--num-workers", "0"] \
+                if argv[1] == "test.py" else []
+            code, out, err = run_as_written([*argv, *extra], tmp_path, monkeypatch, capsys)
+            assert code == 0, (line, out[-2000:], err[-2000:])
+            outputs.append(out)
+    assert "random access" in "".join(outputs) and "streamed (the shard order" in "".join(
+        outputs)
+    assert "ledger ok: 3 epoch(s), 2 start(s)" in outputs[-2]
+    for run in ("beans", "shards", "served"):
+        assert final_state(tmp_path / "runs" / run)["epoch"] == 3
+    assert "accuracy" in outputs[-1]
