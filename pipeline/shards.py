@@ -31,12 +31,17 @@ read, the run ends with one ``error:`` line.
 """
 
 import bisect
+import collections
+import contextlib
 import hashlib
 import heapq
+import io
 import json
 import os
+import queue
 import sys
 import tarfile
+import threading
 import time
 import urllib.request
 
@@ -53,6 +58,7 @@ RETRIES = 6          # tries at a shard that fails, before it is skipped
 FIRST_DELAY = 0.5    # s before the second try; doubled at each next one (15.5 s in all)
 TIMEOUT = 30         # s a server may stay silent before a read counts as failed
 MAX_BAD_SHARDS = 0.25  # of the shards: more that cannot be read ends the run
+OPEN_SHARDS = 64     # indexed shards a process keeps open (memory-mapped) at a time
 
 
 class ShardFault(UnreadableImage):
@@ -80,10 +86,59 @@ def is_url(spec):
 
 
 def open_shard(url):
-    """A binary stream of a shard: an HTTP response or a local file."""
+    """A binary stream of a shard: an HTTP response read ahead (``ReadAhead``), or a local
+    file."""
     if is_url(url):
-        return urllib.request.urlopen(url, timeout=TIMEOUT)
+        return io.BufferedReader(ReadAhead(urllib.request.urlopen(url, timeout=TIMEOUT)),
+                                 buffer_size=2**16)
     return open(url[7:] if url.startswith("file://") else url, "rb")
+
+
+class ReadAhead(io.RawIOBase):
+    """A response read by a thread of its own, up to ``AHEAD`` chunks of ``CHUNK`` bytes in
+    front of the reader (as webdataset's curl does in a process of its own): the waits for
+    the network overlap the parsing and decoding. An error of the read is raised here."""
+
+    CHUNK, AHEAD = 2**20, 8
+
+    def __init__(self, response):
+        self.response, self.chunks = response, queue.Queue(self.AHEAD)
+        self.chunk, self.at, self.ended, self.stopped = b"", 0, False, False
+        threading.Thread(target=self._fill, daemon=True).start()
+
+    def _fill(self):
+        while not self.stopped:
+            try:
+                item = self.response.read(self.CHUNK)
+            except Exception as e:  # (handed to the reader: it decides)
+                item = e
+            while not self.stopped:
+                with contextlib.suppress(queue.Full):
+                    self.chunks.put(item, timeout=0.1)
+                    break
+            if not isinstance(item, bytes) or not item:
+                return
+
+    def readable(self):
+        return True
+
+    def readinto(self, buffer):
+        if self.at == len(self.chunk):
+            if self.ended:
+                return 0
+            item = self.chunks.get()
+            if isinstance(item, Exception):
+                raise item
+            self.chunk, self.at, self.ended = memoryview(item), 0, not item
+        n = min(len(buffer), len(self.chunk) - self.at)
+        buffer[:n] = self.chunk[self.at:self.at + n]
+        self.at += n
+        return n
+
+    def close(self):
+        self.stopped = True
+        self.response.close()
+        super().close()
 
 
 def tar_samples(stream, url):
@@ -186,7 +241,7 @@ class IndexedShards(EncodedImages):
         self.starts = [0]
         for n in self.sizes:
             self.starts.append(self.starts[-1] + n)
-        self._open, self._pid = {}, None
+        self._open, self._pid = collections.OrderedDict(), None
 
     def locate(self, index):
         """``(shard, index within it)`` of a sample."""
@@ -195,9 +250,13 @@ class IndexedShards(EncodedImages):
 
     def shard(self, shard):
         if self._pid != os.getpid():  # a forked worker: its own files and maps
-            self._open, self._pid = {}, os.getpid()
-        if shard not in self._open:
-            self._open[shard] = retried(self.paths[shard], lambda: _indexed(self.paths[shard]))
+            self._open, self._pid = collections.OrderedDict(), os.getpid()
+        if shard in self._open:
+            self._open.move_to_end(shard)
+            return self._open[shard]
+        if len(self._open) >= OPEN_SHARDS:  # the least recently read one closed
+            self._open.popitem(last=False)[1].close()
+        self._open[shard] = retried(self.paths[shard], lambda: _indexed(self.paths[shard]))
         return self._open[shard]
 
     def encoded(self, index):
@@ -215,7 +274,7 @@ class IndexedShards(EncodedImages):
 
     def __getstate__(self):  # (mapped files stay behind: a spawned worker opens its own)
         state = dict(self.__dict__)
-        state["_open"], state["_pid"] = {}, None
+        state["_open"], state["_pid"] = collections.OrderedDict(), None
         return state
 
 

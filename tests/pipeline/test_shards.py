@@ -76,27 +76,37 @@ def test_the_stream_order_is_a_permutation_drawn_from_seed_and_epoch():
         assert read.index(index) <= p + 3
 
 
-def test_streamed_shards_give_every_process_its_samples_in_the_epochs_order(sources, server):
-    """Two ranks of a global batch of 6, from sample 5 on (a resume), each with its own
-    reader: the samples the local shards give for the same indices; a reader keeps at most
-    a buffer's worth of samples ahead; a request behind it reads that one sample."""
+def test_streamed_shards_give_every_process_its_samples_in_the_epochs_order(sources, server,
+                                                                          monkeypatch):
+    """Two ranks of a global batch of 6, each with its own reader, epoch 1 from sample 5 on
+    (a resume), then epoch 2: the samples the local shards give for the same keys; each
+    shard opened at most once an epoch (a reader reads in the order, keeps what comes later
+    and skips the shards that hold nothing of what is left), at most a buffer's worth of
+    samples kept ahead; a request behind the reader reads that one sample."""
     config = config_for(urls(server, "train", 4), urls(server, "val", 2), shuffle_buffer=3)
     streamed, _ = data.build_datasets(config)
     local, _ = data.build_datasets(config_for(sources["train_shards"], sources["val_shards"]))
     order = data.shards.own_order(streamed)
     assert order is not None
+    opened, open_shard = [], shards.open_shard
+    monkeypatch.setattr(shards, "open_shard", lambda url: opened.append(url) or open_shard(url))
+    seen = {1: [], 2: []}
     for rank in (0, 1):
-        sampler = data.EpochBatchSampler(len(streamed), 3, config["seed"], rank=rank,
-                                         world_size=2, order=order)
-        sampler.set_epoch(1, start=5)
-        keys = [key for batch in sampler for key in batch]
-        copy, = [s for s in (data.build_datasets(config)[0],)]
-        got = samples(copy, keys)
-        assert len(copy.base._reader.kept) <= 3
-        assert_same(got, samples(local, keys))
-    all_keys = [(i, 1) for i in order(config["seed"], 1).tolist()[5:]]
-    assert sorted(k for k, _ in all_keys) == sorted(set(range(15)) - set(
-        order(config["seed"], 1).tolist()[:5]))
+        copy = data.build_datasets(config)[0]
+        for epoch, start in ((1, 5), (2, 0)):
+            sampler = data.EpochBatchSampler(len(streamed), 3, config["seed"], rank=rank,
+                                             world_size=2, order=order)
+            sampler.set_epoch(epoch, start=start)
+            keys = [key for batch in sampler for key in batch]
+            seen[epoch] += [k for k, _ in keys]
+            opened.clear()
+            got = samples(copy, keys)
+            assert len(opened) == len(set(opened)) <= 4, opened
+            assert len(copy.base._reader.kept) <= 3
+            assert_same(got, samples(local, keys))
+    for epoch, start in ((1, 5), (2, 0)):  # the two ranks: the rest of the epoch, once
+        assert sorted(seen[epoch]) == sorted(order(config["seed"], epoch).tolist()[start:])
+    all_keys = [(i, 1) for i in order(config["seed"], 1).tolist()]
     first = streamed[all_keys[-1]]  # out of the order: read alone
     assert_same([first, streamed[all_keys[0]]], samples(local, [all_keys[-1], all_keys[0]]))
 
@@ -232,3 +242,56 @@ def test_the_retries_wait_longer_each_time_and_stop(monkeypatch):
         shards.retried("u", fails)
     assert len(calls) == 6 and waits == [0.5, 1.0, 2.0, 4.0, 8.0]
     assert shards.retried("u", lambda: 7) == 7
+
+
+def test_a_process_keeps_few_shards_open(sources, monkeypatch):
+    monkeypatch.setattr(shards, "OPEN_SHARDS", 2)
+    train, _ = data.build_datasets(config_for(sources["train_shards"], sources["val_shards"]))
+    keys = [(i, 1) for i in (0, 5, 9, 13, 1, 14)]  # shards 0, 1, 2, 3, 0, 3
+    first = samples(train, keys)
+    assert list(train.base._open) == [0, 3]  # the two read last
+    assert_same(first, samples(train, keys))
+
+
+def test_a_connection_cut_in_the_middle_of_a_shard_continues_where_it_stopped(
+        sources, quick_retries, capfd):
+    """A server that sends half of each shard the first time it is asked for it, then
+    closes the connection: each shard is opened again and read on from the sample where it
+    stopped, and every sample is the local shards' one."""
+    import functools
+    import http.server
+
+    cut = set()
+
+    class Cutting(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def copyfile(self, source, outputfile):
+            data = source.read()
+            if self.path in cut or not self.path.startswith("/train"):
+                outputfile.write(data)
+                return
+            cut.add(self.path)
+            outputfile.write(data[:len(data) // 2])
+            self.close_connection = True
+
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(Cutting, directory=sources["shards"]))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.server_port}"
+        config = config_for(urls(base, "train", 4), urls(base, "val", 2), shuffle_buffer=2)
+        cut.update(f"/train-{s:03d}.tar" for s in range(4))  # (the count reads them whole)
+        train, _ = data.build_datasets(config)
+        cut.clear()
+        keys = [(i, 0) for i in train.base.epoch_order(config["seed"], 0).tolist()]
+        got = samples(train, keys)
+    finally:
+        server.shutdown()
+        server.server_close()
+    local, _ = data.build_datasets(config_for(sources["train_shards"], sources["val_shards"]))
+    assert_same(got, samples(local, keys))
+    assert len(cut) == 4 and train.unreadable_count() == 0
+    assert capfd.readouterr().err.count("trying again from there") == 4

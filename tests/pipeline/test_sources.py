@@ -229,6 +229,9 @@ def test_streamed_shards_keep_every_steps_samples_from_two_to_one_to_two_process
         assert same, lines
         assert ledger.main([str(run)]) == 0
     assert ledger.step_samples(again).keys() == set(range(6, 9))
+    stream = shards.stream_order([4, 4, 4, 3], 3, 0, 3)[0].tolist()  # the set's own order
+    assert [ledger.step_samples(whole)[s] for s in (1, 2)] == [sorted(stream[:4]),
+                                                               sorted(stream[4:8])]
     torch.testing.assert_close(final_state(again)["model"], final_state(whole)["model"])
 
 
