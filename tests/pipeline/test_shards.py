@@ -295,3 +295,19 @@ def test_a_connection_cut_in_the_middle_of_a_shard_continues_where_it_stopped(
     assert_same(got, samples(local, keys))
     assert len(cut) == 4 and train.unreadable_count() == 0
     assert capfd.readouterr().err.count("trying again from there") == 4
+
+
+def test_the_shard_cache_tells_two_shards_of_one_name_apart(sources, tmp_path):
+    for place, count in (("a", 1), ("b", 2)):
+        (tmp_path / place).mkdir()
+        shutil.copy(os.path.join(sources["shards"], f"train-00{count - 1}.tar"),
+                    tmp_path / place / "x.tar")
+    with serve(tmp_path) as server:
+        base = f"http://127.0.0.1:{server.server_port}"
+        train, val = data.build_datasets(config_for(
+            f"{base}/a/x.tar", f"{base}/b/x.tar", shard_cache=str(tmp_path / "cache")))
+    local, _ = data.build_datasets(config_for(sources["train_shards"], sources["val_shards"]))
+    for i in range(4):  # b/x.tar is the second training shard, not a/x.tar again
+        (image, label), (then, then_label) = val.base[i], local.base[4 + i]
+        assert label == then_label and image.tobytes() == then.tobytes()
+    assert train.base[0][0].tobytes() == local.base[0][0].tobytes()
