@@ -533,7 +533,13 @@ def open_set(spec, config, shuffle, log, role):
             urls, sizes, labels, classes, where, config["seed"],
             config.get("shuffle_buffer", 1000), shuffle)
     else:
-        local = [cached_copy(u, cache) if is_url(u) else u for u in urls]
+        local = []
+        for url in urls:  # (a URL that cannot be fetched: left out as an unreadable shard)
+            try:
+                local.append(cached_copy(url, cache) if is_url(url) else url)
+            except ShardFault as e:
+                say(f"warning: skipping the shard {url}: {e}", file=sys.stderr)
+        too_many_bad(len(urls) - len(local), len(urls), where)
         missing = [p for p in local if not os.path.exists(p)]
         if missing:
             raise UserError(f"{where}: no such shard {missing[0]!r}")

@@ -311,3 +311,16 @@ def test_the_shard_cache_tells_two_shards_of_one_name_apart(sources, tmp_path):
         (image, label), (then, then_label) = val.base[i], local.base[4 + i]
         assert label == then_label and image.tobytes() == then.tobytes()
     assert train.base[0][0].tobytes() == local.base[0][0].tobytes()
+
+
+def test_a_shard_the_cache_cannot_fetch_is_skipped_with_one_line(sources, tmp_path,
+                                                                 quick_retries, capfd):
+    folder = tmp_path / "served"
+    shutil.copytree(sources["shards"], folder)
+    (folder / "train-003.tar").unlink()
+    with serve(folder) as server:
+        base = f"http://127.0.0.1:{server.server_port}"
+        train, _ = data.build_datasets(config_for(urls(base, "train", 4), urls(base, "val", 2),
+                                                  shard_cache=str(tmp_path / "cache")))
+    assert len(train) == 12 and len(os.listdir(tmp_path / "cache")) == 5
+    assert "warning: skipping the shard" in capfd.readouterr().err
