@@ -68,6 +68,10 @@ def test_the_identity_of_a_set_tells_other_contents(sources, tmp_path):
     assert data.set_identity(train) == data.set_identity(
         data.build_datasets(config_for(sources["saved"]))[0])
     assert data.set_identity(train) != data.set_identity(reversed_train)
+    n = len(train)  # rows in another order: each image with its own label still
+    for i in range(n):
+        (image, label), (then, then_label) = reversed_train.base[i], train.base[n - 1 - i]
+        assert label == then_label and image.tobytes() == then.tobytes()
 
 
 def test_a_hub_name_not_in_the_cache_says_what_to_place_where(tmp_path, monkeypatch):
