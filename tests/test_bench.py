@@ -46,6 +46,8 @@ SMALLEST = {
                     "--repeats", "1", "--samples", "16"], "+ random_erase 1"),
     "segmentation.py": (["--samples", "16", "--size", "32", "--crop-size", "24", "--epochs",
                          "1", "--batch-size", "8", "--workers", "0"], "plain     "),
+    "shards.py": (["--images", "16", "--per-shard", "8", "--buffer", "4", "--repeats", "1"],
+                  "http   ours (streamed)"),
     "train_paths.py": (["--images", "40", "--batch-size", "16", "--workers", "0", "--repeats",
                         "1"], "device path / per-sample path:"),
 }
@@ -91,7 +93,8 @@ def test_gpu_script_is_valid_bash_and_names_every_bench():
     assert subprocess.run(["bash", "-n", path]).returncode == 0
     text = open(path).read()
     missing = [s for s in SMALLEST if f"bench/{s}" not in text
-               and s not in ("distributed.py", "identity.py", "preflight.py")]  # CPU checks
+               and s not in ("distributed.py", "identity.py", "preflight.py",
+                             "shards.py")]  # CPU checks
     assert missing == []
     # One interpreter throughout: no command calls python or python3 by name.
     bare = [line for line in text.splitlines() if not line.lstrip().startswith("#")
