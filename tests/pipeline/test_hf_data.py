@@ -75,10 +75,16 @@ def test_the_identity_of_a_set_tells_other_contents(sources, tmp_path):
 
 
 def test_a_hub_name_not_in_the_cache_says_what_to_place_where(tmp_path, monkeypatch):
+    """Read offline (no wait on the hub's retries where there is no network), one line."""
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "empty"))
     monkeypatch.chdir(tmp_path)
+    offline, load = [], datasets.load_dataset
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: offline.append((
+        datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE)) or load(
+        *a, **k))
     with pytest.raises(UserError) as e:
         data.build_datasets(config_for("someone/images"))
+    assert offline == [(True, True)]
     message = str(e.value)
     assert "'someone/images' is not in the datasets cache" in message
     assert str(tmp_path / "empty") in message and "save_to_disk" in message
