@@ -363,11 +363,21 @@ class StreamedShards(IndexedShards):
         self.seed, self.buffer, self.shuffle = seed, max(int(buffer), 1), shuffle
         self.epoch = 0
         self.bad_shards = torch.zeros(len(urls), dtype=torch.uint8).share_memory_()
-        self._reader = None
+        self._reader, self._orders = None, {}
 
     def epoch_order(self, seed, epoch):
         """The epoch's order (``data.EpochBatchSampler``'s ``order``)."""
-        return stream_order(self.sizes, seed, epoch, self.buffer)[0]
+        return self.stream_order(seed, epoch)[0]
+
+    def stream_order(self, seed, epoch):
+        """``stream_order`` of this set, the last two epochs' kept (a Python loop over the
+        set: the sampler asks for its plan more than once an epoch)."""
+        key = (seed, epoch)
+        if key not in self._orders:
+            if len(self._orders) >= 2:
+                self._orders.pop(next(iter(self._orders)))
+            self._orders[key] = stream_order(self.sizes, seed, epoch, self.buffer)
+        return self._orders[key]
 
     def encoded(self, index):
         if self.bad_shards[self.locate(index)[0]]:
@@ -436,7 +446,7 @@ class _Reader:
         self.shards, self.epoch, self.pid = shards, epoch, os.getpid()
         n = len(shards)
         if shards.shuffle:
-            order, shard_order = stream_order(shards.sizes, shards.seed, epoch, shards.buffer)
+            order, shard_order = shards.stream_order(shards.seed, epoch)
         else:
             order, shard_order = torch.arange(n), torch.arange(len(shards.sizes))
         self.pos = torch.empty(n, dtype=torch.long)
