@@ -408,7 +408,9 @@ class StreamedShards(IndexedShards):
                 stream = open_shard(url)
                 samples = tar_samples(stream, url)
                 for _ in range(at):  # (bytes already had: read past)
-                    next(samples)
+                    if next(samples, None) is None:
+                        stream.close()
+                        raise EOFError(f"{url} holds fewer samples than when it was counted")
                 return stream, samples
             try:
                 stream, samples = retried(url, attempt)
