@@ -324,3 +324,20 @@ def test_a_shard_the_cache_cannot_fetch_is_skipped_with_one_line(sources, tmp_pa
                                                   shard_cache=str(tmp_path / "cache")))
     assert len(train) == 12 and len(os.listdir(tmp_path / "cache")) == 5
     assert "warning: skipping the shard" in capfd.readouterr().err
+
+
+def test_a_resume_at_a_shards_last_sample_reads_on_from_that_shard(sources, server,
+                                                                   monkeypatch):
+    """A buffer of one (the shards in their drawn order): resumed at the last sample of the
+    first shard, the reader opens that shard (not every other one looking for it), then
+    each of the others once."""
+    config = config_for(urls(server, "train", 4), urls(server, "val", 2), shuffle_buffer=1)
+    streamed, _ = data.build_datasets(config)
+    local, _ = data.build_datasets(config_for(sources["train_shards"], sources["val_shards"]))
+    order, shard_order = streamed.base.stream_order(config["seed"], 1)
+    start = streamed.base.sizes[shard_order[0]] - 1  # the first shard's last sample
+    opened, open_shard = [], shards.open_shard
+    monkeypatch.setattr(shards, "open_shard", lambda url: opened.append(url) or open_shard(url))
+    keys = [(i, 1) for i in order.tolist()[start:]]
+    assert_same(samples(streamed, keys), samples(local, keys))
+    assert opened == [streamed.base.paths[s] for s in shard_order.tolist()]  # in order
