@@ -341,3 +341,18 @@ def test_a_resume_at_a_shards_last_sample_reads_on_from_that_shard(sources, serv
     keys = [(i, 1) for i in order.tolist()[start:]]
     assert_same(samples(streamed, keys), samples(local, keys))
     assert opened == [streamed.base.paths[s] for s in shard_order.tolist()]  # in order
+
+
+def test_the_classes_are_counted_on_both_splits(sources, tmp_path):
+    """A class only the validation shards hold still has its place (the network's outputs,
+    test.py's per-class report)."""
+    import webdataset
+
+    image = open(os.path.join(sources["folder"], "train", "a", "0.jpg"), "rb").read()
+    for name, labels in (("t", (0, 1)), ("v", (2,))):
+        with webdataset.TarWriter(str(tmp_path / f"{name}.tar")) as tar:
+            for i, label in enumerate(labels):
+                tar.write({"__key__": f"{i}", "jpg": image, "cls": str(label).encode()})
+    train, val = data.build_datasets(config_for(str(tmp_path / "t.tar"),
+                                                str(tmp_path / "v.tar")))
+    assert train.classes == val.classes == ["0", "1", "2"] and train.num_classes == 3
