@@ -20,7 +20,7 @@ from machinery import runtime
 from machinery.runtime import say, shown
 from networks import NETWORKS, is_segmentation, timm_architecture
 from ops import UserError
-from pipeline import presets, sample_transforms, timm_hub
+from pipeline import presets, sample_transforms, sources, timm_hub
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -65,7 +65,9 @@ def _data_flags(g):
     g.add_argument("--dataset", default="cifar10", help="; ".join(
         f"--task {t.name}: one of {', '.join(t.datasets_named)}" for t in tasks.built_in()))
     g.add_argument("--data-dir", default="data", help="where data lives or is downloaded to; "
-                   "for imagefolder it holds train/ and val/ (or test/)")
+                   "for imagefolder it holds train/ and val/ (or test/); hf: a saved "
+                   "dataset, Parquet files or a cached hub name; shards: a brace pattern")
+    sources.add_flags(g)  # --train-split, --val-data-dir, ... (pipeline/sources.py)
     g.add_argument("--synthetic-size", type=int, default=512,
                    help="training samples of the synthetic set (validation: a fifth)")
     g.add_argument("--image-size", type=int, default=32,
@@ -515,7 +517,7 @@ def default_network(dataset, image_size=32, pretrained=None, task=tasks.TASKS[0]
         return "torchvision/resnet18"
     if dataset == "synthetic":
         return "simple_cnn"
-    if dataset == "imagefolder" and image_size >= sample_transforms.PHOTO_SIDE:
+    if dataset in sample_transforms.FOLDERS and image_size >= sample_transforms.PHOTO_SIDE:
         return "torchvision/resnet18"
     return "resnet18"
 
@@ -580,6 +582,7 @@ RANGES = {  # every numeric flag's allowed values
     "crop_min_scale": ((lambda v: 0 < v <= 1), "must be in (0, 1]"),
     "num_classes": _within(2, 100_000),
     "num_workers": _at_least(0),
+    "shuffle_buffer": _at_least(1),  # (--dataset shards, streamed)
     "prefetch": _at_least(0),
     "unfreeze_at": _at_least(0),
     "unfreeze_lr_scale": _at_least(0),

@@ -196,7 +196,7 @@ def preprocessing(config):
         return (f"resize the short side to {presets.stored_side(size, config['crop_pct'])} "
                 f"({p['interpolation'].value}, aspect kept), then crop the centre "
                 f"{size}x{size}")
-    return f"resize to {size}x{size}" if config["dataset"] == "imagefolder" else \
+    return f"resize to {size}x{size}" if config["dataset"] in sample_transforms.FOLDERS else \
         "as the dataset's images are"
 
 

@@ -56,7 +56,7 @@ from machinery.param_groups import split, unfreeze_into
 from machinery.preflight import run as run_preflight
 from machinery.verify_resume import run as run_verify_resume
 from ops import Interrupted, RunFailed, UserError
-from pipeline import data, device_data, presets, recipes
+from pipeline import data, device_data, presets, recipes, shards
 from reporting import lr_finder, metrics, profiling, runlog, tracking
 
 EXIT_USER_ERROR, EXIT_FAILED = 2, 1  # a signal exits with 128 + its number (130, 143, 129)
@@ -275,7 +275,8 @@ def build_training(config, procs, run_dir, saved=None, resume_path=None, stop=No
         procs, f"reading {config['dataset']} (downloading it if needed)", task_class.datasets,
         config, log, stop=stop, should_stop=stop)
     sampler = data.EpochBatchSampler(len(train_set), config["batch_size"], config["seed"],
-                                     rank=procs.rank, world_size=procs.world_size)
+                                     rank=procs.rank, world_size=procs.world_size,
+                                     order=shards.own_order(train_set))  # streamed shards: theirs
     train_loader, val_loader = task_class.loaders(config, procs, train_set, val_set, sampler,
                                                   stop)
     config = task_class.recorded(config, train_set)  # what rebuilds the networks (test.py)

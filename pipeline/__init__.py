@@ -9,6 +9,9 @@
     sample_transforms.py  the (seed, epoch, index) hash and the per-sample crop and flip
     presets.py            the geometry of photos; torchvision's pretrained weights
     images.py             reading one image file safely
+    sources.py            what hf_data.py and shards.py share: flags, encoded images
+    hf_data.py            --dataset hf: Hugging Face datasets (saved, Parquet, cached)
+    shards.py             --dataset shards: webdataset tars, local or over http(s)
     recipes.py            MixUp/CutMix, the AutoAugment family, random erasing; EMA
 
 Imports the machinery below it (and networks.py, ops.py), never what reports or trains.

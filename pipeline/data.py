@@ -35,9 +35,10 @@ from torchvision.transforms import v2
 from machinery import files, runtime
 from machinery.runtime import say
 from ops import Interrupted, UserError
-from pipeline import decoded_cache, presets, recipes
+from pipeline import decoded_cache, hf_data, presets, recipes, shards, sources
 from pipeline.images import UnreadableImage, load_image
 from pipeline.sample_transforms import (
+    FOLDERS,
     PHOTO_SIDE,
     STATS,
     Normalise,
@@ -49,7 +50,7 @@ from pipeline.sample_transforms import (
 
 TORCHVISION_SETS = {"cifar10": tv_datasets.CIFAR10, "cifar100": tv_datasets.CIFAR100,
                     "mnist": tv_datasets.MNIST, "fashion_mnist": tv_datasets.FashionMNIST}
-DATASETS = sorted(TORCHVISION_SETS) + ["imagefolder", "synthetic"]
+DATASETS = sorted(TORCHVISION_SETS) + ["imagefolder", "synthetic", "hf", "shards"]
 
 
 class SeededDataset(torch.utils.data.Dataset):
@@ -90,6 +91,8 @@ class SeededDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, key):
         index, epoch = key if isinstance(key, tuple) else (key, 0)
+        if getattr(self.base, "streamed", False):  # read in the epoch's order (shards.py)
+            self.base.epoch = epoch
         image, label = self.base[index]
         if not self.random:
             return self.transform(image), label
@@ -272,6 +275,8 @@ def set_identity(dataset):
         h.update(f"synthetic {dataset.seed} {dataset.image_size} {dataset.in_channels} "
                  f"{dataset.num_classes}".encode())
         h.update(base.labels.numpy().tobytes())
+    elif hasattr(base, "identity"):  # hf, shards (sources.py): their contents, labels
+        h.update(base.identity())
     else:
         h.update(type(base).__name__.encode())
         h.update(torch.as_tensor(getattr(base, "targets", [])).numpy().tobytes())
@@ -304,7 +309,7 @@ def _transforms(name, image_size, augment, from_pil=True, policy=((), ())):
     an AutoAugment-family policy after crop and flip, random erasing after normalising.
     """
     front = [v2.ToImage()] if from_pil else []
-    if name == "imagefolder":
+    if name in FOLDERS:  # (images of any size: an image folder, hf, shards)
         front.append(v2.Resize((image_size, image_size), antialias=True))
     back = [Normalise(*STATS[name])] if name in STATS else []  # every PIL set has STATS
     aug = []
@@ -492,6 +497,12 @@ def build_datasets(config, log=say, should_stop=None):
             raise UserError(f"--data-dir {data_dir!r} does not exist")
         with requeue_on_stop(config):
             return _imagefolder_splits(config, policy, log, should_stop)
+    if name in ("hf", "shards"):  # pipeline/hf_data.py, pipeline/shards.py
+        train, val = hf_data.splits(config) if name == "hf" else shards.splits(config, log)
+        t_train, t_eval = sources.as_photos(config, (train, val), policy) or _transforms(
+            name, image_size, augment, policy=policy)  # (photos: as a folder's, presets.py)
+        return (SeededDataset(train, t_train, seed, augment, train.classes, 3, image_size),
+                SeededDataset(val, t_eval, seed, False, val.classes, 3, image_size))
     if name not in TORCHVISION_SETS:
         raise UserError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
     train, val = (_torchvision_split(name, data_dir, split) for split in (True, False))
@@ -525,10 +536,13 @@ class EpochBatchSampler:
         shuffle: permute each epoch (training) or keep the index order.
         rank: this process's rank.
         world_size: number of processes.
+        order: ``(seed, epoch) -> permutation`` where the set has an order of its own
+            (streamed shards, shards.py); None: ``torch.randperm``.
     """
 
-    def __init__(self, size, batch_size, seed, shuffle=True, rank=0, world_size=1):
+    def __init__(self, size, batch_size, seed, shuffle=True, rank=0, world_size=1, order=None):
         self.size, self.batch_size, self.seed, self.shuffle = size, batch_size, seed, shuffle
+        self.order = order
         self.rank, self.world_size = rank, world_size
         self.epoch, self.start = 0, 0
         self.observer = None  # told of every batch handed out (machinery/ledger.py)
@@ -540,6 +554,8 @@ class EpochBatchSampler:
     def _order(self):
         if not self.shuffle:
             return torch.arange(self.size)
+        if self.order is not None:
+            return self.order(self.seed, self.epoch)
         g = torch.Generator().manual_seed(self.seed * 10_007 + self.epoch)
         return torch.randperm(self.size, generator=g)
 

@@ -24,7 +24,7 @@ from torchvision.transforms import v2
 from machinery import hardware, runtime
 from machinery.runtime import say
 from ops import UserError, sum_over_processes
-from pipeline import data, decoded_cache, presets, sample_transforms
+from pipeline import data, decoded_cache, presets, sample_transforms, sources
 from pipeline.decoded_cache import mib as _mib
 
 DEVICE_SHARE = 0.25  # --data-on-device auto: the sets may take this share of free memory
@@ -55,7 +55,7 @@ class DevicePipeline:
             i += 1
         self.front = tuple(steps[:i])
         if any(isinstance(s, v2.Resize) for s in self.front) and not isinstance(
-                dataset.base, data.SafeImageFolder):
+                dataset.base, (data.SafeImageFolder, sources.EncodedImages)):
             raise UnsupportedOnDevice("resizes only image folders (through their cache)")
         self.padding, self.flip, self.mean, self.std = 0, False, None, None
         self.photo = None  # photos: "train" (random-resized crop) or "eval" (centre crop)
@@ -101,6 +101,9 @@ def _source_kind(dataset):
         return "folder"
     if isinstance(base, data.CachedImages):
         return "photos"
+    if isinstance(base, sources.EncodedImages) and not getattr(base, "streamed", False) \
+            and base.decoder is None:  # hf, indexed shards: decoded into memory
+        return "encoded"
     raise UnsupportedOnDevice(f"has no tensor source for {type(base).__name__}")
 
 
@@ -148,6 +151,11 @@ def source_tensors(dataset, cache_dir=None, num_workers=0, log=say, stop=None):
         return base.data.unsqueeze(1).contiguous(), torch.as_tensor(base.targets).long()
     if kind == "photos":  # decoded into their cache when the set was built
         return base.decoded, base.decoded.labels
+    if kind == "encoded":  # (no files to fingerprint for a cache: decoded for this run)
+        decoded = decoded_cache._decode_into_memory(base, decoded_cache.Resized(
+            v2.Compose(list(DevicePipeline(dataset).front)), dataset.image_size), num_workers,
+            stop)
+        return decoded.images, decoded.labels
     front = v2.Compose(list(DevicePipeline(dataset).front))
     if cache_dir is None:
         cache_dir = decoded_cache.default_cache_dir(os.path.dirname(os.path.normpath(

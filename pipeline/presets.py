@@ -43,7 +43,7 @@ _RATIOS = 4096         # the aspect ratio is one of these many log-uniform value
 
 def is_photo(config):
     """Whether a run's image folder takes the photo geometry (64 px and above)."""
-    return config["dataset"] == "imagefolder" and config["image_size"] >= PHOTO_SIDE
+    return config["dataset"] in sample_transforms.FOLDERS and config["image_size"] >= PHOTO_SIDE
 
 
 def network_notes(config, log, explicit=None, flops=None):

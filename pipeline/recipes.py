@@ -28,6 +28,7 @@ from torchvision.transforms import v2
 
 from machinery.checkpoint import check_compatible, unwrap_state_dict
 from ops import UserError
+from pipeline.sample_transforms import FOLDERS
 
 POLICIES = ("none", "trivialaugment", "randaugment", "autoaugment")
 # The digit sets: 28x28, one channel, centred on black; a mirrored digit is another digit,
@@ -361,7 +362,7 @@ def policy_transforms(policy, magnitude, erase_p, dataset_name):
                                  interpolation=bilinear)]
     elif policy == "autoaugment":
         kind = (v2.AutoAugmentPolicy.SVHN if digits else
-                v2.AutoAugmentPolicy.IMAGENET if dataset_name == "imagefolder" else
+                v2.AutoAugmentPolicy.IMAGENET if dataset_name in FOLDERS else
                 v2.AutoAugmentPolicy.CIFAR10)
         before = [v2.AutoAugment(kind, interpolation=bilinear)]
     else:

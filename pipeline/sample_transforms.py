@@ -23,6 +23,9 @@ STATS = {
     "imagefolder": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),  # ImageNet's
 }
 PHOTO_SIDE = 64  # image folders at this --image-size and above are photos (presets.py)
+# Sets of image files of any size, treated alike: a folder, a Hugging Face dataset, shards
+FOLDERS = ("imagefolder", "hf", "shards")
+STATS.update({name: STATS["imagefolder"] for name in FOLDERS})
 
 
 def sample_seed(seed, epoch, index):

@@ -612,3 +612,86 @@ def write_gan_checkpoint(path, ema=False, **config_overrides):
         state["ema"] = {"generator": _trained_a_little(average, 2).state_dict()}
     checkpoint.save_checkpoint(state, path)
     return state
+
+
+def write_sources(root, per_class=5, val_per_class=2, shard_size=4):
+    """The same small image set written four ways, in the same order: an ImageFolder
+    (``root/folder``), a ``save_to_disk`` DatasetDict (``root/saved``), Parquet files in
+    the hub's layout (``root/parquet``) and webdataset shards (``root/shards/train-*.tar``,
+    ``val-*.tar``, ``shard_size`` samples each, labels as ``.cls``). Images of assorted
+    sizes, JPEG and PNG. Returns ``{kind: path}``; the shards' brace patterns under
+    ``"train_shards"``, ``"val_shards"``."""
+    import datasets
+    import webdataset
+
+    folder = write_image_folder(root / "folder", classes=("a", "b", "c"), per_class=per_class,
+                                val_per_class=val_per_class, size=None, formats=("jpg", "png"))
+    features = datasets.Features({"image": datasets.Image(),
+                                  "label": datasets.ClassLabel(names=["a", "b", "c"])})
+    splits, shards = {}, root / "shards"
+    shards.mkdir()
+    for split, name in (("train", "train"), ("val", "validation")):
+        samples = data.SafeImageFolder(str(folder / split)).samples
+        rows = {"image": [{"bytes": open(p, "rb").read(), "path": None} for p, _ in samples],
+                "label": [label for _, label in samples]}
+        splits[name] = datasets.Dataset.from_dict(rows, features=features)
+        count = -(-len(samples) // shard_size)
+        for s in range(count):
+            with webdataset.TarWriter(str(shards / f"{split}-{s:03d}.tar")) as tar:
+                for i in range(s * shard_size, min((s + 1) * shard_size, len(samples))):
+                    path, label = samples[i]
+                    tar.write({"__key__": f"{i:05d}", os.path.splitext(path)[1][1:]:
+                               open(path, "rb").read(), "cls": str(label).encode()})
+        splits[split + "_count"] = count
+    dataset = datasets.DatasetDict({n: splits[n] for n in ("train", "validation")})
+    dataset.save_to_disk(str(root / "saved"))
+    (root / "parquet").mkdir()
+    for name in ("train", "validation"):
+        dataset[name].to_parquet(str(root / "parquet" / f"{name}-00000-of-00001.parquet"))
+    return {"folder": str(folder), "saved": str(root / "saved"),
+            "parquet": str(root / "parquet"), "shards": str(shards),
+            "train_shards": str(shards / f"train-{{000..{splits['train_count'] - 1:03d}}}.tar"),
+            "val_shards": str(shards / f"val-{{000..{splits['val_count'] - 1:03d}}}.tar")}
+
+
+@contextlib.contextmanager
+def serve(directory, port=0):
+    """A real HTTP server (``http.server``, in a thread) of ``directory`` on 127.0.0.1;
+    yields the server (its URL: ``f"http://127.0.0.1:{server.server_port}"``)."""
+    import functools
+    import http.server
+    import threading
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", port), functools.partial(Quiet, directory=str(directory)))
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def cached_hub_dataset(parquet, cache, name):
+    """The hub dataset ``name`` (``user/set`` or ``set``) in the datasets cache ``cache`` as
+    ``datasets.load_dataset(name)`` online leaves it (its builder's files under
+    ``<cache>/<user>___<set>/default/0.0.0/<hash>``), made offline from the Parquet files
+    of ``write_sources``."""
+    from datasets.packaged_modules.parquet.parquet import Parquet
+
+    files = {s: os.path.join(parquet, f"{s}-00000-of-00001.parquet")
+             for s in ("train", "validation")}
+    builder = Parquet(data_files=files, dataset_name=name.split("/")[-1], hash="0123abcd",
+                      cache_dir=cache)
+    builder.download_and_prepare()
+    config_dir = os.path.dirname(os.path.dirname(builder.cache_dir))  # <set>/default-<hash>
+    target = os.path.join(cache, name.replace("/", "___"), "default")
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    os.rename(config_dir, target)

@@ -48,6 +48,8 @@ SMALLEST = {
                          "1", "--batch-size", "8", "--workers", "0"], "plain     "),
     "sweep.py": (["--trials", "2", "--epochs", "1", "--synthetic-size", "64"],
                  "median pruning trained"),
+    "shards.py": (["--images", "16", "--per-shard", "8", "--buffer", "4", "--repeats", "1"],
+                  "http   ours (streamed)"),
     "train_paths.py": (["--images", "40", "--batch-size", "16", "--workers", "0", "--repeats",
                         "1"], "device path / per-sample path:"),
     "timm_peer.py": (["--timm-train", "no-such-file.py", "--model", "test_resnet",
@@ -97,7 +99,7 @@ def test_gpu_script_is_valid_bash_and_names_every_bench():
     text = open(path).read()
     missing = [s for s in SMALLEST if f"bench/{s}" not in text
                and s not in ("distributed.py", "identity.py", "preflight.py",
-                             "timm_peer.py")]  # CPU checks
+                             "timm_peer.py", "shards.py")]  # CPU checks
     assert missing == []
     # One interpreter throughout: no command calls python or python3 by name.
     bare = [line for line in text.splitlines() if not line.lstrip().startswith("#")
