@@ -162,7 +162,8 @@ def test_a_box_may_cross_each_edge_by_a_rounding_and_no_more(tmp_path, capsys):
 # ------------------------------------------------------------------ F7: file names
 
 @pytest.mark.parametrize("file_name", ["../../../../../../../../etc/passwd", "/etc/hostname",
-                                       "OUTSIDE", "sub/../../a.png"])
+                                       "OUTSIDE", "sub/../../a.png",
+                                       "../train2/a.png"])
 def test_a_file_name_that_leaves_the_image_folder_is_refused(tmp_path, file_name):
     """An export's file_name is not followed out of its split's folder (an absolute path,
     ``..``): one line naming it; a sub-folder inside is read."""

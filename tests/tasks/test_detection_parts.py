@@ -93,6 +93,24 @@ def test_boxes_are_decoded_in_float32_under_bf16_autocast(network):
     assert plain.dtype == torch.float32
 
 
+@pytest.mark.parametrize("network", ["ssdlite320_mobilenet_v3_large",
+                                     "fasterrcnn_mobilenet_v3_large_320_fpn"])
+def test_anchors_of_bf16_feature_maps_are_those_of_float32_ones(network):
+    """torchvision's anchor generators make their anchors in the feature maps' dtype: from
+    bfloat16 maps (autocast's) they are the float32 maps' anchors, in float32."""
+    from torchvision.models.detection.image_list import ImageList
+
+    net = build_detector(network, 3, 512)
+    generator = net.rpn.anchor_generator if hasattr(net, "rpn") else net.anchor_generator
+    images = ImageList(torch.zeros(1, 3, 512, 512), [(512, 512)])
+    count = len(getattr(generator, "sizes", None) or generator.aspect_ratios)
+    maps = [torch.rand(1, 8, max(32 >> k, 1), max(32 >> k, 1)) for k in range(count)]
+    expected = generator(images, maps)
+    got = generator(images, [m.bfloat16() for m in maps])
+    assert all(g.dtype == torch.float32 and torch.equal(g, e) for g, e in zip(got, expected))
+    assert not torch.equal(expected[0], expected[0].bfloat16().float())  # (bf16 would show)
+
+
 # ------------------------------------------------------------------ N-L3: an empty process
 
 def _evaluation_worker(rank, world_size, port, out_dir):
