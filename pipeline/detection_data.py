@@ -333,6 +333,7 @@ class CocoImages(torch.utils.data.Dataset):
                                                 dtype=torch.long),
                          "crowd": e["crowd"]} for e in entries]
         self.unreadable = torch.zeros(len(entries), dtype=torch.uint8).share_memory_()
+        self.warned = torch.zeros(len(entries), dtype=torch.uint8).share_memory_()
         if entries:
             self[0]  # finds a readable image now, or raises UserError
 
@@ -357,6 +358,12 @@ class CocoImages(torch.utils.data.Dataset):
                 continue
             target = self.targets[i]
             h, w = image.shape[-2:]
+            if h != w and (h, w) == (entry["width"], entry["height"]) and not self.warned[i]:
+                self.warned[i] = 1
+                say(f"warning: {entry['path']} is {w}x{h} as stored, its json says "
+                    f"{entry['width']:g}x{entry['height']:g}: if its boxes were drawn on "
+                    f"the image turned by its EXIF orientation, they miss their objects "
+                    f"(images are read as stored)", file=sys.stderr)
             if (h, w) != (entry["height"], entry["width"]):  # boxes are the json's pixels
                 sx, sy = w / entry["width"], h / entry["height"]
                 target = dict(target, boxes=target["boxes"] * torch.tensor([sx, sy, sx, sy]))

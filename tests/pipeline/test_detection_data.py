@@ -75,6 +75,20 @@ def test_an_exif_oriented_jpeg_is_read_as_stored_and_its_box_stays_on_its_object
     assert target["boxes"].tolist() == [[40.0, 4.0, 60.0, 14.0]]
 
 
+def test_a_json_giving_the_size_transposed_is_warned_once(tmp_path, capsys):
+    """The json says 48x64 for a 64x48 stored image (its size as displayed, turned by its
+    EXIF orientation): one warning naming the file, once however often it is read."""
+    folder = tmp_path / "train"
+    path = write_split(folder, [("photo.png", 48, 64)], [box(1, [4, 4, 10, 10])])
+    Image.new("RGB", (64, 48)).save(folder / "photo.png")
+    entries, categories = detection_data.read_coco(path, str(folder))
+    images = detection_data.CocoImages(entries, categories)
+    images[0], images[0]
+    err = capsys.readouterr().err
+    assert err.count("warning: ") == 1 and f"{folder / 'photo.png'} is 64x48 as stored, its " \
+        f"json says 48x64" in err, err
+
+
 # ------------------------------------------------------------------ F3: nothing readable
 
 def test_a_split_without_a_readable_image_is_one_error_line(tmp_path, capsys):
