@@ -109,9 +109,11 @@ def test_a_split_without_a_readable_image_is_one_error_line(tmp_path, capsys):
     assert errors == [f"error: no image in {str(tmp_path / 'data' / 'train')!r} can be read "
                       f"(see the warnings above)"], err
     assert err.count("warning: skipping unreadable image") == 3
-    Image.new("RGB", (48, 48)).save(tmp_path / "data" / "train" / "2.png")
     config = dict(dataset="coco", data_dir=str(tmp_path / "data"), seed=0, augment=False,
                   image_size=64)
+    with pytest.raises(UserError, match="^no image in .* can be read"):  # when built: not
+        detection_data.build_datasets(config)  # in a DataLoader worker, after the set-up
+    Image.new("RGB", (48, 48)).save(tmp_path / "data" / "train" / "2.png")
     train_set, _ = detection_data.build_datasets(config)
     assert tuple(train_set[0][0].shape) == (3, 64, 64)  # image 2 stands in for image 0
 
