@@ -238,17 +238,20 @@ main() {
     check nvidia-smi 30 nvidia-smi --query-gpu=name,memory.total,driver_version \
       --format=csv,noheader
   fi
-  if wanted imports && ! check imports "$T_IMPORTS" "$PY" - "$device" <<'EOF'; then
+  if wanted imports && ! check imports "$T_IMPORTS" "$PY" - "$device" \
+      "$work/detection-missing.txt" <<'EOF'; then
 import importlib, importlib.metadata, platform, sys
-device = sys.argv[1]
+device, detection_missing = sys.argv[1:]
 print(f"figure: env.python {platform.python_version()} ({sys.executable})")
 need = ["torch", "torchvision", "numpy", "PIL", "yaml", "tqdm", "tensorboard", "pytest"]
 wheels = {"prefetch_generator": "prefetch_generator (--prefetch > 0)",
           "torchinfo": "torchinfo (the network summary; without it a warning)"}
 extra = {"pytest_timeout": "a per-test limit", "lightning": "bench/lightning.py",
          "mlflow": "--mlflow, which nothing here uses"}
+detection = {"torchmetrics": "every validation's figures",
+             "pycocotools": "detection's mAP (torchmetrics' MeanAveragePrecision backend)"}
 missing = []
-for name in need + list(wheels) + list(extra):
+for name in need + list(wheels) + list(extra) + list(detection):
     try:
         importlib.import_module(name)
     except Exception as e:  # noqa: BLE001 - reported, the script decides
@@ -266,6 +269,11 @@ if carry:
     print(f"note: carry the wheels of {'; '.join(carry)}: README.md, 'On a borrowed GPU'")
 for name in extra:
     print(f"{name}: {'installed' if name not in missing else 'missing'}: {extra[name]}")
+lacking = [n for n in detection if n in missing]
+with open(detection_missing, "w") as f:  # (the detection step rate is then not started)
+    f.write(", ".join(f"{n} ({detection[n]})" for n in lacking))
+if lacking:
+    print(f"figure: env.missing_for_detection {' '.join(lacking)}")
 if device == "cuda":
     if not torch.cuda.is_available():
         print("error: torch sees no CUDA device")
@@ -278,6 +286,11 @@ EOF
     return 1
   fi
 
+  if [ -s "$work/detection-missing.txt" ] && [ "$profile" != slot ] && wanted detection; then
+    fail "detection: $(cat "$work/detection-missing.txt") cannot be imported: its step" \
+      "rate is not run (carry the wheel: README.md, 'On a borrowed GPU')"
+    skip="$skip detection "
+  fi
   [ "$profile" = rates ] || slot_checks
   [ "$profile" = slot ] || rate_checks
   [ "$profile" = slot ] && echo "note: each task's step rate: GPU_SH_RATES=1 (a second" \

@@ -10,10 +10,15 @@ box, made in memory from the seed; some images hold none) and ``coco``, in eithe
 
 A json is checked when read; what is wrong is one ``UserError`` line naming the file and
 the annotation: a missing file or image, a json that is not COCO (no ``images``,
-``annotations`` or ``categories``), an annotation of an image or category that does not
-exist, a box outside its image (by more than ``OUTSIDE_TOLERANCE`` px: COCO's own boxes
-cross their image's edge by a rounding). Boxes of zero width or height are dropped, with
-their count in one warning. Category ids are mapped to contiguous labels ``1..C`` in the
+``annotations`` or ``categories``) or nested too deeply to read, an id that is not an
+integer or a string (a list, an object, ``true``), an annotation of an image or category
+that does not exist, a ``file_name`` that leaves its split's image folder (an absolute
+path, ``..``), a box of negative width or height, a box outside its image (by more than
+``OUTSIDE_TOLERANCE`` px: COCO's own boxes cross their image's edge by a rounding). Boxes
+of zero width or height are dropped, with their count in one warning. Images are read as
+stored, without their EXIF orientation (as torchvision's COCO reference reads them): a
+json's boxes and sizes are the stored pixels'. A split without a readable image is one
+``UserError`` line when it is built. Category ids are mapped to contiguous labels ``1..C`` in the
 order of their ids (0 is the detectors' background) and back (``category_ids``: test.py's
 predictions are written in the file's own ids). Crowd boxes (``iscrowd: 1``) are left out
 of training, as COCO's reference does, and kept for evaluation, where COCO's evaluation
@@ -133,6 +138,22 @@ def _number(value):
         math.isfinite(value)
 
 
+def _an_id(value):
+    """Whether ``value`` can be a COCO id: an integer (not ``true``/``false``) or a
+    string."""
+    return isinstance(value, (int, str)) and not isinstance(value, bool)
+
+
+def _inside(image_dir, file_name):
+    """``image_dir``/``file_name`` as joined (what a checkpoint's fingerprint hashes), or
+    None where the name leaves the folder (absolute, or more ``..`` than folders)."""
+    if os.path.isabs(file_name) or os.path.splitdrive(file_name)[0]:
+        return None
+    path = os.path.join(image_dir, file_name)
+    root, where = os.path.normpath(image_dir), os.path.normpath(path)
+    return path if os.path.commonpath([root, where]) == root and where != root else None
+
+
 def _own_categories(json_path, doc):
     """A COCO json's ``[(id, name)]``, each id an integer, no id twice."""
     own = []
@@ -150,14 +171,18 @@ def _image_entries(json_path, doc, image_dir):
     """A COCO json's images by id, each with empty lists for its boxes."""
     by_id = {}
     for image in doc["images"]:
-        if not isinstance(image, dict) or "id" not in image or \
+        if not isinstance(image, dict) or not _an_id(image.get("id")) or \
                 not isinstance(image.get("file_name"), str) or \
                 not all(_number(image.get(k)) and image[k] > 0 for k in ("width", "height")):
-            _fail(json_path, f"an image entry without id, file_name, width and height: "
+            _fail(json_path, f"an image entry without id (an integer or a string), file_name, "
+                             f"width and height: "
                              f"{str(image)[:120]}")
         if image["id"] in by_id:
             _fail(json_path, f"two images have the id {image['id']!r}")
-        path = os.path.join(image_dir, image["file_name"])
+        path = _inside(image_dir, image["file_name"])
+        if path is None:
+            _fail(json_path, f"image {image['id']!r}: its file_name {image['file_name']!r} "
+                             f"is not inside its image folder {image_dir}: refused")
         by_id[image["id"]] = {"path": path, "id": image["id"], "height": image["height"],
                               "width": image["width"], "boxes": [], "categories": [],
                               "crowd": []}
@@ -188,6 +213,8 @@ def read_coco(json_path, image_dir, categories=None):
             doc = json.load(f)
     except (OSError, ValueError) as e:
         _fail(json_path, f"not a JSON file ({str(e).splitlines()[0][:200]})")
+    except RecursionError:
+        _fail(json_path, "nested too deeply to be read (not a COCO annotation file)")
     if not isinstance(doc, dict) or not all(
             isinstance(doc.get(k), list) for k in ("images", "annotations", "categories")):
         have = ", ".join(sorted(doc)[:8]) if isinstance(doc, dict) else type(doc).__name__
@@ -205,7 +232,11 @@ def read_coco(json_path, image_dir, categories=None):
         name = f"annotation {ann.get('id', '?')}" if isinstance(ann, dict) else "annotation"
         if not isinstance(ann, dict):
             _fail(json_path, f"{name} is not an object")
-        entry = by_id.get(ann.get("image_id"))
+        for key in ("image_id", "category_id"):
+            if not _an_id(ann.get(key)):
+                _fail(json_path, f"{name}: its {key} {str(ann.get(key))[:60]} is not an "
+                                 f"integer or a string")
+        entry = by_id.get(ann["image_id"])
         if entry is None:
             _fail(json_path, f"{name} is of image_id {ann.get('image_id')!r}, which no image "
                              f"has")
@@ -218,7 +249,10 @@ def read_coco(json_path, image_dir, categories=None):
         if not (isinstance(box, list) and len(box) == 4 and all(_number(v) for v in box)):
             _fail(json_path, f"{name}: bbox {str(box)[:60]} is not [x, y, width, height]")
         x, y, w, h = (float(v) for v in box)
-        if w <= 0 or h <= 0:
+        if w < 0 or h < 0:
+            _fail(json_path, f"{name}: bbox [{x:g}, {y:g}, {w:g}, {h:g}] has a negative "
+                             f"width or height")
+        if w == 0 or h == 0:
             empty += 1
             continue
         t = OUTSIDE_TOLERANCE
@@ -280,7 +314,12 @@ class CocoImages(torch.utils.data.Dataset):
     as ``SyntheticBoxes``'s (``labels`` 1..C from ``categories``' order).
 
     An image that cannot be read is replaced by the next readable one, with one warning
-    naming the file (as ``data.SafeImageFolder`` does), and counted.
+    naming the file (as ``data.SafeImageFolder`` does), and counted. Images are read as
+    stored (no EXIF orientation: the json's boxes are the stored pixels').
+
+    Raises:
+        UserError: no image of the split can be read (checked when it is built, from the
+            first image on).
     """
 
     def __init__(self, entries, categories):
@@ -294,6 +333,9 @@ class CocoImages(torch.utils.data.Dataset):
                                                 dtype=torch.long),
                          "crowd": e["crowd"]} for e in entries]
         self.unreadable = torch.zeros(len(entries), dtype=torch.uint8).share_memory_()
+        self.warned = torch.zeros(len(entries), dtype=torch.uint8).share_memory_()
+        if entries:
+            self[0]  # finds a readable image now, or raises UserError
 
     def __len__(self):
         return len(self.entries)
@@ -308,7 +350,7 @@ class CocoImages(torch.utils.data.Dataset):
                 continue
             entry = self.entries[i]
             try:
-                image = TF.pil_to_tensor(images.load_image(entry["path"]))
+                image = TF.pil_to_tensor(images.load_image(entry["path"], oriented=False))
             except images.UnreadableImage as e:
                 self.unreadable[i] = 1
                 say(f"warning: skipping unreadable image {entry['path']} ({e}); the next "
@@ -316,16 +358,37 @@ class CocoImages(torch.utils.data.Dataset):
                 continue
             target = self.targets[i]
             h, w = image.shape[-2:]
+            if h != w and (h, w) == (entry["width"], entry["height"]) and not self.warned[i]:
+                self.warned[i] = 1
+                say(f"warning: {entry['path']} is {w}x{h} as stored, its json says "
+                    f"{entry['width']:g}x{entry['height']:g}: if its boxes were drawn on "
+                    f"the image turned by its EXIF orientation, they miss their objects "
+                    f"(images are read as stored)", file=sys.stderr)
             if (h, w) != (entry["height"], entry["width"]):  # boxes are the json's pixels
                 sx, sy = w / entry["width"], h / entry["height"]
                 target = dict(target, boxes=target["boxes"] * torch.tensor([sx, sy, sx, sy]))
             return image, target
-        return torch.zeros(3, 1, 1, dtype=torch.uint8), {
-            "boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.long),
-            "crowd": torch.zeros(0, dtype=torch.bool)}
+        folder = os.path.dirname(self.entries[0]["path"]) if size else "the split"
+        raise UserError(f"no image in {folder!r} can be read (see the warnings above)")
 
 
 # ------------------------------------------------------------------ transforms
+
+def fitted(h, w, side):
+    """``[height, width]`` of an ``h`` x ``w`` image with its long side at ``side`` (as
+    ``TF.resize(image, None, max_size=side)`` gives), each side at least 1 px."""
+    new_short = max(1, int(side * min(h, w) / max(h, w)))
+    return [side, new_short] if w <= h else [new_short, side]
+
+
+class _ScaleJitter(v2.ScaleJitter):
+    """``v2.ScaleJitter`` (the same draw), each side of its result at least 1 px (an image
+    of extreme aspect ratio, 2000 x 10, would have a side of 0)."""
+
+    def make_params(self, flat_inputs):
+        height, width = super().make_params(flat_inputs)["size"]
+        return dict(size=(max(height, 1), max(width, 1)))
+
 
 class BoxTransform:
     """An image and its boxes to a square ``side`` x ``side`` sample (module docstring).
@@ -343,7 +406,7 @@ class BoxTransform:
         self.max_boxes = max(max_boxes, 1)
         self.jitter = v2.Compose([
             v2.RandomHorizontalFlip(0.5),
-            v2.ScaleJitter((side, side), scale_range=SCALE_RANGE),
+            _ScaleJitter((side, side), scale_range=SCALE_RANGE),
             v2.RandomCrop(side, pad_if_needed=True),
             v2.ClampBoundingBoxes(),
             v2.SanitizeBoundingBoxes(min_size=1.0),
@@ -353,7 +416,7 @@ class BoxTransform:
         """The long side at ``side``, padded right and bottom: ``(image, (sx, sy))``."""
         h, w = image.shape[-2:]
         if (h, w) != (self.side, self.side):
-            image = TF.resize(image, None, max_size=self.side, antialias=True)
+            image = TF.resize(image, fitted(h, w, self.side), antialias=True)
         nh, nw = image.shape[-2:]
         image = TF.pad(image, [0, 0, self.side - nw, self.side - nh])
         return image, (nw / w, nh / h)
@@ -386,8 +449,8 @@ class BoxTransform:
         """Training without augmentation: image and boxes as evaluation resizes them."""
         h, w = picture.shape[-2:]
         if (h, w) != (self.side, self.side):
-            picture, held = TF.resize(picture, None, max_size=self.side, antialias=True), \
-                TF.resize(held, None, max_size=self.side)
+            size = fitted(h, w, self.side)
+            picture, held = TF.resize(picture, size, antialias=True), TF.resize(held, size)
         nh, nw = picture.shape[-2:]
         pads = [0, 0, self.side - nw, self.side - nh]
         return TF.pad(picture, pads), TF.pad(held, pads)

@@ -39,7 +39,7 @@ def _to_rgb(image):
     return image.convert("RGB")  # palette, LA, RGBA, CMYK... (and always a copy)
 
 
-def load_image(path, short_side=None, interpolation=None):
+def load_image(path, short_side=None, interpolation=None, oriented=True):
     """Reads an image file fully into an 8-bit RGB PIL image (ImageFolder's loader).
 
     Only ``IMAGE_FORMATS`` are tried (never EPS/PostScript or PDF). A decompression bomb
@@ -54,6 +54,8 @@ def load_image(path, short_side=None, interpolation=None):
             decoded at 1/2, 1/4 or 1/8 of its size first (PIL's draft mode: no smaller
             than needed), several times faster. None: the image as it is.
         interpolation: a ``v2.InterpolationMode`` for that resize (default bilinear).
+        oriented: apply the EXIF orientation; False: the pixels as stored (what a COCO
+            json's boxes and sizes describe, as torchvision's COCO reference reads them).
 
     Returns:
         The RGB image (see ``_to_rgb`` for 16-bit, 32-bit and float grayscale).
@@ -72,7 +74,7 @@ def load_image(path, short_side=None, interpolation=None):
                     if scale < 0.5:  # only then can the decoder skip work
                         image.draft("RGB", tuple(math.ceil(s * scale) for s in image.size))
                 image.load()
-                image = _to_rgb(ImageOps.exif_transpose(image))
+                image = _to_rgb(ImageOps.exif_transpose(image) if oriented else image)
     except UnreadableImage:
         raise
     except Exception as e:  # PIL raises OSError, ValueError, SyntaxError, EOFError...

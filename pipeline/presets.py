@@ -289,7 +289,9 @@ def backbone_weights(name):
 def fetch_weights(weights):
     """torchvision's state_dict of ``weights``: read from TORCH_HOME's hub/checkpoints
     where it is, else downloaded there once and hash-checked (torch.hub, as torchvision
-    does; a progress bar in a terminal).
+    does; a progress bar in a terminal). Loaded with ``weights_only=True`` (torchvision's
+    ``get_state_dict`` unpickles anything: a copy planted there whose SHA-256 matches
+    the 8 hex digits of its name would run code).
 
     Raises:
         ops.UserError: offline (or any download failure) with no copy there: one line
@@ -305,7 +307,8 @@ def fetch_weights(weights):
     if had_copy:  # torch.hub checks the hash of a download only, not of a copy it finds
         check_weights_hash(path, weights)
     try:
-        return weights.get_state_dict(progress=sys.stderr.isatty(), check_hash=True)
+        return torch.hub.load_state_dict_from_url(weights.url, progress=sys.stderr.isatty(),
+                                                  check_hash=True, weights_only=True)
     except (urllib.error.URLError, OSError, TimeoutError) as e:
         reason = getattr(e, "reason", None) or e.strerror or e
         raise UserError(f"--pretrained torchvision: cannot download {weights} from "

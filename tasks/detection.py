@@ -66,10 +66,61 @@ def frozen_norms(net):
     return net
 
 
+def _float32(value):
+    """``value`` (a tensor, or lists, tuples and dicts of them) with every floating tensor
+    of another dtype in float32; None where there is none."""
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.is_floating_point() and \
+            value.dtype != torch.float32 else None
+    if isinstance(value, (list, tuple, dict)):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        changed = {k: _float32(v) for k, v in items}
+        if all(v is None for v in changed.values()):
+            return None
+        if isinstance(value, dict):
+            return {k: value[k] if v is None else v for k, v in changed.items()}
+        return type(value)(value[k] if v is None else v for k, v in changed.items())
+    return None
+
+
+def _head_in_float32(module, args, output):
+    """A forward hook: the head's outputs (box deltas, scores) in float32."""
+    return _float32(output)
+
+
+def _anchors_in_float32(module, args):
+    """A forward pre-hook of an anchor generator, which makes its anchors in its feature
+    maps' dtype: float32 stand-ins of their shapes (no memory: expanded scalars)."""
+    image_list, feature_maps = args
+    if all(f.dtype == torch.float32 for f in feature_maps):
+        return None
+    return image_list, [torch.zeros((), device=f.device).expand(f.shape) for f in feature_maps]
+
+
+BOX_HEADS = ("rpn.head", "roi_heads.box_predictor", "head")  # torchvision's, by builder
+ANCHOR_GENERATORS = ("rpn.anchor_generator", "anchor_generator")
+
+
+def decode_in_float32(net):
+    """Boxes decoded in float32 under any autocast (the CUDA review's N-M1): torchvision's
+    box coders decode in their deltas' dtype, with the anchors in the feature maps' (under
+    ``--amp bf16`` bfloat16's 8 bits round a corner by 1-4 px). The heads' outputs and the
+    anchors are made float32 (hooks); without autocast nothing changes."""
+    names = dict(net.named_modules())
+    for name in BOX_HEADS:
+        if name in names:
+            names[name].register_forward_hook(_head_in_float32)
+    for name in ANCHOR_GENERATORS:
+        if name in names:
+            names[name].register_forward_pre_hook(_anchors_in_float32)
+    return net
+
+
 def build_detector(name, num_classes, image_size, pretrained=False):
     """torchvision's detector ``name`` for ``num_classes`` object classes (+ background),
     from scratch (its backbone's BatchNorm frozen when ``pretrained`` weights will be
-    loaded), its resize set to ``image_size``."""
+    loaded), its resize set to ``image_size``, its boxes decoded in float32
+    (``decode_in_float32``)."""
     import torchvision
 
     builder = torchvision.models.get_model_builder(name)
@@ -78,6 +129,7 @@ def build_detector(name, num_classes, image_size, pretrained=False):
     transform.min_size, transform.max_size = (image_size,), image_size
     if transform.fixed_size is not None:  # SSD's fixed 300 x 300 (320 for SSDlite)
         transform.fixed_size = (image_size, image_size)
+    decode_in_float32(net)
     return frozen_norms(net) if pretrained else net
 
 
@@ -386,17 +438,27 @@ class DetectionEvaluation(Evaluation):
     by image and runs torchmetrics' ``MeanAveragePrecision`` (COCO's evaluation, the
     pycocotools backend) once, on the whole set, so the figures do not depend on the
     number of processes or the batch size. The first ``examples`` images of this process
-    are kept for the picture.
+    are kept for the picture. Each state starts with an empty tensor of its own shape and
+    dtype, so that a process without a validation image (a set smaller than the number of
+    processes) gathers what the others do (torchmetrics would send a 1-D float32 for it:
+    gloo aborts, NCCL hangs: the CUDA review's N-L3).
     """
 
     NAMES = ("pred_boxes", "pred_scores", "pred_labels", "pred_image",
              "true_boxes", "true_labels", "true_crowd", "true_image", "images")
+    EMPTY = {"pred_boxes": ((0, 4), torch.float32), "pred_scores": ((0,), torch.float32),
+             "pred_labels": ((0,), torch.long), "pred_image": ((0,), torch.long),
+             "true_boxes": ((0, 4), torch.float32), "true_labels": ((0,), torch.long),
+             "true_crowd": ((0,), torch.bool), "true_image": ((0,), torch.long),
+             "images": ((0,), torch.long)}
 
     def __init__(self, num_classes, device, examples=EXAMPLES):
         super().__init__()
         self.num_classes, self.want, self.kept = num_classes, examples, []
         for name in self.NAMES:
             self.add_state(name, [], "cat")
+            shape, dtype = self.EMPTY[name]
+            getattr(self, name).append(torch.zeros(shape, dtype=dtype))
         self.to(device)
 
     def update(self, out, y, x=None):

@@ -216,6 +216,30 @@ def test_gpu_script_cuts_a_hanging_check_and_keeps_to_its_budget(tmp_path):
     assert seconds < 30
 
 
+@pytest.mark.slow
+def test_gpu_script_says_what_detection_lacks_before_it_runs_it(tmp_path):
+    """The CUDA review's N-M2: an interpreter without pycocotools (the lent GPU's image):
+    the imports check names it, detection's step rate is one FAILED line at once and is
+    not started (it trained 30-45 s and died without a figure)."""
+    blocker = tmp_path / "blocker" / "pycocotools"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('not on this image')\n")
+    shim = tmp_path / "python-shim"
+    shim.write_text(f"#!/bin/sh\nPYTHONPATH={blocker.parent} exec {sys.executable} \"$@\"\n")
+    shim.chmod(0o755)
+    skip = ("tests photos lightning resnet9-device resnet18-bf16 resnet18-fp32 segmentation "
+            "gan diffusion pix2pix resnet9-loader")
+    out, _ = _gpu_sh(tmp_path, shim, GPU_SH_SKIP=skip)
+    assert out.returncode == 1, out.stdout[-3000:]
+    result = json.loads((tmp_path / "out" / "gpu-figures.json").read_text())
+    assert result["failed"] == [
+        "detection: pycocotools (detection's mAP (torchmetrics' MeanAveragePrecision "
+        "backend)) cannot be imported: its step rate is not run (carry the wheel: README.md, "
+        "'On a borrowed GPU')"]
+    assert result["figures"]["env.missing_for_detection"]["value"] == "pycocotools"
+    assert "bench/detection.py" not in out.stdout  # not started
+
+
 def _bench_module(name, monkeypatch):
     """Imports bench/NAME.py as a module, its folder last on the path (for ``common``:
     first, bench/data.py would hide the repository's data.py)."""

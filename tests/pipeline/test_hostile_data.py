@@ -207,6 +207,34 @@ def test_a_damaged_copy_of_the_weights_is_refused_with_one_line(
     assert cached.read_bytes() == open(served, "rb").read()
 
 
+class _Planted:
+    """A pickle that runs ``os.system`` when it is unpickled without weights_only."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_planted_copy_whose_hash_matches_its_name_runs_no_code(tmp_path, monkeypatch):
+    """Reliability review 7's F8: the copy in TORCH_HOME is checked against the 8 hex
+    digits of SHA-256 in its name (which a planted file can be made to match) and then
+    loaded with weights_only=True: a pickle that runs code is one line, the code not run."""
+    import torchvision
+    from helpers import put_in_torch_hub
+
+    from ops import UserError
+
+    weights = torchvision.models.MobileNet_V3_Small_Weights.IMAGENET1K_V1
+    marker = tmp_path / "MARKER"
+    put_in_torch_hub(weights, {"w": _Planted(str(marker))}, tmp_path, monkeypatch)
+    with pytest.raises(UserError, match=r"^--pretrained torchvision: the copy at .* does not "
+                                        r"load \(Weights only load failed"):
+        presets.fetch_weights(weights)
+    assert not marker.exists()
+
+
 # ------------------------------------------------- a stop signal in a photo cache build
 
 
