@@ -235,7 +235,7 @@ def generator_metadata(config, state, source, weights, described):
     ``training_config`` (the run's identity and what rebuilds the network), ``input``,
     ``output``, ``weights`` (``ema`` or ``raw``), ``quantization`` and ``source``.
     ``described``: the task's ``(config keys that rebuild it, its input, its output)``
-    (its ``test_checkpoint``'s)."""
+    (its ``exported``'s)."""
     keys, given, made = described
     stored = {key: config[key] for key in (*STORED_CONFIG, *keys) if key in config}
     return {"training_config": json.dumps(stored), "input": given, "output": made,

@@ -11,7 +11,7 @@ resolved config as a plain dict (train.py's defaults). A save is what Saver.save
 an epoch end with --keep-last 2: build the state, checkpoint.save_checkpoint to last.pt
 with a hard-linked epoch-NNNN.pt (temporary file, fsync, rename, directory fsync), then
 checkpoint.rotate. A load is checkpoint.load_checkpoint (weights_only, to the CPU), then
-restoring weights, optimizer and RNG as train.restore does. Medians over --repeats. A
+restoring weights, optimizer and RNG as saving.restore does. Medians over --repeats. A
 torch.save of the same state into memory is timed too: the part no faster disk removes.
 Loads read a file just written, so it comes from the page cache (a warm resume).
 

@@ -16,7 +16,7 @@ from torch.autograd import DeviceType
 import ops
 import train
 from config import with_defaults
-from machinery import checkpoint, elastic, hardware, meters, runtime, watchdog
+from machinery import checkpoint, elastic, hardware, meters, param_groups, runtime, watchdog
 from networks import build_network
 from pipeline import data, device_data
 from reporting import lr_finder, metrics, profiling, runlog
@@ -64,7 +64,7 @@ def test_the_group_unfreezing_adds_gets_zero_momentum_buffers():
     frozen = ops.freeze(net, config["freeze"])
     optimizer = ops.build_optimizer(net, config, torch.device("cpu"))
     assert optimizer.defaults["fused"]
-    names = ops.unfreeze_into(net, optimizer, config)
+    names = param_groups.unfreeze_into(net, optimizer, config)
     assert names and sorted(names) == sorted(frozen)
     params = dict(net.named_parameters())
     for name in names:  # a skipped first step after the unfreezing leaves them as they are
