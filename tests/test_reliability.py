@@ -562,11 +562,12 @@ def test_a_max_steps_stop_saves_before_its_final_validation_and_a_signal_ends_it
     # Round 7's F1: the command it prints (--resume auto, the same flags) takes no step: the
     # final validation the signal cut, once; and again, the same (each start no step more).
     monkeypatch.setattr(train, "validate", validate)
-    saved_state = ckpt(tmp_path)
+    saved_state, written = ckpt(tmp_path), os.stat(last).st_mtime_ns
     for _ in range(2):
         assert train.main(tiny_args(tmp_path, "--max-steps", "3", "--resume", "auto",
                                     epochs=2)) == 0
-        assert_states_equal(ckpt(tmp_path), saved_state)  # not even saved again
+        assert_states_equal(ckpt(tmp_path), saved_state)
+        assert os.stat(last).st_mtime_ns == written  # not even saved again
         records = read_metrics(tmp_path)
         assert [(r["step"], r.get("final")) for r in records] == [(3, True)]
 
