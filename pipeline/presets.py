@@ -352,7 +352,7 @@ def preset(config):
     from a timm network's data configuration (``timm_hub.preset``), from the pretrained
     torchvision weights' own transforms where ``--pretrained torchvision`` is used, else
     ImageNet's statistics (sample_transforms.STATS) and bilinear."""
-    if timm_hub.is_timm(config["network"]):  # the model's own data configuration
+    if timm_hub.is_timm(config.get("network")):  # the model's own data configuration
         return timm_hub.preset(config)
     weights = torchvision_weights(config["network"], config["pretrained"]) \
         if config.get("pretrained") else None
