@@ -20,13 +20,17 @@ to count their samples and labels: both splits, here the same shards), printed a
   (webdataset reads http URLs through curl) with a shuffle buffer of 1000.
 
 One thread each (torch.set_num_threads(1), no DataLoader workers), the loops in turn,
---repeats turns; medians of images/s and the ratio ours/webdataset (the target: >= 0.95).
+--repeats turns; medians of images/s and the ratio ours/webdataset (the target: >= 0.95),
+and of images per CPU second (this process, its read-ahead thread, and webdataset's curl
+processes; not the server): on a machine others load, wall-clock rates follow the
+scheduler more than the code.
 Prints figures; asserts nothing.
 """
 
 import argparse
 import io
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -42,6 +46,13 @@ from PIL import Image
 from config import with_defaults
 from pipeline import data
 from pipeline.images import load_image
+
+
+def cpu_seconds():
+    """CPU time of this process and its ended children (webdataset's curl) so far."""
+    own, children = (resource.getrusage(w) for w in (resource.RUSAGE_SELF,
+                                                      resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def write_shards(folder, images, per_shard, side, seed=0):
@@ -74,10 +85,11 @@ def ours(spec, buffer):
         len(train), generator=torch.Generator().manual_seed(config["seed"] * 10_007 + 1))
     base = train.base
     base.epoch = 1
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_seconds()
     for index in order.tolist():
         base[index]  # (image, label)
-    return len(order) / (time.perf_counter() - start), opened
+    wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu
+    return len(order) / wall, len(order) / cpu, opened
 
 
 def plain(spec, buffer):
@@ -86,10 +98,11 @@ def plain(spec, buffer):
 
     dataset = webdataset.WebDataset(spec, shardshuffle=False, empty_check=False).shuffle(
         buffer).map(lambda s: (load_image(io.BytesIO(s["jpg"])), int(s["cls"])))
-    start, count = time.perf_counter(), 0
+    start, cpu, count = time.perf_counter(), cpu_seconds(), 0
     for _sample in dataset:
         count += 1
-    return count / (time.perf_counter() - start)
+    wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu
+    return count / wall, count / cpu
 
 
 def free_port():
@@ -121,18 +134,25 @@ def main():
             print(f"{args.images} JPEGs of {args.side}x{args.side} in {count} shards; one "
                   f"thread; {args.repeats} turns; images/s (medians)")
             for name, spec in (("local", local), ("http", url)):
-                got, opened = {"ours": [], "webdataset": []}, []
+                got, per_cpu, opened = {"ours": [], "webdataset": []}, {"ours": [],
+                                                                         "webdataset": []}, []
                 for _ in range(args.repeats):
-                    rate, seconds = ours(spec, args.buffer)
+                    rate, cpu_rate, seconds = ours(spec, args.buffer)
                     got["ours"].append(rate)
+                    per_cpu["ours"].append(cpu_rate)
                     opened.append(seconds)
-                    got["webdataset"].append(plain(spec, args.buffer))
+                    rate, cpu_rate = plain(spec, args.buffer)
+                    got["webdataset"].append(rate)
+                    per_cpu["webdataset"].append(cpu_rate)
                 a, b = (statistics.median(got[k]) for k in ("ours", "webdataset"))
+                c, d = (statistics.median(per_cpu[k]) for k in ("ours", "webdataset"))
                 what = "random access" if name == "local" else "streamed"
                 print(f"{name:5s}  ours ({what}) {a:8.1f}   webdataset {b:8.1f}   "
                       f"ratio {a / b:.2f}   turns: ours {[round(x) for x in got['ours']]}, "
                       f"webdataset {[round(x) for x in got['webdataset']]}; ours opened the "
                       f"set (both splits) in {statistics.median(opened):.2f} s first")
+                print(f"{name:5s}  per CPU second (the process and its curl): ours {c:8.1f}"
+                      f"   webdataset {d:8.1f}   ratio {c / d:.2f}")
         finally:
             server.terminate()
             server.wait()

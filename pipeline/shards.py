@@ -35,6 +35,7 @@ import collections
 import contextlib
 import hashlib
 import heapq
+import http.client
 import io
 import json
 import os
@@ -59,6 +60,11 @@ FIRST_DELAY = 0.5    # s before the second try; doubled at each next one (15.5 s
 TIMEOUT = 30         # s a server may stay silent before a read counts as failed
 MAX_BAD_SHARDS = 0.25  # of the shards: more that cannot be read ends the run
 OPEN_SHARDS = 64     # indexed shards a process keeps open (memory-mapped) at a time
+
+
+# what a read of a shard may raise: URLError, HTTPError, a cut connection (IncompleteRead),
+# a truncated or damaged tar
+READ_ERRORS = (OSError, tarfile.TarError, EOFError, ValueError, http.client.HTTPException)
 
 
 class ShardFault(UnreadableImage):
@@ -108,8 +114,10 @@ class ReadAhead(io.RawIOBase):
 
     def _fill(self):
         while not self.stopped:
-            try:
-                item = self.response.read(self.CHUNK)
+            try:  # what has come (read1), not a whole chunk: the parsing starts at once
+                item = self.response.read1(self.CHUNK)
+                if not item and getattr(self.response, "length", None):  # cut short
+                    item = http.client.IncompleteRead(b"", self.response.length)
             except Exception as e:  # (handed to the reader: it decides)
                 item = e
             while not self.stopped:
@@ -181,7 +189,7 @@ def retried(what, attempt):
     for n in range(RETRIES):
         try:
             return attempt()
-        except (OSError, tarfile.TarError, EOFError, ValueError) as e:
+        except READ_ERRORS as e:
             error = e  # URLError, HTTPError, IncompleteRead, a truncated tar, ...
             if isinstance(e, UnreadableImage):
                 raise
@@ -423,7 +431,7 @@ class StreamedShards(IndexedShards):
                     at += 1
                 if at < self.sizes[shard]:
                     raise EOFError(f"{at} of {self.sizes[shard]} samples")
-            except (OSError, tarfile.TarError, EOFError, ValueError) as e:
+            except READ_ERRORS as e:
                 say(f"warning: reading {url} failed at sample {at} ({type(e).__name__}: "
                     f"{e}); trying again from there", file=sys.stderr)
             finally:

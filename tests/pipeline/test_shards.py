@@ -356,3 +356,38 @@ def test_the_classes_are_counted_on_both_splits(sources, tmp_path):
     train, val = data.build_datasets(config_for(str(tmp_path / "t.tar"),
                                                 str(tmp_path / "v.tar")))
     assert train.classes == val.classes == ["0", "1", "2"] and train.num_classes == 3
+
+
+def test_a_download_cut_short_is_no_cached_shard(sources, tmp_path, quick_retries):
+    """The shard cache: a server that sends half a shard, then closes, twice: the third
+    try's whole copy is what is kept, never a truncated one."""
+    import functools
+    import http.server
+
+    tries = []
+
+    class Cutting(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def copyfile(self, source, outputfile):
+            data = source.read()
+            tries.append(self.path)
+            if tries.count(self.path) <= 2:
+                data = data[:len(data) // 2]
+                self.close_connection = True
+            outputfile.write(data)
+
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(Cutting, directory=sources["shards"]))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        path = shards.cached_copy(f"http://127.0.0.1:{server.server_port}/train-000.tar",
+                                  str(tmp_path / "cache"))
+    finally:
+        server.shutdown()
+        server.server_close()
+    with open(os.path.join(sources["shards"], "train-000.tar"), "rb") as f:
+        assert open(path, "rb").read() == f.read()
+    assert len(tries) == 3
