@@ -131,6 +131,7 @@ def _evaluation_worker(rank, world_size, port, out_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_process_without_a_validation_image_gathers_with_the_others(tmp_path):
     """Two gloo processes, one validation image: both get the set's figures (the empty
     process's states were 1-D float32 tensors: gloo aborted)."""
