@@ -250,6 +250,14 @@ def test_fid_and_kid_on_classifier_features_against_the_real_validation_images(
     assert f"fid_classifier {want['fid_classifier']:.4f}" in line
     assert "10 generated images (latents of seed 7) against the first 10 validation " \
            "images of mnist" in line and "not Inception" in line
+    # --seed chooses the latents and KID's subsets of test.py's FID too (R59-14)
+    assert _run(test_py, "--checkpoint", ckpt, "--fid-samples", 10, "--fid-features",
+                classifier, "--json", report, "--seed", 8) == 0
+    other = gan_metrics.generator_scores(_generator(state, "ema"), real,
+                                         gan_metrics.build_features(classifier), 10, seed=8)
+    assert other["fid_classifier"] != want["fid_classifier"]
+    assert json.loads(report.read_text())["fid_classifier"] == pytest.approx(
+        other["fid_classifier"], rel=1e-4)
 
 
 def test_inception_without_its_file_is_one_line_before_anything_is_written(
