@@ -236,6 +236,11 @@ class PrepareNone(Regression):
         return None
 
 
+class PrepareOne(Regression):
+    def prepare(self, x, y, where):
+        return x
+
+
 class EvalDict(Regression):
     def evaluation(self, device, model=None):
         return {"loss": 0.0}
@@ -260,6 +265,8 @@ class PrepareHalf(Regression):
     ("LossDict", "error: the task's loss returned a dict, not"),
     ("LossNoGrad", "error: the task's loss returned a tensor without a gradient"),
     ("PrepareNone", "error: the task's prepare returned None, not (inputs, targets)"),
+    ("PrepareOne", "error: the task's prepare returned a torch.float32 tensor of shape "
+                   "(16, 3, 8, 8), not (inputs, targets)"),
     ("EvalDict", "error: the task's evaluation returned a dict, not a tasks.Evaluation"),
     ("LossDetached", "warning: the task's loss is a tensor of its own"),
     ("PrepareHalf", "warning: the task's prepare returned 8 samples of the batch's 16"),
@@ -368,7 +375,7 @@ def test_a_task_that_cannot_be_found_is_one_error_line(tmp_path, task_file, name
     assert not (tmp_path / "run").exists()
 
 
-def test_test_py_json_holds_the_tasks_figures(tmp_path, task_file, capsys):
+def test_test_py_json_holds_the_tasks_figures(tmp_path, task_file, capsys, monkeypatch):
     assert train.main(["--task", task_file, *tiny_args(tmp_path / "run")]) == 0
     out = tmp_path / "r.json"
     code, _, err = main_in_process(load_test_py().main, [
@@ -392,6 +399,8 @@ def test_test_py_json_holds_the_tasks_figures(tmp_path, task_file, capsys):
         "--checkpoint", str(tmp_path / "run" / "checkpoints" / "last.pt"), "--export",
         str(exported), "--task", task_file], capsys)
     assert code == 0, err
+    monkeypatch.setattr(tasks, "_named", set())  # (a new process: only --task's file named)
+    monkeypatch.setattr(tasks, "_loaded", {})
     code, out, err = main_in_process(load_test_py().main, [
         "--model", str(exported), "--task", f"{moved}:Regression", "--json", str(out_m := (
             tmp_path / "m.json"))], capsys)
