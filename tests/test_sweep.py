@@ -325,8 +325,8 @@ def test_a_pruned_trial_stops_at_one_step_in_both_processes(uninterrupted):
     complete = [t for t in study if t[1] == "COMPLETE"]
     for number, *_ in complete:  # the others trained their 3 epochs (2 steps each)
         assert last_checkpoint(uninterrupted["dir"], number)["step"] == 6
-    assert f"exitcode  : {sweep_trial.EXIT_PRUNED}" in uninterrupted["out"] or \
-        f"exitcode : {sweep_trial.EXIT_PRUNED}" in uninterrupted["out"]
+    # a pruned process exits 0 under torchrun, so torchrun ends no other one with SIGTERM
+    assert "ChildFailedError" not in uninterrupted["out"]
     assert trial_processes(uninterrupted["dir"]) == []  # no stray process
 
 
