@@ -14,7 +14,7 @@ the study (the trial's system attribute ``PRUNED_ATTR``) before the epoch's save
 trial killed after it and resumed stops at that step again, whether its last.pt was written
 before the kill or not; a decision to go on is not recorded: asked again, the pruner gives
 the same answer (it reads the finished trials only). A pruned train.py exits with
-``EXIT_PRUNED``.
+``EXIT_PRUNED`` (one process; 0 under torchrun, see ``exit_code``).
 """
 
 import json
@@ -30,6 +30,7 @@ PRUNERS = ("median", "hyperband", "none")
 
 _decided = {}  # step -> whether the trial stops there (this process; shared by every rank)
 _opened = {}   # the study and trial id, opened once per process (process 0)
+_world = {}    # "size": the trial's number of processes
 
 
 def settings():
@@ -120,6 +121,7 @@ def reported(procs, step, figures):
     s = settings()
     if s is None:
         return figures
+    _world["size"] = procs.world_size
     prune = False
     if procs.rank == 0:
         value = float(figures.get(s["objective"], float("nan")))  # missing: NaN, pruned
@@ -136,6 +138,7 @@ def pruned(procs, step, epoch_samples):
     s = settings()
     if s is None or step == 0 or epoch_samples:
         return False
+    _world["size"] = procs.world_size
     if step not in _decided:  # a resumed trial: its epoch was validated before the kill
         _decided[step] = _share(procs.rank == 0 and _trial(s).pruned_at() == step, procs)
     if _decided[step] and procs.rank == 0:
@@ -146,5 +149,7 @@ def pruned(procs, step, epoch_samples):
 
 def exit_code():
     """A run's exit code when it ended without an error: ``EXIT_PRUNED`` when the pruner
-    stopped it, else 0."""
-    return EXIT_PRUNED if any(_decided.values()) else 0
+    stopped a run of one process, else 0. Under torchrun a pruned process exits with 0: a
+    process that exits with another code makes torchrun end the others with SIGTERM, maybe
+    before process 0's last writes (sweep.py reads the prune from the study)."""
+    return EXIT_PRUNED if any(_decided.values()) and _world.get("size", 1) == 1 else 0

@@ -46,7 +46,7 @@ SMALLEST = {
                     "--repeats", "1", "--samples", "16"], "+ random_erase 1"),
     "segmentation.py": (["--samples", "16", "--size", "32", "--crop-size", "24", "--epochs",
                          "1", "--batch-size", "8", "--workers", "0"], "plain     "),
-    "sweep.py": (["--trials", "2", "--epochs", "1", "--synthetic-size", "64"],
+    "sweep.py": (["--trials", "1", "--epochs", "1", "--synthetic-size", "64"],
                  "median pruning trained"),
     "shards.py": (["--images", "16", "--per-shard", "8", "--buffer", "4", "--repeats", "1"],
                   "http   ours (streamed)"),

@@ -32,6 +32,7 @@ def study(tmp_path, monkeypatch):
         "objective": "val_loss"}))
     monkeypatch.setattr(sweep_trial, "_decided", {})
     monkeypatch.setattr(sweep_trial, "_opened", {})
+    monkeypatch.setattr(sweep_trial, "_world", {})
     return study
 
 
