@@ -559,8 +559,6 @@ def with_defaults(stored):
     return config
 
 
-# Ranges: each helper gives (test, the rule as the error message says it).
-
 def _at_least(low):
     return (lambda v: v >= low), ("must not be negative" if low == 0
                                   else f"must be at least {low}")
@@ -572,14 +570,15 @@ def _within(low, high, high_open=False):
     return (lambda v: low <= v <= high), f"must be in [{low}, {high}]"
 
 
+_UNIT = ((lambda v: 0 < v <= 1), "must be in (0, 1]")
+_UNSET_OR_POSITIVE = ((lambda v: v is None or v >= 0), "must not be negative")
 MAX_SEED = 2**31 - 1  # numpy seeds must be below 2**32, and train.py seeds with seed + rank
 MAX_SYNTHETIC_BYTES = 8 * 2**30  # the synthetic set lives in memory as float32
 
-RANGES = {  # every numeric flag's allowed values
+RANGES = {  # every numeric flag's allowed values: (test, the rule as its error says it)
     "synthetic_size": _at_least(1),
     "image_size": _within(4, 4096),  # every network takes any side; 4096 is already huge
-    "crop_pct": ((lambda v: 0 < v <= 1), "must be in (0, 1]"),
-    "crop_min_scale": ((lambda v: 0 < v <= 1), "must be in (0, 1]"),
+    "crop_pct": _UNIT, "crop_min_scale": _UNIT,
     "num_classes": _within(2, 100_000),
     "num_workers": _at_least(0),
     "shuffle_buffer": _at_least(1),  # (--dataset shards, streamed)
@@ -593,8 +592,7 @@ RANGES = {  # every numeric flag's allowed values
     "lr": _at_least(0),  # 0: the weights stay (a check, a BatchNorm recalibration)
     "momentum": _within(0, 1, high_open=True),
     "weight_decay": _at_least(0),
-    "norm_weight_decay": ((lambda v: v is None or v >= 0), "must not be negative"),
-    "bias_weight_decay": ((lambda v: v is None or v >= 0), "must not be negative"),
+    "norm_weight_decay": _UNSET_OR_POSITIVE, "bias_weight_decay": _UNSET_OR_POSITIVE,
     "layer_decay": ((lambda v: v is None or 0 < v <= 1), "must be in (0, 1]"),
     "warmup_epochs": _at_least(0),
     "grad_clip": _at_least(0),
