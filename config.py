@@ -374,9 +374,9 @@ def _check_choice(key, value, action):
                         f"not {shown(value)}")
 
 
-class _NoAliasLoader(yaml.SafeLoader):
-    """SafeLoader without anchors and aliases: a few hundred bytes of nested aliases (a
-    "billion laughs") expand to gigabytes when the config is saved."""
+class RecipeLoader(yaml.SafeLoader):
+    """SafeLoader without anchors and aliases (a few hundred bytes of nested aliases, a
+    "billion laughs", expand to gigabytes when the config is saved): every recipe's."""
 
     def compose_node(self, parent, index):
         event = self.peek_event()
@@ -428,7 +428,7 @@ def _read_yaml(path, parser):
         raise UserError(f"config {path!r} is not UTF-8 text (byte {e.object[e.start]:#04x} "
                         f"at offset {e.start})") from None
     try:
-        values = yaml.load(text, Loader=_NoAliasLoader)
+        values = yaml.load(text, Loader=RecipeLoader)
     except yaml.YAMLError as e:
         raise UserError(f"config {path!r} is not valid YAML: {_yaml_problem(e)}") from None
     except RecursionError:

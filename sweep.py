@@ -51,7 +51,7 @@ import numpy as np
 import yaml
 
 import tasks
-from config import OneLineParser, build_parser, check_config, parse_config
+from config import OneLineParser, RecipeLoader, build_parser, check_config, parse_config
 from machinery import sweep_trial
 from ops import UserError
 from reporting import sweep_report
@@ -129,13 +129,14 @@ def parse_args(argv):
 
 def read_recipe(path):
     """The recipe (a dict without ``sweep``) and its ``sweep`` section."""
-    try:
+    try:  # as train.py reads a recipe: no anchors or aliases, no key given twice
         with open(path, encoding="utf-8") as f:
-            recipe = yaml.safe_load(f)
+            recipe = yaml.load(f, Loader=RecipeLoader)
     except OSError as e:
         raise UserError(f"cannot read the recipe {path!r}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise UserError(f"{path!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+    except (yaml.YAMLError, ValueError, RecursionError) as e:
+        first = (str(e) or "nested too deeply").splitlines()[0]
+        raise UserError(f"{path!r} is not valid YAML: {first}") from None
     if not isinstance(recipe, dict) or not isinstance(recipe.get("sweep"), dict):
         raise UserError(f"{path!r} has no sweep: section (a mapping with trials, sampler, "
                         f"pruner, seed, objective and space)")

@@ -96,6 +96,19 @@ def test_a_recipe_key_train_py_lacks_is_refused_with_the_recipe_named(tmp_path, 
     assert line.count(".yaml") == 1  # (not the copy the checks read)
 
 
+def test_a_recipe_with_an_alias_is_refused_as_train_py_refuses_it(tmp_path, capsys):
+    """The recipe is read as train.py reads one: anchors and aliases (a "billion laughs")
+    and a key given twice are one error line before anything is written."""
+    path = tmp_path / "r.yaml"
+    path.write_text("lr: &a 0.1\nmomentum: *a\nsweep: {trials: 1}\n")
+    capsys.readouterr()
+    assert sweep.main([str(path), "--sweep-dir", str(tmp_path / "sweep")]) == \
+        sweep.EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "anchors and aliases (&name, *name) are not allowed" in err[0]
+    assert not os.path.exists(tmp_path / "sweep")
+
+
 def test_another_sweep_in_the_same_directory_is_refused(tmp_path, capsys):
     sweep_dir = tmp_path / "sweep"
     os.makedirs(sweep_dir)
