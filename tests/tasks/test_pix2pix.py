@@ -129,6 +129,11 @@ def test_test_py_reports_what_training_logged_and_writes_the_outputs(trained, tm
         assert got[key] == pytest.approx(logged[f"val_{key}_ema"], rel=1e-6), key
     assert sorted(os.listdir(out)) == ["000000.png", "000001.png", "000002.png"]
     assert Image.open(out / "000000.png").size == (32, 32)
+    # --samples beyond a batch: the first 3 outputs over two batches of 2, no more
+    assert load_test_py().main(["--checkpoint", last, "--samples", "3", "--out",
+                                str(tmp_path / "out2"), "--batch-size", "2", "--device",
+                                "cpu", "--num-workers", "0"]) == 0
+    assert sorted(os.listdir(tmp_path / "out2")) == sorted(os.listdir(out))
     # its own earlier output holding another image is replaced, and said so; a user's
     # file of that name is refused before anything is written
     from tasks._generative import encode_png
