@@ -388,6 +388,8 @@ def test_test_py_json_holds_the_tasks_figures(tmp_path, task_file, capsys, monke
     assert report["count"] == 12  # the synthetic set's validation fifth of 64
     moved = tmp_path / "elsewhere.py"  # (the file moved, or test.py run from elsewhere)
     moved.write_text(open(task_file.split(":")[0]).read())
+    monkeypatch.setattr(tasks, "_named", set())  # (a new process: only --task's file named)
+    monkeypatch.setattr(tasks, "_loaded", {})
     code, _, err = main_in_process(load_test_py().main, [  # S7-24: --task replaces the
         "--checkpoint", str(tmp_path / "run" / "checkpoints" / "last.pt"), "--task",  # run's
         f"{moved}:Regression", "--json", str(out)], capsys)  # recorded task file
@@ -399,7 +401,7 @@ def test_test_py_json_holds_the_tasks_figures(tmp_path, task_file, capsys, monke
         "--checkpoint", str(tmp_path / "run" / "checkpoints" / "last.pt"), "--export",
         str(exported), "--task", task_file], capsys)
     assert code == 0, err
-    monkeypatch.setattr(tasks, "_named", set())  # (a new process: only --task's file named)
+    monkeypatch.setattr(tasks, "_named", set())
     monkeypatch.setattr(tasks, "_loaded", {})
     code, out, err = main_in_process(load_test_py().main, [
         "--model", str(exported), "--task", f"{moved}:Regression", "--json", str(out_m := (
