@@ -46,6 +46,7 @@ import tempfile
 import threading
 import time
 import warnings
+import zlib
 
 import numpy as np
 import yaml
@@ -290,9 +291,11 @@ def objective_of(section, config):
 
 # ---------------------------------------------------------------------- the sampler
 
-def trial_seed(seed, number):
-    """The seed of trial ``number``'s sampler: from the sweep's seed and the number only."""
-    return int(np.random.SeedSequence([int(seed), int(number)]).generate_state(1)[0])
+def trial_seed(seed, number, param=None):
+    """The seed of trial ``number``'s sampler (of its parameter ``param``'s draw): from the
+    sweep's seed, the number (and the parameter's name) only."""
+    key = [int(seed), int(number)] + ([zlib.crc32(param.encode())] if param else [])
+    return int(np.random.SeedSequence(key).generate_state(1)[0])
 
 
 def make_sampler(name, options, seed, grid=None):
@@ -309,7 +312,8 @@ def per_trial_sampler(name, options, seed, grid=None):
     """An Optuna sampler that hands each trial to a sampler of its own, seeded from
     (``seed``, the trial's number): what it proposes depends on the number and on the
     trials the study holds, not on what this process sampled before (a restarted driver
-    proposes the same values)."""
+    proposes the same values); each parameter's draw is seeded from its name too, so a
+    trial taken up after its driver died mid-suggest draws the rest as it would have."""
     import optuna
 
     class PerTrialSampler(optuna.samplers.BaseSampler):
@@ -330,8 +334,9 @@ def per_trial_sampler(name, options, seed, grid=None):
             return self.of(trial).sample_relative(study, trial, search_space)
 
         def sample_independent(self, study, trial, param_name, param_distribution):
-            return self.of(trial).sample_independent(study, trial, param_name,
-                                                     param_distribution)
+            one = self.of(trial) if name == "grid" else make_sampler(  # each parameter's
+                name, options, trial_seed(seed, trial.number, param_name), grid)  # own draw
+            return one.sample_independent(study, trial, param_name, param_distribution)
 
         def before_trial(self, study, trial):
             self.of(trial).before_trial(study, trial)

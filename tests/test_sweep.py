@@ -243,6 +243,7 @@ def test_a_restarted_driver_proposes_what_the_uninterrupted_one_did(tmp_path, na
         if number % 2:  # the driver dies after its first parameter: the next one takes
             sweep.suggest(trial, "lr", *space()["lr"])  # the trial up where it stood
             study = open_study(url, name, options)
+            study.get_trials(deepcopy=False)  # (sweep.py reads them before taking one up)
             trial = optuna.trial.Trial(study, trial._trial_id)
         resumed.append(run_trial(study, trial))
     assert resumed == uninterrupted

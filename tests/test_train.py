@@ -195,7 +195,7 @@ def test_every_flag_has_help_and_shows_its_default(capsys):
         assert action.help, action.dest
     with pytest.raises(SystemExit):
         parser.parse_args(["--help"])
-    text = capsys.readouterr().out
+    text = " ".join(capsys.readouterr().out.split())  # (argparse wraps at the terminal's width)
     assert "(default: 128)" in text and "default: resnet18, or simple_cnn" in text
 
 

@@ -46,7 +46,7 @@ networks.MLP.forward = stalled_forward
 SLOW_BUT_ALIVE = """
 import time
 import networks
-from machinery import engine
+from machinery import engine, saving
 original_forward, original_evaluate = networks.MLP.forward, engine.evaluate
 original_save = saving.Saver.save
 first = [True]
