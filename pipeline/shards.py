@@ -295,29 +295,41 @@ def _indexed(path):
     return IndexedTarSamples(path=path)
 
 
-def _index_local(paths, where):
-    """``(paths, sizes, labels)`` of the shards that can be indexed; the others are named
-    in a warning and left out."""
+def _local_labels(path):
+    """The labels of a local shard's samples, in order (its index opened with retries)."""
+    tar = retried(path, lambda: _indexed(path))
+    found = []
+    for i in range(len(tar)):
+        sample = {k.lstrip(".").lower(): v.getvalue() for k, v in tar[i].items()
+                  if hasattr(v, "getvalue")}
+        sample["__key__"] = tar[i]["__key__"]
+        found.append(label_of(sample, path))
+    tar.close()
+    return found
+
+
+def _survey(names, labels_of, faults, where):
+    """``(names, sizes, labels)`` of the shards whose labels ``labels_of(name)`` reads; a
+    shard that raises one of ``faults`` is named in a warning and left out (too many: one
+    error line, ``too_many_bad``)."""
     kept, sizes, labels, bad = [], [], [], 0
-    for path in paths:
+    for name in names:
         try:
-            tar = retried(path, lambda path=path: _indexed(path))
-            found = []
-            for i in range(len(tar)):
-                sample = {k.lstrip(".").lower(): v.getvalue() for k, v in tar[i].items()
-                          if hasattr(v, "getvalue")}
-                sample["__key__"] = tar[i]["__key__"]
-                found.append(label_of(sample, path))
-            tar.close()
-        except (ShardFault, FileNotFoundError) as e:
+            found = labels_of(name)
+        except faults as e:
             bad += 1
-            say(f"warning: skipping the shard {path}: {e}", file=sys.stderr)
+            say(f"warning: skipping the shard {name}: {e}", file=sys.stderr)
             continue
-        kept.append(path)
+        kept.append(name)
         sizes.append(len(found))
         labels += found
-    too_many_bad(bad, len(paths), where)
+    too_many_bad(bad, len(names), where)
     return kept, sizes, labels
+
+
+def _index_local(paths, where):
+    """``(paths, sizes, labels)`` of the shards that can be indexed."""
+    return _survey(paths, _local_labels, (ShardFault, FileNotFoundError), where)
 
 
 # ----------------------------------------------------------------------- streaming
@@ -517,22 +529,13 @@ class _Reader:
 def _count_streamed(urls, where):
     """``(urls, sizes, labels)`` of the shards over http(s), each read once (streamed) to
     count its samples and read their labels; those that cannot be read are left out."""
-    kept, sizes, labels, bad = [], [], [], 0
-    for url in urls:
-        def attempt(url=url):
+    def labels_of(url):
+        def attempt():
             with open_shard(url) as stream:
                 return [label_of(s, url) for s in tar_samples(stream, url)]
-        try:
-            found = retried(url, attempt)
-        except ShardFault as e:
-            bad += 1
-            say(f"warning: skipping the shard {url}: {e}", file=sys.stderr)
-            continue
-        kept.append(url)
-        sizes.append(len(found))
-        labels += found
-    too_many_bad(bad, len(urls), where)
-    return kept, sizes, labels
+        return retried(url, attempt)
+
+    return _survey(urls, labels_of, (ShardFault,), where)
 
 
 def open_set(spec, config, shuffle, log, role):
