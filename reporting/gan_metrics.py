@@ -292,8 +292,9 @@ def measure(features, real, fake, seed=0, batch_size=256, extracted=False):
         real, fake: images in [-1, 1], ``(N, C, H, W)`` tensors (at least 2 each).
         seed: KID's subset draws (torch's global generator is forked, not advanced).
         batch_size: images per forward pass of the feature extractor.
-        extracted: ``fake`` holds the generated images' features already, ``(N, D)``
-            (``extract``'s: the processes' shares of a validation, gathered), not images.
+        extracted: ``real`` and ``fake`` hold the images' features already, ``(N, D)``
+            each (``extract``'s: each process extracts its share of a validation's real
+            and generated images, process 0 measures them gathered), not images.
 
     Returns:
         ``{"fid<s>", "kid<s>", "kid_std<s>": float}`` with ``<s>`` empty for Inception and
@@ -323,9 +324,8 @@ def measure(features, real, fake, seed=0, batch_size=256, extracted=False):
                                       sync_on_compute=False).to(device)
     finite = True
     for images, is_real in ((real, True), (fake, False)):
-        given = extracted and not is_real  # (features already: taken as they are)
-        for batch in images.split(batch_size):
-            f = batch.to(device).double() if given else features(batch.to(device)).double()
+        for batch in images.split(batch_size):  # (features already: taken as they are)
+            f = batch.to(device).double() if extracted else features(batch.to(device)).double()
             finite = finite and bool(torch.isfinite(f).all())
             fid.update(f, real=is_real)
             kid.update(f, real=is_real)

@@ -1,10 +1,10 @@
 """What the generative tasks share (gan.py, diffusion.py): the sets they train on and
-each one's own image side, FID's real images (the first of the validation set, gathered
-on process 0; test.py's), how many FID measures (``--fid-samples`` and its default, fewer
-for --preflight's one batch), the sample grid TensorBoard shows, and the seeded samples
-test.py writes as PNGs. Not a task (the leading underscore keeps it out of ``--task``'s
-registry); a generator's images themselves (``generate``, ``to_uint8``) are
-gan_metrics.py's, which measures them.
+each one's own image side, FID's real images (the first of the validation set, their
+features gathered on process 0; test.py's), how many FID measures (``--fid-samples``
+and its default, fewer for --preflight's one batch), the sample grid TensorBoard shows,
+and the seeded samples test.py writes as PNGs. Not a task (the leading underscore keeps
+it out of ``--task``'s registry); a generator's images themselves (``generate``,
+``to_uint8``) are gan_metrics.py's, which measures them.
 """
 
 import contextlib
@@ -62,6 +62,20 @@ def first_images(kept, n):
     return first
 
 
+def real_features(task, kept, batch_size=256):
+    """The features (``gan_metrics.extract``'s) of the validation set's first
+    ``task.fid_samples`` images, on process 0 (None on the others; one process: its own).
+    ``kept`` is this process's share of them (``real_share``); each process extracts its
+    own and sends process 0 only their features (``first_images``), not their pixels: no
+    process extracts the others' images, none receives pixels (the CUDA review's N-L6).
+
+    Raises:
+        TooFewImages: the set has fewer than ``task.fid_samples`` images.
+    """
+    mine = [gan_metrics.extract(task.features, torch.cat(kept), batch_size)] if kept else []
+    return first_images(mine, task.fid_samples)
+
+
 def real_share(n, val_size):
     """How many of the first ``n`` validation images this process's shard holds (the
     shards of ``data.shard_indices``: contiguous, in rank order): all it keeps for FID,
@@ -83,9 +97,9 @@ def share(n, rank, world):
 
 def generated_scores(task, make, real, batch_size=256):
     """FID and KID (``gan_metrics.measure``) of the ``task.fid_samples`` images that
-    ``make(indices)`` makes for indices 0 on, against ``real`` (``first_images``'s), each
-    image a function of its index alone (the fixed latents; a sampler's noise of (seed,
-    index)).
+    ``make(indices)`` makes for indices 0 on, against the real images' features ``real``
+    (``real_features``'s: process 0's; None on the others), each image a function of its
+    index alone (the fixed latents; a sampler's noise of (seed, index)).
 
     One process makes and measures them all, as test.py does. Under DDP the generation is
     split over the processes by index (``share``): each makes its share, extracts its

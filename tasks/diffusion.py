@@ -28,8 +28,8 @@ from tasks._generative import (
     fid_line,
     fid_samples,
     fid_sets,
-    first_images,
     generated_scores,
+    real_features,
     real_share,
     sample_grid,
     write_samples,
@@ -367,7 +367,8 @@ class DiffusionEvaluation(Evaluation):
     validation images (summed over the processes); where it samples, the first
     ``fid_samples`` real images too, then (in ``compute``) the grid of the fixed seeds
     and FID and KID of as many sampled images. Under DDP each process samples its share
-    of the images by index and sends their features to process 0, which measures and
+    of the images by index and sends their features to process 0, with those of its share
+    of the real images (``_generative.real_features``), which measures and
     samples the grid; the others take its figures (as the GAN task's ``GANEvaluation``).
 
     Args:
@@ -402,11 +403,11 @@ class DiffusionEvaluation(Evaluation):
         result = {"loss": total / count if count else float("nan"), "count": int(count)}
         if not self.sampling:
             return result
-        real = first_images(self.real, task.fid_samples)  # (process 0's; None elsewhere)
         several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         sampled, scores, sampler = None, None, task.sampler_of(unet)
         if task.fid_samples:  # every process samples its share (one process: all)
             task.features.to(next(unet.parameters()).device)
+            real = real_features(task, self.real, task.batch_size)  # (process 0's)
             scores = generated_scores(
                 task, lambda indices: gan_metrics.generate(sampler, indices, task.batch_size),
                 real, task.batch_size)

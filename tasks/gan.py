@@ -28,8 +28,8 @@ from tasks._generative import (
     fid_line,
     fid_samples,
     fid_sets,
-    first_images,
     generated_scores,
+    real_features,
     real_share,
     sample_grid,
     write_samples,
@@ -364,12 +364,12 @@ class GAN(Task):
 class GANEvaluation(Evaluation):
     """One GAN evaluation: the first ``fid_samples`` real validation images, then (in
     ``compute``) as many of the generator's images from the fixed latents, their FID and
-    KID (gan_metrics.measure) and a grid of the first ``GAN.grid``. Under DDP the real
-    images are gathered on process 0 (``_generative.first_images``), each process
-    generates its share of the images by index and sends their features there
-    (``_generative.generated_scores``); process 0 measures and makes the grid, the others
-    take its figures: every process decides alike and the figures are those of the
-    generator process 0 saves.
+    KID (gan_metrics.measure) and a grid of the first ``GAN.grid``. Under DDP each
+    process extracts the features of its share of the real images and sends them to
+    process 0 (``_generative.real_features``), generates its share of the images by index
+    and sends their features there too (``_generative.generated_scores``); process 0
+    measures and makes the grid, the others take its figures: every process decides
+    alike and the figures are those of the generator process 0 saves.
 
     Args:
         task: the ``GAN``.
@@ -395,16 +395,16 @@ class GANEvaluation(Evaluation):
         import torch.distributed as dist
 
         task, (generator,) = self.task, self.measured
-        real = first_images(self.real, task.fid_samples)  # (process 0's; None elsewhere)
         several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         result = scores = None
         if task.fid_samples:  # every process makes its share (one process: all, as test.py)
             task.features.to(next(generator.parameters()).device)
+            real = real_features(task, self.real)  # (process 0's; None elsewhere)
             latents = dcgan.fixed_latents(task.fid_samples, task.latent_dim, task.seed)
             scores = generated_scores(
                 task, lambda indices: gan_metrics.generate(generator, latents[indices]), real)
         if not several or dist.get_rank() == 0:
-            result = {"count": len(real), **(scores or {})}
+            result = {"count": task.fid_samples, **(scores or {})}
             result["grid"] = sample_grid(
                 generator, dcgan.fixed_latents(task.grid, task.latent_dim, task.seed))
         if several:

@@ -284,7 +284,8 @@ def test_fid_holds_one_batch_of_made_images_and_each_process_its_share_of_real_o
         return images[indices]
 
     task = type("Task", (), {"fid_samples": 20, "features": features, "seed": 3})()
-    got = _generative.generated_scores(task, make, images.flip(0), batch_size=8)
+    real = gan_metrics.extract(features, images.flip(0), 8)
+    got = _generative.generated_scores(task, make, real, batch_size=8)
     assert asked == [8, 8, 4]  # one batch at a time
     assert got == gan_metrics.measure(features, images.flip(0), images, 3, 8)  # the bits
 

@@ -11,6 +11,7 @@ import tasks
 import tasks.classification
 import train
 from machinery import engine
+from reporting import gan_metrics
 from tasks import _generative
 from tasks.classification import Classification
 
@@ -184,6 +185,49 @@ def test_fids_real_images_reach_process_0_only_and_each_sends_its_share(tmp_path
     assert [g["sent"] for g in got] == [[s] for s in sent]
 
 
+def _real_features_worker(rank, world_size, port, out_dir, sizes, n):
+    import torch.distributed as dist
+    torch.set_num_threads(1)  # a forked OpenMP pool (the test process's, used) can hang
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size)
+    sent, extracted = [], []
+    real_gather = dist.gather_object
+    dist.gather_object = lambda obj, *a, **k: (sent.append(list(obj.shape)),
+                                               real_gather(obj, *a, **k))[1]
+    try:
+        task, _, real = _generation(sum(sizes))
+        task.fid_samples = n
+        task.features.register_forward_hook(lambda m, i, o: extracted.append(len(i[0])))
+        start = sum(sizes[:rank])  # the contiguous shards, each keeping its share of the n
+        kept = [real[start:start + sizes[rank]][:max(0, n - start)]]
+        first = _generative.real_features(task, [k for k in kept if len(k)], batch_size=2)
+        torch.save({"first": first, "sent": sent, "extracted": extracted},
+                   os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.gather_object = real_gather
+        dist.destroy_process_group()
+
+
+def test_fids_real_images_are_extracted_where_they_are_and_only_features_travel(tmp_path):
+    """The CUDA review's N-L6: each process extracts the features of its own share of the
+    first n real images (process 0 none of the others'), and sends process 0 those
+    features, never pixels: the same features as one process's."""
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_real_features_worker, args=(3, port, str(tmp_path), [3, 3, 2], 5),
+                       nprocs=3, start_method="fork")
+    got = [torch.load(tmp_path / f"{r}.pt", weights_only=True) for r in range(3)]
+    assert [g["extracted"] for g in got] == [[2, 1], [2], []]  # batches of 2, its own
+    assert [g["sent"] for g in got] == [[[3, 6]], [[2, 6]], [[0]]]  # features, not images
+    task, _, real = _generation(8)
+    assert torch.allclose(got[0]["first"], gan_metrics.extract(task.features, real[:5], 2))
+    assert got[1]["first"] is None and got[2]["first"] is None
+
+
 def _generation(n):
     """A task measuring FID on ``n`` images (tiny classifier features, 6 of them), its
     generated images (a function of the index alone) and its real ones."""
@@ -218,9 +262,10 @@ def _generated_scores_worker(rank, world_size, port, out_dir, n):
     try:
         task, fake, real = _generation(n)
         made = []
+        real = gan_metrics.extract(task.features, real, 2) if rank == 0 else None
         scores = _generative.generated_scores(
-            task, lambda indices: (made.append(indices.tolist()), fake[indices])[1],
-            real if rank == 0 else None, batch_size=2)
+            task, lambda indices: (made.append(indices.tolist()), fake[indices])[1], real,
+            batch_size=2)
         torch.save({"made": made, "scores": scores, "seeds": seeds},
                    os.path.join(out_dir, f"{rank}.pt"))
     finally:
@@ -245,7 +290,7 @@ def test_the_generated_images_are_split_over_the_processes_by_index(tmp_path, n,
     assert [g["made"] for g in got] == [[share[i:i + 2] for i in range(0, len(share), 2)]
                                         for share in shares]  # a batch at a time (L5)
     task, fake, real = _generation(n)
-    alone = _generative.generated_scores(task, lambda indices: fake[indices], real, 2)
+    alone = gan_metrics.measure(task.features, real, fake, task.seed, 2)
     assert got[0]["scores"] == pytest.approx(alone, rel=1e-4)
     assert got[1]["scores"] is None and got[2]["scores"] is None
     assert [g["seeds"] for g in got] == [[task.seed], [], []]  # process 0 measures, seeded
