@@ -38,173 +38,15 @@ import tempfile
 import threading
 import time
 
-SERVER = r"""
-import atexit, contextlib, io, json, os, runpy, select, signal, sys, traceback
-sys.path.insert(0, {root!r})
-import train  # (and through it torch, torchvision, the project)
-STDIO = (sys.stdout.encoding, sys.stdout.errors)
+HERE = os.path.dirname(os.path.abspath(__file__))
 
-def print_exc(e):  # the traceback from the script's frames on, as the interpreter's
-    tb = e.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == "<server>":
-        tb = tb.tb_next
-    traceback.print_exception(type(e), e, tb)
-
-def child(req, fds=None, close=()):
-    try:
-        for fd in close:  # the server's sockets
-            os.close(fd)
-        if fds is not None:  # a client's own stdin, stdout and stderr
-            for fd, new in enumerate(fds):
-                os.dup2(new, fd)
-            for new in set(fds) - {{0, 1, 2}}:
-                os.close(new)
-        for fd, (path, flags) in enumerate(req.get("stdio", ())):  # first (the test waits
-            new = os.open(path, flags)                # on its ends of them): stdout's pipe
-            os.dup2(new, fd)                          # before stderr's
-            os.close(new)
-        if req.get("session"):
-            os.setsid()
-        os.chdir(req["cwd"])
-        os.environ.clear()
-        os.environ.update(req["env"])
-        unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
-        # The server's own streams' encoding (a new interpreter in this environment), or
-        # PYTHONIOENCODING's "encoding:errors" as the interpreter reads it.
-        encoding, _, errors = os.environ.get("PYTHONIOENCODING", "").partition(":")
-        encoding, errors = encoding or STDIO[0], errors or STDIO[1]
-        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding=encoding,
-                                     errors=errors)
-        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding=encoding,
-                                      errors=errors, line_buffering=unbuffered,
-                                      write_through=unbuffered)
-        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding=encoding,
-                                      errors="backslashreplace", line_buffering=True)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        argv, code = req["argv"] or ["-"], 0
-        sys.argv = list(argv)
-        try:
-            if argv[0] == "-":  # the program on stdin
-                sys.argv = argv
-                exec(compile(sys.stdin.read(), "<stdin>", "exec"), {{"__name__": "__main__"}})
-            elif argv[0] == "-c":
-                sys.argv = ["-c", *argv[2:]]
-                exec(compile(argv[1], "<string>", "exec"), {{"__name__": "__main__"}})
-            elif argv[0] == "-m":
-                sys.argv = [argv[1], *argv[2:]]
-                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-            else:
-                sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
-                runpy.run_path(argv[0], run_name="__main__")
-        except SystemExit as e:
-            if e.code is None or isinstance(e.code, int):
-                code = e.code or 0
-            else:
-                print(e.code, file=sys.stderr)
-                code = 1
-        except KeyboardInterrupt as e:
-            print_exc(e)
-            code = -signal.SIGINT
-        except BaseException as e:
-            print_exc(e)
-            code = 1
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    with contextlib.suppress(BaseException):
-        atexit._run_exitfuncs()
-    with contextlib.suppress(BaseException):
-        sys.stdout.flush()
-    with contextlib.suppress(BaseException):
-        sys.stderr.flush()
-    if code < 0:  # died of the signal, as the interpreter does for SIGINT
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-    os._exit(code & 0xFF)
-
-import socket
-listener = socket.socket(socket.AF_UNIX)
-listener.bind(os.path.join({queue!r}, "socket"))  # CLIENT's requests
-listener.listen(64)
-requests, pending, clients = sys.stdin.buffer, b"", {{}}  # clients: pid -> connection
-while True:
-    waiting = [requests, listener, *clients.values()]
-    ready, _, _ = select.select(waiting, [], [], 0.02)
-    if requests in ready:
-        chunk = os.read(requests.fileno(), 65536)
-        if not chunk:
-            break  # the test process is gone
-        pending += chunk
-        while b"\n" in pending:
-            line, pending = pending.split(b"\n", 1)
-            pid = os.fork()
-            if pid == 0:
-                child(json.loads(line), close=[listener.fileno(),
-                                               *(c.fileno() for c in clients.values())])
-            os.write(1, (json.dumps(pid) + "\n").encode())
-    if listener in ready:  # a CLIENT: its request and its stdin, stdout and stderr
-        conn, _ = listener.accept()
-        message, fds, _, _ = socket.recv_fds(conn, 1 << 22, 3)
-        while not message.endswith(b"\n"):
-            message += conn.recv(1 << 22)
-        pid = os.fork()
-        if pid == 0:
-            child(json.loads(message), fds, close=[listener.fileno(), conn.fileno(),
-                                                  *(c.fileno() for c in clients.values())])
-        for fd in fds:
-            os.close(fd)
-        conn.sendall(f"{{pid}}\n".encode())
-        clients[pid] = conn
-    for pid, conn in list(clients.items()):  # a client gone (killed): so is its child
-        if conn in ready and not conn.recv(1, socket.MSG_PEEK):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    while True:  # the children that ended: how, in a file each (and to their client)
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            break
-        if pid == 0:
-            break
-        code = os.waitstatus_to_exitcode(status)
-        conn = clients.pop(pid, None)
-        if conn is not None:
-            with contextlib.suppress(OSError):
-                conn.sendall(f"{{code}}\n".encode())
-            conn.close()
-            continue
-        path = os.path.join({queue!r}, f"{{pid}}.status")
-        with open(path + ".tmp", "w") as f:
-            f.write(str(code))
-        os.replace(path + ".tmp", path)
-"""
-
-# An executable that stands for ``python`` (bench/gpu.sh's $PYTHON): it hands its arguments,
-# working directory, environment, stdin, stdout and stderr to the server, which forks the
-# run; it passes on the signals it gets and ends as the run ends. Killed, its run is too.
-CLIENT = r"""#!{python} -IS
-import json, os, signal, socket, sys
-conn = socket.socket(socket.AF_UNIX)
-conn.connect({socket!r})
-request = json.dumps({{"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ)}})
-socket.send_fds(conn, [request.encode() + b"\n"], [0, 1, 2])
-replies = conn.makefile("rb")
-pid = int(replies.readline())
-def forward(signum, frame):
-    try:
-        os.kill(pid, signum)
-    except ProcessLookupError:
-        pass
-for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
-    signal.signal(getattr(signal, name), forward)
-line = replies.readline()
-code = int(line) if line.strip() else 1
-if code < 0:  # the run died of a signal: so does this
-    if -code not in (signal.SIGKILL, signal.SIGSTOP):
-        signal.signal(-code, signal.SIG_DFL)
-    os.kill(os.getpid(), -code)
-sys.exit(code)
+# The executable ``client`` writes: a ``python`` whose runs are forks of this test
+# process's server (tests/fork_client.py).
+CLIENT = """#!{python} -IS
+import sys
+sys.path.append({here!r})
+import fork_client
+fork_client.main({socket!r})
 """
 
 
@@ -212,8 +54,7 @@ class _Server:
     def __init__(self, root):
         self.dir = tempfile.mkdtemp(prefix="fork-server-")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", f"exec(compile({SERVER.format(root=root, queue=self.dir)!r}, "
-             f"'<server>', 'exec'))"], cwd=root,
+            [sys.executable, os.path.join(HERE, "fork_serve.py"), root, self.dir], cwd=root,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=dict(os.environ))
         self.lock = threading.Lock()
         self.count = 0
@@ -364,8 +205,8 @@ class ForkedProcess:
 
 
 def client(root, path):
-    """Writes ``CLIENT`` (a ``python`` whose runs are this test process's server's forks) to
-    ``path``; returns its path."""
+    """Writes ``CLIENT`` (a ``python`` whose runs are this test process's server's forks:
+    tests/fork_client.py) to ``path``; returns its path."""
     server = _the_server(root)
     sock, deadline = os.path.join(server.dir, "socket"), time.monotonic() + 120
     while not os.path.exists(sock):  # (bound once the server has imported train.py)
@@ -373,7 +214,7 @@ def client(root, path):
             raise RuntimeError("the fork server did not start")
         time.sleep(0.02)
     with open(path, "w") as f:
-        f.write(CLIENT.format(python=sys.executable, socket=sock))
+        f.write(CLIENT.format(python=sys.executable, here=HERE, socket=sock))
     os.chmod(path, 0o755)
     return str(path)
 

@@ -2,12 +2,13 @@
 in every wait on its children, and they are killed, not left running (design review 7)."""
 
 import os
+import subprocess
 import sys
 import time
 
 import fork_server
 import pytest
-from helpers import fork_popen
+from helpers import fork_popen, fork_run, python_client
 
 
 @pytest.mark.slow
@@ -34,3 +35,23 @@ def _zombie(pid):
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_a_child_ends_as_the_interpreter_would_and_its_client_with_it(tmp_path):
+    """The server's code (tests/fork_serve.py) and the client's (tests/fork_client.py),
+    modules now: a script's exception is its own traceback (no frame of the server's) and
+    exit 1; SystemExit's code is the exit code, through the client too; a KeyboardInterrupt
+    is death by SIGINT, which the client dies of as well."""
+    script = tmp_path / "raises.py"
+    script.write_text("def f():\n    raise ValueError('bad')\nf()\n")
+    out = fork_run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.startswith("Traceback") and "fork_serve" not in out.stderr
+    assert out.stderr.rstrip().endswith("ValueError: bad") and str(script) in out.stderr
+    python = python_client(tmp_path / "python")
+    out = subprocess.run([python, "-c", "import sys; print(sys.argv); sys.exit(3)", "a"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout) == (3, "['-c', 'a']\n")
+    out = subprocess.run([python, "-c", "raise KeyboardInterrupt"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == -2 and out.stderr.rstrip().endswith("KeyboardInterrupt")

@@ -5,7 +5,8 @@ A torchrun of two processes costs about 8 s of CPU on this machine before its fi
 launched over forty. ``helpers.torchrun(args)`` (a run expected to succeed, two processes,
 train.py or a ``write_launcher`` patch) sends its run here instead: one ``torchrun
 --standalone --nproc_per_node 2`` per test process (started at its first run, ended with
-the session) whose workers import train.py once, then for each run fork a child that
+the session) whose workers (tests/torchrun_worker.py) import train.py once, then for
+each run fork a child that
 
 * runs the launcher's patch (if any), then ``train.main(args)`` with ``sys.argv`` as
   train.py would have it, its stdout and stderr in a file of its own;
@@ -35,62 +36,7 @@ import sys
 import tempfile
 import time
 
-WORKER = r"""
-import atexit, contextlib, json, os, sys, time, traceback
-sys.path.insert(0, {root!r})
-import train
-from machinery import checkpoint
-
-queue, parent, rank = sys.argv[1], int(sys.argv[2]), os.environ["RANK"]
-TORCHRUN_ENV = {{"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT"}}
-n = 0
-while True:
-    path = os.path.join(queue, f"job-{{n}}.json")
-    while not os.path.exists(path):
-        try:
-            os.kill(parent, 0)  # the test process is gone: so is the pool
-        except ProcessLookupError:
-            sys.exit(0)
-        time.sleep(0.01)
-    with open(path) as f:
-        job = json.load(f)
-    if job is None:
-        sys.exit(0)
-    sys.stdout.flush(), sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # the run, in a process of its own
-        code = 1
-        try:
-            fd = os.open(os.path.join(queue, f"job-{{n}}.rank{{rank}}.log"),
-                         os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(fd, 1), os.dup2(fd, 2), os.close(fd)
-            mine = {{k: v for k, v in os.environ.items() if k in TORCHRUN_ENV
-                     or k.startswith(("TORCHELASTIC_", "GROUP_", "ROLE_"))}}
-            os.environ.clear()  # the test's environment at the run, then torchrun's own
-            os.environ.update({{**job["env"], **mine}})
-            # A group of its own, in a round no restart of a job reaches (a launcher patch
-            # may wait for round 3).
-            os.environ["TORCHELASTIC_RESTART_COUNT"] = str(1000 + n)
-            sys.argv = [os.path.join({root!r}, "train.py"), *job["args"]]
-            exec(job["patch"], {{"__name__": "__main__", "os": os, "sys": sys,
-                                 "train": train, "checkpoint": checkpoint}})
-            code = train.main(job["args"])
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            with contextlib.suppress(BaseException):
-                atexit._run_exitfuncs()
-                sys.stdout.flush(), sys.stderr.flush()
-            os._exit(code)
-    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    with open(path + f".rank{{rank}}.tmp", "w") as f:
-        f.write(str(status))
-    os.replace(path + f".rank{{rank}}.tmp", os.path.join(queue, f"job-{{n}}.rank{{rank}}.done"))
-    n += 1
-"""
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_worker.py")
 
 GRACE_S = 30  # one process ended with an error: the time the other has to end too
 
@@ -104,13 +50,10 @@ class Pool:
 
     def __init__(self, root, env):
         self.dir = tempfile.mkdtemp(prefix="torchrun-pool-")
-        script = os.path.join(self.dir, "worker.py")
-        with open(script, "w") as f:
-            f.write(WORKER.format(root=root))
         self.log = open(os.path.join(self.dir, "torchrun.log"), "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone",
-             "--nproc_per_node", str(self.nproc), script, self.dir, str(os.getpid())],
+             "--nproc_per_node", str(self.nproc), WORKER, self.dir, str(os.getpid()), root],
             cwd=root, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.jobs = 0
 
