@@ -199,7 +199,7 @@ def _real_features_worker(rank, world_size, port, out_dir, sizes, n):
         task.fid_samples = n
         task.features.register_forward_hook(lambda m, i, o: extracted.append(len(i[0])))
         start = sum(sizes[:rank])  # the contiguous shards, each keeping its share of the n
-        kept = [real[start:start + sizes[rank]][:max(0, n - start)]]
+        kept = real[start:start + sizes[rank]][:max(0, n - start)].split(1)  # (a batch each)
         first = _generative.real_features(task, [k for k in kept if len(k)], batch_size=2)
         torch.save({"first": first, "sent": sent, "extracted": extracted},
                    os.path.join(out_dir, f"{rank}.pt"))
