@@ -97,22 +97,26 @@ def main(argv=None):
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
         runtime.say(f"error: {data.worker_death(e) or (e.strerror or e)}{where}", file=sys.stderr)
         return EXIT_FAILED
-    except (MemoryError, RuntimeError) as e:
-        if hardware.cublas_config_error(e) is not None:  # --deterministic after a gemm
+    except Exception as e:  # (a RuntimeError or MemoryError the first four)
+        torch_error = isinstance(e, (MemoryError, RuntimeError))
+        if torch_error and hardware.cublas_config_error(e) is not None:  # --deterministic
             runtime.say(f"error: {hardware.cublas_config_error(e)}", file=sys.stderr)
             return EXIT_USER_ERROR
-        if data.worker_death(e) is not None:  # a worker killed (the OOM killer?): one line
+        if torch_error and data.worker_death(e) is not None:  # a worker killed (OOM killer?)
             runtime.say(f"error: {data.worker_death(e)}", file=sys.stderr)
             return EXIT_FAILED
-        if ops.memory_error(e) is not None:  # out of memory outside a step (set-up, a save)
+        if torch_error and ops.memory_error(e) is not None:  # out of memory outside a step
             runtime.say(f"error: {ops.out_of_memory_message(ops.memory_error(e))}",
                         file=sys.stderr)
             return EXIT_FAILED
-        if not runtime.lost_peer(e):  # a collective whose peer process died (gloo, NCCL)
+        if torch_error and runtime.lost_peer(e):  # a collective whose peer died (gloo, NCCL)
+            runtime.say(f"error: process {runtime.process_rank()} lost another process of "
+                        f"the run ({ops.first_sentence(e)}); the checkpoints are intact: "
+                        f"continue with --resume auto", file=sys.stderr)
+            return EXIT_FAILED
+        if (line := tasks.user_code_failed(e)) is None:  # the project's bug: its traceback
             raise
-        runtime.say(f"error: process {runtime.process_rank()} lost another process of the "
-                    f"run ({ops.first_sentence(e)}); the checkpoints are intact: "
-                    f"continue with --resume auto", file=sys.stderr)
+        runtime.say(f"error: {line}", file=sys.stderr)  # (after the user's traceback)
         return EXIT_FAILED
     finally:
         stop.restore()

@@ -76,7 +76,7 @@ import torch
 import networks
 from machinery import engine
 from machinery.runtime import main_print
-from ops import UserError
+from ops import UserError, first_sentence
 from pipeline import data, device_data
 from reporting import metrics
 from tasks._report import Report  # test.py's part of the seam (Request, TestFlags, ...)
@@ -581,6 +581,26 @@ def _load_user_task(name):
                    f" {found.best!r} (from its name); set lower_is_better in {found.__name__} "
                    f"to say which is better")
     return found
+
+
+def user_code_failed(error):
+    """Where ``error`` came from a user's task file (``--task FILE.py:Class``, loaded):
+    prints its traceback (the user's to read) and returns the ``error:`` line that ends it
+    (``FILE:LINE in FUNCTION``: the innermost frame in such a file). None, printing
+    nothing, where no frame is one: the project's or a library's own failure."""
+    import traceback
+
+    files = {os.path.abspath(name.rpartition(":")[0]) for name in _loaded}
+    found = None
+    for frame, line in traceback.walk_tb(error.__traceback__):
+        if os.path.abspath(frame.f_code.co_filename) in files:
+            found = f"{frame.f_code.co_filename}:{line} in {frame.f_code.co_name}"
+    if found is None:
+        return None
+    traceback.print_exception(error)
+    return (f"the task's own code raised {type(error).__name__} at {found} (the traceback "
+            f"above): {first_sentence(error)}; the checkpoints written are intact: fix it, "
+            f"then --resume auto continues")
 
 
 def built_in():

@@ -254,6 +254,11 @@ class LossDetached(Regression):
 class PrepareHalf(Regression):
     def prepare(self, x, y, where):
         return x[:len(x) // 2], y[:len(y) // 2]
+
+
+class EvalRaises(Regression):
+    def evaluation(self, device, model=None):
+        raise RuntimeError("my evaluation is broken. Details follow")
 '''
 
 
@@ -290,6 +295,32 @@ def test_a_user_tasks_loss_prepare_or_evaluation_of_the_wrong_kind_is_one_line(
         kind, words = said.split(": ", 1)  # (--preflight: "error: preflight: the ...: ")
         lines = [line for line in out.err.splitlines() if line.startswith(kind + ": ")]
         assert len(lines) == 1 and words in lines[0], (extra, lines)
+
+
+def test_an_exception_in_the_users_task_code_is_its_traceback_then_one_line(tmp_path,
+                                                                            capsys):
+    """Round 7's F11: an evaluation that raises (a bug in the user's own code) shows the
+    user its traceback, then ends in one line naming the file and line, exit 1, the
+    epoch's training saved in last.pt; an exception of the project's own code is not
+    taken for the user's (its traceback alone: a bug report)."""
+    code = re.findall(r"```python\n(.*?)```", readme_section(), re.S)[0]
+    (tmp_path / "mistakes.py").write_text(code + MISTAKES)
+    run = tmp_path / "run"
+    assert train.main(["--task", f"{tmp_path / 'mistakes.py'}:EvalRaises", *tiny_args(run),
+                       "--synthetic-size", "32"]) == 1
+    err = capsys.readouterr().err.rstrip().splitlines()
+    line = next(n for n, text in enumerate(MISTAKES.splitlines()) if "evaluation is broken"
+                in text) + 1 + len(code.splitlines())
+    assert err[-2] == "RuntimeError: my evaluation is broken. Details follow"
+    assert err[-1] == (f"error: the task's own code raised RuntimeError at "
+                       f"{tmp_path / 'mistakes.py'}:{line} in evaluation (the traceback "
+                       f"above): my evaluation is broken; the checkpoints written are "
+                       f"intact: fix it, then --resume auto continues")
+    assert torch.load(run / "checkpoints" / "last.pt", weights_only=True)["step"] == 2
+    with pytest.raises(tasks.UserError) as raised:  # raised in the project's own code,
+        tasks.task_class("no_such_task")            # the user's file loaded
+    assert tasks.user_code_failed(raised.value) is None
+    assert capsys.readouterr().err == ""  # (no traceback printed for it)
 
 
 OLDER_PREPARE = '''
