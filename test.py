@@ -595,8 +595,9 @@ def main(argv=None):
     Returns:
         The exit code: 0 when done, 2 for a user error (one ``error:`` line), 1 when the
         exported artifact's outputs differ from the eager network's, quantization failed,
-        or an output could not be written (one ``error:`` line; a file that was there is
-        left as it was), 128 + the signal's number for SIGINT or SIGTERM (one line).
+        or an output could not be written, or the task's own code raised (one ``error:``
+        line; a file that was there is left as it was), 128 + the signal's number for
+        SIGINT or SIGTERM (one line).
     """
     try:
         args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
@@ -616,6 +617,11 @@ def main(argv=None):
         say(f"{e.name}: test.py stopped; what it wrote is whole, the rest not written",
             file=sys.stderr)
         return 128 + e.signum
+    except Exception as e:  # a user's task code that raised: its traceback, then one line
+        if (line := tasks.user_code_failed(e)) is None:
+            raise  # (the project's own: its traceback alone)
+        say(f"error: {line}", file=sys.stderr)
+        return EXIT_FAILED
 
 
 def evaluate_and_export(args):

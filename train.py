@@ -116,7 +116,8 @@ def main(argv=None):
             return EXIT_FAILED
         if (line := tasks.user_code_failed(e)) is None:  # the project's bug: its traceback
             raise
-        runtime.say(f"error: {line}", file=sys.stderr)  # (after the user's traceback)
+        runtime.say(f"error: {line}; the checkpoints written are intact: fix it, then "
+                    f"--resume auto continues", file=sys.stderr)  # (after the traceback)
         return EXIT_FAILED
     finally:
         stop.restore()

@@ -585,8 +585,8 @@ def _load_user_task(name):
 
 def user_code_failed(error):
     """Where ``error`` came from a user's task file (``--task FILE.py:Class``, loaded):
-    prints its traceback (the user's to read) and returns the ``error:`` line that ends it
-    (``FILE:LINE in FUNCTION``: the innermost frame in such a file). None, printing
+    prints its traceback (the user's to read) and returns the start of the ``error:`` line
+    that ends it (``FILE:LINE in FUNCTION``: the innermost frame in such a file). None, printing
     nothing, where no frame is one: the project's or a library's own failure."""
     import traceback
 
@@ -599,8 +599,7 @@ def user_code_failed(error):
         return None
     traceback.print_exception(error)
     return (f"the task's own code raised {type(error).__name__} at {found} (the traceback "
-            f"above): {first_sentence(error)}; the checkpoints written are intact: fix it, "
-            f"then --resume auto continues")
+            f"above): {first_sentence(error)}")
 
 
 def built_in():

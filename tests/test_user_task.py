@@ -301,8 +301,8 @@ def test_an_exception_in_the_users_task_code_is_its_traceback_then_one_line(tmp_
                                                                             capsys):
     """Round 7's F11: an evaluation that raises (a bug in the user's own code) shows the
     user its traceback, then ends in one line naming the file and line, exit 1, the
-    epoch's training saved in last.pt; an exception of the project's own code is not
-    taken for the user's (its traceback alone: a bug report)."""
+    epoch's training saved in last.pt (test.py's evaluation alike); an exception of the
+    project's own code is not taken for the user's (its traceback alone: a bug report)."""
     code = re.findall(r"```python\n(.*?)```", readme_section(), re.S)[0]
     (tmp_path / "mistakes.py").write_text(code + MISTAKES)
     run = tmp_path / "run"
@@ -317,6 +317,13 @@ def test_an_exception_in_the_users_task_code_is_its_traceback_then_one_line(tmp_
                        f"above): my evaluation is broken; the checkpoints written are "
                        f"intact: fix it, then --resume auto continues")
     assert torch.load(run / "checkpoints" / "last.pt", weights_only=True)["step"] == 2
+    code, _, err = main_in_process(load_test_py().main, [  # test.py too: the same line
+        "--checkpoint", str(run / "checkpoints" / "last.pt"), "--task",
+        f"{tmp_path / 'mistakes.py'}:EvalRaises"], capsys)
+    assert code == 1 and "Traceback" in err
+    assert err.rstrip().splitlines()[-1] == (
+        f"error: the task's own code raised RuntimeError at {tmp_path / 'mistakes.py'}:"
+        f"{line} in evaluation (the traceback above): my evaluation is broken")
     with pytest.raises(tasks.UserError) as raised:  # raised in the project's own code,
         tasks.task_class("no_such_task")            # the user's file loaded
     assert tasks.user_code_failed(raised.value) is None
