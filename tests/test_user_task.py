@@ -258,6 +258,9 @@ class PrepareHalf(Regression):
 
 class EvalRaises(Regression):
     def evaluation(self, device, model=None):
+        return self.broken()
+
+    def broken(self):
         raise RuntimeError("my evaluation is broken. Details follow")
 '''
 
@@ -300,9 +303,10 @@ def test_a_user_tasks_loss_prepare_or_evaluation_of_the_wrong_kind_is_one_line(
 def test_an_exception_in_the_users_task_code_is_its_traceback_then_one_line(tmp_path,
                                                                             capsys):
     """Round 7's F11: an evaluation that raises (a bug in the user's own code) shows the
-    user its traceback, then ends in one line naming the file and line, exit 1, the
-    epoch's training saved in last.pt (test.py's evaluation alike); an exception of the
-    project's own code is not taken for the user's (its traceback alone: a bug report)."""
+    user its traceback, then ends in one line naming the file and line (the innermost of
+    the user's frames), exit 1, the epoch's training saved in last.pt (test.py's
+    evaluation alike); an exception of the project's own code is not taken for the
+    user's (its traceback alone: a bug report)."""
     code = re.findall(r"```python\n(.*?)```", readme_section(), re.S)[0]
     (tmp_path / "mistakes.py").write_text(code + MISTAKES)
     run = tmp_path / "run"
@@ -313,7 +317,7 @@ def test_an_exception_in_the_users_task_code_is_its_traceback_then_one_line(tmp_
                 in text) + 1 + len(code.splitlines())
     assert err[-2] == "RuntimeError: my evaluation is broken. Details follow"
     assert err[-1] == (f"error: the task's own code raised RuntimeError at "
-                       f"{tmp_path / 'mistakes.py'}:{line} in evaluation (the traceback "
+                       f"{tmp_path / 'mistakes.py'}:{line} in broken (the traceback "
                        f"above): my evaluation is broken; the checkpoints written are "
                        f"intact: fix it, then --resume auto continues")
     assert torch.load(run / "checkpoints" / "last.pt", weights_only=True)["step"] == 2
@@ -323,7 +327,7 @@ def test_an_exception_in_the_users_task_code_is_its_traceback_then_one_line(tmp_
     assert code == 1 and "Traceback" in err
     assert err.rstrip().splitlines()[-1] == (
         f"error: the task's own code raised RuntimeError at {tmp_path / 'mistakes.py'}:"
-        f"{line} in evaluation (the traceback above): my evaluation is broken")
+        f"{line} in broken (the traceback above): my evaluation is broken")
     with pytest.raises(tasks.UserError) as raised:  # raised in the project's own code,
         tasks.task_class("no_such_task")            # the user's file loaded
     assert tasks.user_code_failed(raised.value) is None
