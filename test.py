@@ -39,11 +39,16 @@ This file is not importable as ``test`` (the standard library owns that name): r
 or load it by path as tests/helpers.py does (load_test_py).
 """
 
+import signal
+import sys
+
+if __name__ == "__main__":  # Ctrl-C while torch loads (or as it exits): quietly, 130
+    signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
+
 import argparse
 import copy
 import json
 import os
-import sys
 import warnings
 
 import torch
